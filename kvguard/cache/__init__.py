@@ -1,0 +1,7 @@
+"""The paged KV cache: pool, sequences, attention, tiers, prefix index, events."""
+
+from .config import CacheConfig
+from .events import EventQueue
+from .manager import CacheManager, CacheStats
+
+__all__ = ["CacheConfig", "CacheManager", "CacheStats", "EventQueue"]

@@ -1,0 +1,36 @@
+"""Attention of a chunk of queries over one sequence's dequantized K/V.
+
+The CPU path and the reference of the paged kernels: dense, in fp32, grouped-query.
+It can return each key's attention mass (for H2O and SnapKV) summed over heads
+and over the last `mass_queries` queries, so no attention matrix is kept.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                    mass_queries: int = 0, scale: float | None = None):
+    """q [T, Hq, D]; k, v [H, L, D] with the T queries being the last T of the L positions.
+
+    Returns (out [T, Hq, D] in q's dtype, mass [L] fp32 or None)."""
+    t, hq, d = q.shape
+    h, length, _ = k.shape
+    g = hq // h
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qf = q.float().reshape(t, h, g, d).permute(1, 2, 0, 3)  # [H, g, T, D]
+    scores = torch.einsum("hgtd,hld->hgtl", qf, k.float()) * scale  # [H, g, T, L]
+    if causal and t > 1:
+        pos_q = torch.arange(length - t, length, device=q.device).unsqueeze(1)
+        pos_k = torch.arange(length, device=q.device).unsqueeze(0)
+        scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hgtl,hld->hgtd", probs, v.float())  # [H, g, T, D]
+    out = out.permute(2, 0, 1, 3).reshape(t, hq, d).to(q.dtype)
+    mass = None
+    if mass_queries > 0:
+        mass = probs[:, :, -mass_queries:, :].sum(dim=(0, 1, 2))
+    return out, mass

@@ -1,0 +1,105 @@
+"""Frozen events the cache emits for every operation that changes what it holds.
+
+The cache appends them to an `EventQueue`; a consumer (the sidecar client) drains
+it with `take_events()` and turns each into one signed audit record. Events carry
+the raw `Subject` because they never leave the serving process except to the
+sidecar, which pseudonymizes at ingest; they hold no K/V values or token ids.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar
+
+from ..types import SeqId, Subject
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEvent:
+    op: ClassVar[str]
+    seq: SeqId | None
+    subject: Subject
+    pages: tuple[int, ...]
+    tokens: int
+    bytes: int
+
+    def details(self) -> dict:
+        """Non-identifying details of the event, fit for an audit record."""
+        d = asdict(self)
+        d.pop("subject")
+        d["pages"] = list(self.pages)
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class PagesQuantized(CacheEvent):
+    """Full 16-bit pages re-encoded into the codec (bytes: after; bytes_before: before)."""
+
+    op = "quantize"
+    codec: str = ""
+    bytes_before: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TokensEvicted(CacheEvent):
+    """One compaction: `tokens` evicted, `pages` freed (overwritten), `kept` tokens left."""
+
+    op = "evict"
+    evictor: str = ""
+    kept: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PagesOffloaded(CacheEvent):
+    op = "offload"
+    src: str = ""
+    dst: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PagesFetched(CacheEvent):
+    op = "fetch"
+    src: str = ""
+    dst: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceFreed(CacheEvent):
+    """A sequence ended; its unshared pages were overwritten and returned to the pool."""
+
+    op = "free"
+
+
+@dataclass(frozen=True, slots=True)
+class SubjectErased(CacheEvent):
+    """An erasure of a user or a session: every sequence, page and tier copy of it."""
+
+    op = "erase"
+    scope: str = ""  # "user" or "session"
+    sequences: int = 0
+    shared_pages: int = 0  # pages kept for other owners, the subject removed from them
+    tier_copies: int = 0
+    prefix_entries: int = 0
+
+
+@dataclass
+class EventQueue:
+    """A thread-safe queue of events; `take_events` drains it in order."""
+
+    _items: deque = field(default_factory=deque)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def emit(self, event: CacheEvent) -> None:
+        with self._lock:
+            self._items.append(event)
+
+    def take_events(self) -> list[CacheEvent]:
+        with self._lock:
+            items = list(self._items)
+            self._items.clear()
+        return items
+
+    def __len__(self) -> int:
+        return len(self._items)

@@ -1,0 +1,508 @@
+"""The cache manager: sequences, their block tables, and every operation on them.
+
+write → encode → page: `append` writes K/V into the sequence's 16-bit tail pages;
+a page that is full, past the 16-bit sinks and out of the 16-bit window is
+re-encoded into the codec's pool (`quantize` event). `compact` runs the evictor and
+moves the survivors into fewer pages (`evict`); `offload` / fetch move pages to
+lower tiers and back; `free` and `erase_*` overwrite and release. Each of these
+emits one frozen event per operation into `self.events`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import uuid
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from ..compress.codecs import Fp16Codec, make_codec
+from ..compress.evictors import make_evictor
+from ..errors import ConfigError, InputError, UnknownSequence
+from ..types import PageId, SeqId, Subject
+from . import events as ev
+from .attention import dense_attention
+from .config import CacheConfig
+from .pool import PagePool
+from .prefix import PrefixIndex, page_hashes, tenant_salt
+from .tiers import Tier
+
+HOT, MAIN = "hot", "main"
+
+
+@dataclass
+class PageRef:
+    """Where one page of a sequence lives: a device pool (`hot`, `main`) or a tier."""
+
+    where: str
+    page: int | str  # page id in a pool, key in a tier
+    pool: str = HOT  # the pool it belongs to when on the device (for tiers: where it returns)
+
+
+@dataclass
+class Sequence:
+    id: SeqId
+    subject: Subject
+    lengths: list[int]
+    pages: list[PageRef] = field(default_factory=list)
+    mass: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    evicted: int = 0
+    positional: bool = True  # positions still equal token indices (no compaction yet)
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    codec: str
+    evictor: str | None
+    sequences: int
+    tokens_held: int
+    tokens_evicted: int
+    pages_used: dict[str, int]
+    pages_free: dict[str, int]
+    pages_offloaded: dict[str, int]
+    bytes_per_token: dict[str, float]
+    bytes_held: int
+    bytes_16bit_equivalent: int
+    waste_slots: int  # unused token slots inside partly filled pages
+
+    @property
+    def saving(self) -> float:
+        return 1.0 - self.bytes_held / self.bytes_16bit_equivalent if self.bytes_16bit_equivalent else 0.0
+
+
+class CacheManager:
+    def __init__(self, config: CacheConfig, *, events: ev.EventQueue | None = None,
+                 tiers: dict[str, Tier] | None = None):
+        self.cfg = c = config
+        self.codec = make_codec(c.codec, **c.codec_options)
+        try:
+            self.codec.check(c.num_kv_heads, c.page_size, c.head_dim)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.evictor = make_evictor(c.evictor, **c.evictor_options) if c.evictor else None
+        self.events = events if events is not None else ev.EventQueue()
+        self.tiers = dict(tiers or {})
+        shape = dict(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                     page_size=c.page_size, dtype=c.dtype, device=c.device)
+        self.pools = {HOT: PagePool(Fp16Codec(), num_pages=c.num_hot_pages, **shape)}
+        if self.codec.quantized:
+            self.pools[MAIN] = PagePool(self.codec, num_pages=c.num_pages, **shape)
+        self.prefix = PrefixIndex()
+        self._seqs: dict[SeqId, Sequence] = {}
+        self._ids = itertools.count(1)
+
+    # --- sequences ------------------------------------------------------------------------------
+
+    def open(self, subject: Subject, tokens: Seq[int] | None = None) -> SeqId:
+        """Open a sequence for a subject. With `tokens` (the prompt's ids), full pages
+        already cached for the same tenant are shared; `length(seq)` says how many."""
+        if not isinstance(subject, Subject):
+            raise InputError("subject must be a kvguard.types.Subject")
+        seq = Sequence(SeqId(next(self._ids)), subject, [0] * self.cfg.num_layers)
+        self._seqs[seq.id] = seq
+        if tokens:
+            salt = tenant_salt(self.cfg.prefix_secret, subject.tenant)
+            for h in page_hashes(salt, list(tokens), self.cfg.page_size):
+                hit = self.prefix.get(h)
+                if hit is None:
+                    break
+                pool, page = hit
+                self.pools[pool].share(PageId(page), subject)
+                seq.pages.append(PageRef(pool, page, pool))
+            n = len(seq.pages) * self.cfg.page_size
+            seq.lengths = [n] * self.cfg.num_layers
+            seq.mass = torch.zeros(n)
+        return seq.id
+
+    def publish_prefix(self, seq_id: SeqId, tokens: Seq[int]) -> int:
+        """Index the sequence's full pages under the tenant-salted hashes of `tokens`, so
+        later sequences of the same tenant share them. Returns pages indexed."""
+        seq = self._seq(seq_id)
+        if not seq.positional:
+            return 0
+        salt = tenant_salt(self.cfg.prefix_secret, seq.subject.tenant)
+        full = min(min(seq.lengths), len(tokens)) // self.cfg.page_size
+        n = 0
+        for ref, h in zip(seq.pages[:full], page_hashes(salt, list(tokens), self.cfg.page_size)):
+            if ref.where in self.pools and self.prefix.get(h) is None:
+                self.prefix.put(h, (ref.where, int(ref.page)))
+                n += 1
+        return n
+
+    def length(self, seq_id: SeqId, layer: int = 0) -> int:
+        return self._seq(seq_id).lengths[layer]
+
+    def sequences(self) -> list[SeqId]:
+        return list(self._seqs)
+
+    def subject_of(self, seq_id: SeqId) -> Subject:
+        return self._seq(seq_id).subject
+
+    def _seq(self, seq_id: SeqId) -> Sequence:
+        try:
+            return self._seqs[seq_id]
+        except (KeyError, TypeError):
+            raise UnknownSequence(f"sequence {seq_id!r} is not open in this cache") from None
+
+    # --- write → encode → page ------------------------------------------------------------------
+
+    def append(self, seq_id: SeqId, layer: int, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Append K/V [T, H, D] of T new tokens for one layer. Returns False, changing
+        nothing, when the pool has no page left for them."""
+        seq = self._seq(seq_id)
+        c = self.cfg
+        self._check_layer(layer)
+        self._check_kv(k, v)
+        if layer == 0 and self.evictor and c.auto_compact and len(set(seq.lengths)) == 1:
+            if seq.lengths[0] >= self.evictor.budget + c.page_size:
+                self.compact(seq_id)
+        t = k.shape[0]
+        start = seq.lengths[layer]
+        need = math.ceil((start + t) / c.page_size) - len(seq.pages)
+        if need > 0:
+            new = self.pools[HOT].allocate(need, seq.subject)
+            if new is None:
+                return False
+            seq.pages.extend(PageRef(HOT, p, HOT) for p in new)
+        self._fetch_all(seq)
+        pos = torch.arange(start, start + t)
+        page_idx, offset = pos // c.page_size, pos % c.page_size
+        pool = self.pools[HOT]
+        pages = torch.tensor([seq.pages[i].page for i in page_idx.tolist()], device=c.device)
+        off = offset.to(c.device)
+        for name, src in (("k", k), ("v", v)):
+            # fields [P, H, S, D]; src [T, H, D]
+            pool.fields[layer][name][pages, :, off] = src
+        seq.lengths[layer] = start + t
+        if seq.mass.numel() < start + t:
+            seq.mass = torch.cat([seq.mass, torch.zeros(start + t - seq.mass.numel())])
+        if layer == c.num_layers - 1 or seq.lengths[layer] == min(seq.lengths):
+            self._quantize_ready(seq)
+        return True
+
+    def _check_layer(self, layer: int) -> None:
+        if not isinstance(layer, int) or not 0 <= layer < self.cfg.num_layers:
+            raise InputError(f"layer must be an integer in [0, {self.cfg.num_layers}), got {layer!r}")
+
+    def _check_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        c = self.cfg
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                raise InputError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if x.dim() != 3 or x.shape[1:] != (c.num_kv_heads, c.head_dim) or x.shape[0] < 1:
+                raise InputError(
+                    f"{name} must have shape [T, {c.num_kv_heads}, {c.head_dim}] with T >= 1, got {list(x.shape)}"
+                )
+            if x.dtype != c.dtype:
+                raise InputError(f"{name} has dtype {x.dtype}; this cache holds {c.dtype}")
+            if x.device != c.device and not (x.device.type == c.device.type == "cuda" and c.device.index is None):
+                raise InputError(f"{name} is on {x.device}; this cache lives on {c.device}")
+        if k.shape != v.shape:
+            raise InputError(f"k and v differ in shape: {list(k.shape)} vs {list(v.shape)}")
+
+    def _quantizable(self, seq: Sequence, i: int, length: int) -> bool:
+        s = self.cfg.page_size
+        return (i + 1) * s <= length - self.cfg.fp_window and i * s >= self.cfg.fp_sink
+
+    def _quantize_ready(self, seq: Sequence) -> None:
+        """Re-encode the sequence's full pages that left the 16-bit sinks and window."""
+        if not self.codec.quantized:
+            return
+        length = min(seq.lengths)
+        todo = [i for i, r in enumerate(seq.pages) if r.where == HOT and self._quantizable(seq, i, length)]
+        if not todo:
+            return
+        hot, main = self.pools[HOT], self.pools[MAIN]
+        reused = {}  # a shared page someone else already quantized: take their copy
+        for i in todo:
+            h = self.prefix.hash_of((HOT, int(seq.pages[i].page)))
+            hit = self.prefix.get(h) if h else None
+            if hit and hit[0] == MAIN:
+                reused[i] = hit[1]
+        fresh = [i for i in todo if i not in reused]
+        new = main.allocate(len(fresh), seq.subject)
+        if new is None:  # no room in the codec pool: the pages stay 16-bit
+            return
+        old = [PageId(int(seq.pages[i].page)) for i in todo]
+        for layer in range(self.cfg.num_layers):
+            if fresh:
+                src = [PageId(int(seq.pages[i].page)) for i in fresh]
+                k, v = hot.decode(layer, src, self.cfg.dtype)
+                main.write(layer, new, self.codec.encode(k, v))
+        for i, p in zip(fresh, new):
+            h = self.prefix.hash_of((HOT, int(seq.pages[i].page)))
+            if h:
+                self.prefix.put(h, (MAIN, p))
+            seq.pages[i] = PageRef(MAIN, p, MAIN)
+        for i, p in reused.items():
+            main.share(PageId(p), seq.subject)
+            seq.pages[i] = PageRef(MAIN, p, MAIN)
+        self._release(HOT, old, seq.subject)
+        self.events.emit(ev.PagesQuantized(
+            seq=seq.id, subject=seq.subject, pages=tuple(int(seq.pages[i].page) for i in todo),
+            tokens=len(todo) * self.cfg.page_size, bytes=len(todo) * main.page_bytes,
+            codec=self.codec.name, bytes_before=len(todo) * hot.page_bytes))
+
+    def _release(self, pool_name: str, pages: list[PageId], subject: Subject) -> list[PageId]:
+        freed = self.pools[pool_name].release(pages, subject)
+        for p in freed:
+            self.prefix.drop_page((pool_name, int(p)))
+        return freed
+
+    # --- read -----------------------------------------------------------------------------------
+
+    def kv(self, seq_id: SeqId, layer: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V over everything the sequence holds, dequantized: [H, L, D]."""
+        seq = self._seq(seq_id)
+        self._check_layer(layer)
+        self._fetch_all(seq)
+        dtype = dtype or self.cfg.dtype
+        k, v = self._gather(seq.pages, layer, dtype)
+        n = seq.lengths[layer]
+        return k[:, :n], v[:, :n]
+
+    def _gather(self, refs: list[PageRef], layer: int, dtype: torch.dtype):
+        """Decode pages (all on the device) in order: k, v [H, len(refs) * S, D]."""
+        c = self.cfg
+        if not refs:
+            empty = torch.zeros(c.num_kv_heads, 0, c.head_dim, dtype=dtype, device=c.device)
+            return empty, empty.clone()
+        k = torch.empty(len(refs), c.num_kv_heads, c.page_size, c.head_dim, dtype=dtype, device=c.device)
+        v = torch.empty_like(k)
+        for name in self.pools:
+            slots = [i for i, r in enumerate(refs) if r.where == name]
+            if slots:
+                pk, pv = self.pools[name].decode(layer, [PageId(int(refs[i].page)) for i in slots], dtype)
+                idx = torch.tensor(slots, device=c.device)
+                k[idx], v[idx] = pk, pv
+        # [N, H, S, D] -> [H, N*S, D]
+        return k.transpose(0, 1).flatten(1, 2), v.transpose(0, 1).flatten(1, 2)
+
+    def attend(self, seq_id: SeqId, layer: int, q: torch.Tensor, *, causal: bool = True,
+               scale: float | None = None) -> torch.Tensor:
+        """Attention of q [T, Hq, D] (the sequence's last T positions) over everything
+        the sequence holds for this layer. Returns [T, Hq, D]. Accumulates each key's
+        attention mass when the evictor scores by it."""
+        seq = self._seq(seq_id)
+        c = self.cfg
+        if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[1:] != (c.num_query_heads, c.head_dim):
+            shape = list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise InputError(f"q must have shape [T, {c.num_query_heads}, {c.head_dim}], got {shape}")
+        if q.shape[0] > seq.lengths[layer]:
+            raise InputError(f"{q.shape[0]} queries but the sequence holds {seq.lengths[layer]} positions")
+        k, v = self.kv(seq_id, layer, dtype=torch.float32)
+        mass_q = 0
+        if self.evictor is not None and self.evictor.needs_mass:
+            observe = getattr(self.evictor, "observe", None)
+            mass_q = q.shape[0] if observe is None else (min(observe, q.shape[0]) if q.shape[0] > 1 else 0)
+        out, mass = dense_attention(q, k, v, causal=causal, mass_queries=mass_q, scale=scale)
+        if mass is not None:
+            seq.mass[: mass.numel()] += mass.cpu()
+        return out
+
+    # --- evict ----------------------------------------------------------------------------------
+
+    def compact(self, seq_id: SeqId) -> ev.TokensEvicted | None:
+        """Run the evictor and move the survivors into fewer pages, freeing the rest.
+        Returns the event, or None when nothing was evicted (within budget, or no
+        free page to compact into)."""
+        seq = self._seq(seq_id)
+        if self.evictor is None:
+            raise ConfigError("this cache has no evictor; configure one to compact")
+        if len(set(seq.lengths)) != 1:
+            raise InputError("compact between steps: every layer must hold the same number of tokens")
+        length, s = seq.lengths[0], self.cfg.page_size
+        keep = self.evictor.select(length, seq.mass[:length])
+        if keep is None:
+            return None
+        ident = (keep == torch.arange(len(keep))).int()
+        same = int(ident.cumprod(0).sum())  # leading positions that do not move
+        first = same // s  # pages before this one stay as they are
+        self._fetch_all(seq)
+        old_refs = seq.pages[first:]
+        rel = (keep[keep >= first * s] - first * s).to(self.cfg.device)
+        new_len = len(keep)
+        n_new = math.ceil((new_len - first * s) / s)
+        main_slots = [j for j in range(n_new) if self.codec.quantized and self._quantizable(seq, first + j, new_len)
+                      and (first + j + 1) * s <= new_len]
+        hot_slots = [j for j in range(n_new) if j not in main_slots]
+        got_hot = self.pools[HOT].allocate(len(hot_slots), seq.subject)
+        got_main = self.pools[MAIN].allocate(len(main_slots), seq.subject) if main_slots else []
+        if got_hot is None or got_main is None:
+            if got_hot:
+                self._release(HOT, got_hot, seq.subject)
+            if got_main:
+                self._release(MAIN, got_main, seq.subject)
+            return None
+        new_refs = [None] * n_new
+        for j, p in zip(hot_slots, got_hot):
+            new_refs[j] = PageRef(HOT, p, HOT)
+        for j, p in zip(main_slots, got_main):
+            new_refs[j] = PageRef(MAIN, p, MAIN)
+        c = self.cfg
+        for layer in range(c.num_layers):
+            k, v = self._gather(old_refs, layer, c.dtype)  # [H, n_old*S, D]
+            k, v = k[:, rel], v[:, rel]
+            pad = n_new * s - k.shape[1]
+            if pad:
+                z = torch.zeros(c.num_kv_heads, pad, c.head_dim, dtype=c.dtype, device=c.device)
+                k, v = torch.cat([k, z], 1), torch.cat([v, z], 1)
+            # [H, N*S, D] -> [N, H, S, D]
+            k = k.reshape(c.num_kv_heads, n_new, s, c.head_dim).transpose(0, 1)
+            v = v.reshape(c.num_kv_heads, n_new, s, c.head_dim).transpose(0, 1)
+            for name, slots, got in ((HOT, hot_slots, got_hot), (MAIN, main_slots, got_main)):
+                if slots:
+                    pool = self.pools[name]
+                    pool.write(layer, got, pool.codec.encode(k[slots], v[slots]))
+        freed = []
+        for name in self.pools:
+            pages = [PageId(int(r.page)) for r in old_refs if r.where == name]
+            if pages:
+                freed += self._release(name, pages, seq.subject)
+        seq.pages = seq.pages[:first] + new_refs
+        seq.lengths = [new_len] * c.num_layers
+        seq.mass = seq.mass[keep]
+        seq.evicted += length - new_len
+        seq.positional = False
+        event = ev.TokensEvicted(
+            seq=seq.id, subject=seq.subject, pages=tuple(int(p) for p in freed), tokens=length - new_len,
+            bytes=sum(self.pools[r.where].page_bytes for r in old_refs)
+            - sum(self.pools[r.where].page_bytes for r in new_refs),
+            evictor=self.evictor.name, kept=new_len)
+        self.events.emit(event)
+        return event
+
+    # --- offload / fetch ------------------------------------------------------------------------
+
+    def offload(self, seq_id: SeqId, tier: str, max_pages: int | None = None) -> int:
+        """Move the sequence's oldest full device pages that no other sequence shares
+        to a lower tier, freeing device pages. Returns how many moved."""
+        seq = self._seq(seq_id)
+        if tier not in self.tiers:
+            raise ConfigError(f"unknown tier {tier!r}; this cache has {sorted(self.tiers) or 'none'}")
+        full = min(seq.lengths) // self.cfg.page_size
+        cand = [i for i, r in enumerate(seq.pages[:full])
+                if r.where in self.pools and self.pools[r.where].ref[int(r.page)] == 1]
+        cand = cand[:max_pages] if max_pages is not None else cand
+        if not cand:
+            return 0
+        moved, nbytes = [], 0
+        for i in cand:
+            r = seq.pages[i]
+            key = f"{seq.id}-{uuid.uuid4().hex}"
+            nbytes += self.tiers[tier].put(key, self.pools[r.where].page_blob(PageId(int(r.page))))
+            self._release(r.where, [PageId(int(r.page))], seq.subject)
+            moved.append(int(r.page))
+            seq.pages[i] = PageRef(tier, key, r.where)
+        self.events.emit(ev.PagesOffloaded(seq=seq.id, subject=seq.subject, pages=tuple(moved),
+                                           tokens=len(moved) * self.cfg.page_size, bytes=nbytes,
+                                           src="device", dst=tier))
+        return len(moved)
+
+    def _fetch_all(self, seq: Sequence) -> None:
+        away = [i for i, r in enumerate(seq.pages) if r.where not in self.pools]
+        if not away:
+            return
+        by_tier: dict[str, list[int]] = {}
+        for i in away:
+            by_tier.setdefault(seq.pages[i].where, []).append(i)
+        for tier, idxs in by_tier.items():
+            got = []
+            for i in idxs:
+                r = seq.pages[i]
+                new = self.pools[r.pool].allocate(1, seq.subject)
+                if new is None:
+                    raise MemoryError(f"no free {r.pool} page to fetch an offloaded page back into")
+                blob = self.tiers[tier].get(str(r.page))
+                self.pools[r.pool].load_blob(new[0], blob)
+                self.tiers[tier].erase(str(r.page))
+                seq.pages[i] = PageRef(r.pool, new[0], r.pool)
+                got.append(int(new[0]))
+            self.events.emit(ev.PagesFetched(seq=seq.id, subject=seq.subject, pages=tuple(got),
+                                             tokens=len(got) * self.cfg.page_size,
+                                             bytes=sum(self.pools[seq.pages[i].pool].page_bytes for i in idxs),
+                                             src=tier, dst="device"))
+
+    # --- free / erase ---------------------------------------------------------------------------
+
+    def _drop(self, seq: Sequence) -> tuple[list[int], int, int, int]:
+        """Release every page of a sequence; returns (freed pages, shared pages kept for
+        others, tier copies erased, prefix entries removed)."""
+        freed, shared, tier_copies, prefix = [], 0, 0, 0
+        for r in seq.pages:
+            if r.where in self.pools:
+                if self.prefix.drop_page((r.where, int(r.page))):
+                    prefix += 1
+                got = self._release(r.where, [PageId(int(r.page))], seq.subject)
+                freed += [int(p) for p in got]
+                shared += not got
+            else:
+                self.tiers[r.where].erase(str(r.page))
+                tier_copies += 1
+        del self._seqs[seq.id]
+        return freed, shared, tier_copies, prefix
+
+    def free(self, seq_id: SeqId) -> None:
+        """End a sequence: its pages are overwritten and freed unless another sequence
+        shares them; its prefix-index entries stay for the pages still shared."""
+        seq = self._seq(seq_id)
+        freed = []
+        for r in seq.pages:
+            if r.where in self.pools:
+                freed += self._release(r.where, [PageId(int(r.page))], seq.subject)
+            else:
+                self.tiers[r.where].erase(str(r.page))
+        del self._seqs[seq.id]
+        self.events.emit(ev.SequenceFreed(seq=seq.id, subject=seq.subject, pages=tuple(int(p) for p in freed),
+                                          tokens=max(seq.lengths), bytes=0))
+
+    def erase_user(self, tenant: str, user: str) -> ev.SubjectErased:
+        return self._erase("user", lambda s: s.tenant == tenant and s.user == user, Subject(tenant, user, "*"))
+
+    def erase_session(self, tenant: str, session: str) -> ev.SubjectErased:
+        return self._erase("session", lambda s: s.tenant == tenant and s.session == session,
+                           Subject(tenant, "*", session))
+
+    def _erase(self, scope: str, match, who: Subject) -> ev.SubjectErased:
+        """Erase every sequence of a subject: pages nobody else holds are overwritten
+        and freed; shared pages lose the subject and their prefix-index entries."""
+        freed, shared, tiers, prefix, n, tokens = [], 0, 0, 0, 0, 0
+        for seq in [s for s in self._seqs.values() if match(s.subject)]:
+            f, sh, t, p = self._drop(seq)
+            freed += f
+            shared, tiers, prefix, n = shared + sh, tiers + t, prefix + p, n + 1
+            tokens += max(seq.lengths)
+        nbytes = sum(self.pools[HOT].page_bytes for _ in freed)
+        event = ev.SubjectErased(seq=None, subject=who, pages=tuple(freed), tokens=tokens, bytes=nbytes,
+                                 scope=scope, sequences=n, shared_pages=shared, tier_copies=tiers,
+                                 prefix_entries=prefix)
+        self.events.emit(event)
+        return event
+
+    # --- accounting -----------------------------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        c = self.cfg
+        tokens = sum(max(s.lengths) for s in self._seqs.values())
+        bytes_held = sum(p.used_count * p.page_bytes for p in self.pools.values())
+        per_token_16 = self.pools[HOT].page_bytes / c.page_size
+        slots = sum(len([r for r in s.pages if r.where in self.pools]) for s in self._seqs.values()) * c.page_size
+        off: dict[str, int] = {}
+        for s in self._seqs.values():
+            for r in s.pages:
+                if r.where not in self.pools:
+                    off[r.where] = off.get(r.where, 0) + 1
+        return CacheStats(
+            codec=self.codec.name, evictor=self.evictor.name if self.evictor else None,
+            sequences=len(self._seqs), tokens_held=tokens,
+            tokens_evicted=sum(s.evicted for s in self._seqs.values()),
+            pages_used={n: p.used_count for n, p in self.pools.items()},
+            pages_free={n: p.free_count for n, p in self.pools.items()},
+            pages_offloaded=off,
+            bytes_per_token={n: p.page_bytes / c.page_size for n, p in self.pools.items()},
+            bytes_held=bytes_held,
+            bytes_16bit_equivalent=int((tokens + sum(s.evicted for s in self._seqs.values())) * per_token_16),
+            waste_slots=max(0, slots - tokens),
+        )

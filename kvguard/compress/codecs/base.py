@@ -1,0 +1,46 @@
+"""What every codec is: a page layout plus encode/decode of whole pages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+# name -> (shape without the page dimension, dtype)
+FieldSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+@dataclass(frozen=True)
+class Codec(ABC):
+    """A page codec. `encode` takes k, v [N, H, S, D] in 16-bit and returns the page
+    fields, each [N, ...]; `decode` returns k, v [N, H, S, D]."""
+
+    name: ClassVar[str]
+    quantized: ClassVar[bool] = True
+
+    @abstractmethod
+    def fields(self, heads: int, page_size: int, head_dim: int, dtype: torch.dtype) -> FieldSpec:
+        ...
+
+    @abstractmethod
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        ...
+
+    @abstractmethod
+    def decode(self, f: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+    def check(self, heads: int, page_size: int, head_dim: int) -> None:
+        """Raise ValueError when this codec cannot hold pages of this shape."""
+
+    def page_bytes(self, heads: int, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes one page takes for one layer, scales included."""
+        total = 0
+        for shape, dt in self.fields(heads, page_size, head_dim, dtype).values():
+            n = 1
+            for s in shape:
+                n *= s
+            total += n * torch.empty((), dtype=dt).element_size()
+        return total

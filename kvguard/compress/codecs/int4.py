@@ -1,0 +1,37 @@
+"""INT4 (KIVI-style): two codes a byte, asymmetric min/max scale and zero point;
+keys per channel over the page, values per token in groups of `group` channels."""
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import quantize as q
+
+from .base import Codec
+
+
+@dataclass(frozen=True)
+class Int4Codec(Codec):
+    name = "int4"
+    group: int = q.INT4_GROUP
+
+    def check(self, heads, page_size, head_dim):
+        if head_dim % 2 or head_dim % self.group:
+            raise ValueError(f"int4 needs head_dim divisible by 2 and by its group {self.group}, got {head_dim}")
+
+    def fields(self, heads, page_size, head_dim, dtype):
+        half, groups = head_dim // 2, head_dim // self.group
+        return {
+            "k": ((heads, page_size, half), torch.uint8),
+            "k_scale": ((heads, head_dim), torch.float16),
+            "k_zero": ((heads, head_dim), torch.float16),
+            "v": ((heads, page_size, half), torch.uint8),
+            "v_scale": ((heads, page_size, groups), torch.float16),
+            "v_zero": ((heads, page_size, groups), torch.float16),
+        }
+
+    def encode(self, k, v):
+        return q.encode_int4(k, v, group=self.group)
+
+    def decode(self, f, dtype):
+        return q.decode_int4(f, out_dtype=dtype, group=self.group)
