@@ -1,0 +1,142 @@
+"""The audit record: its fields, its canonical bytes, its hashes.
+
+Byte definitions (docs/audit-format.md, "Records"):
+
+* signing bytes = RFC 8785 JSON of the record without `sig`; `sig` is Ed25519
+  over them, in standard base64;
+* leaf bytes = RFC 8785 JSON of the record with `sig` (the stored and shipped
+  form, one line of a bundle's records.jsonl);
+* `prev` of record n+1 = hex SHA-256(leaf bytes of record n), 64 zeros at seq 0;
+* Merkle leaf hash = SHA-256(0x00 || leaf bytes) (RFC 9162).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from . import fields as f
+from .canonical import loads, record_bytes
+from .errors import RecordFormatError
+
+_FIELDS = ("v", "origin", "seq", "time", "op", "subject", "details", "prev", "key_id", "sig")
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One signed (or, before signing, unsigned) audit record. Build with `Record.parse`
+    from untrusted input; the writer builds it from already-validated parts."""
+
+    origin: str
+    seq: int
+    time: str
+    op: str
+    subject: dict[str, str]
+    details: dict[str, Any]
+    prev: str
+    key_id: str
+    sig: str = ""
+    v: int = f.FORMAT_VERSION
+    # The leaf bytes, computed once: hashing, storing and exporting all need them.
+    _leaf: bytes = field(default=b"", repr=False, compare=False)
+
+    @property
+    def ref(self) -> str:
+        """`origin#seq`, how errors and docs name a record."""
+        return f"{self.origin}#{self.seq}"
+
+    def unsigned_dict(self) -> dict[str, Any]:
+        return {
+            "v": self.v,
+            "origin": self.origin,
+            "seq": self.seq,
+            "time": self.time,
+            "op": self.op,
+            "subject": self.subject,
+            "details": self.details,
+            "prev": self.prev,
+            "key_id": self.key_id,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self.unsigned_dict()
+        d["sig"] = self.sig
+        return d
+
+    def signing_bytes(self) -> bytes:
+        return record_bytes(self.unsigned_dict())
+
+    def with_signature(self, sig: bytes) -> "Record":
+        signed = replace(self, sig=base64.b64encode(sig).decode("ascii"), _leaf=b"")
+        object.__setattr__(signed, "_leaf", record_bytes(signed.to_dict()))
+        return signed
+
+    @property
+    def signature(self) -> bytes:
+        return base64.b64decode(self.sig)
+
+    @property
+    def leaf_bytes(self) -> bytes:
+        if not self.sig:
+            raise RecordFormatError(f"record {self.ref} is not signed yet")
+        if not self._leaf:
+            object.__setattr__(self, "_leaf", record_bytes(self.to_dict()))
+        return self._leaf
+
+    @property
+    def digest(self) -> str:
+        """Hex SHA-256 of the leaf bytes: the next record's `prev`."""
+        return hashlib.sha256(self.leaf_bytes).hexdigest()
+
+    @property
+    def leaf_hash(self) -> bytes:
+        return hashlib.sha256(b"\x00" + self.leaf_bytes).digest()
+
+    @property
+    def time_ms(self) -> int:
+        return f.parse_time(self.time)
+
+    @classmethod
+    def parse(cls, obj: dict[str, Any]) -> "Record":
+        """Validate every field of a signed record object; raises RecordFormatError."""
+        if not isinstance(obj, dict):
+            raise RecordFormatError("a record must be a JSON object")
+        if set(obj) != set(_FIELDS):
+            missing = sorted(set(_FIELDS) - set(obj))
+            extra = sorted(set(obj) - set(_FIELDS))
+            raise RecordFormatError(f"record fields: missing {missing}, unexpected {extra}")
+        if obj["v"] != f.FORMAT_VERSION or type(obj["v"]) is not int:
+            raise RecordFormatError(f"unsupported record format version {obj['v']!r}")
+        f.parse_time(obj["time"])
+        subject = obj["subject"]
+        if not isinstance(subject, dict):
+            raise RecordFormatError("subject must be an object")
+        details = obj["details"]
+        if not isinstance(details, dict):
+            raise RecordFormatError("details must be an object")
+        return cls(
+            origin=f.check_origin(obj["origin"]),
+            seq=f.check_seq(obj["seq"]),
+            time=obj["time"],
+            op=f.check_op(obj["op"]),
+            subject=f.check_subject(subject),
+            details=f.check_details(details),
+            prev=f.check_hex64(obj["prev"], "prev"),
+            key_id=f.check_hex64(obj["key_id"], "key_id"),
+            sig=f.check_sig(obj["sig"]),
+        )
+
+    @classmethod
+    def from_leaf_bytes(cls, data: bytes) -> "Record":
+        """Parse one stored/shipped record and insist the bytes are canonical, so the
+        bytes that were hashed are the only spelling of this record."""
+        try:
+            obj = loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RecordFormatError(f"record is not JSON: {exc}") from None
+        record = cls.parse(obj)
+        if record.leaf_bytes != data:
+            raise RecordFormatError("record bytes are not canonical RFC 8785 JSON")
+        return record
