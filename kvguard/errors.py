@@ -18,3 +18,7 @@ class UnknownSequence(KVGuardError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable
         return str(self.args[0]) if self.args else "unknown sequence"
+
+
+class OutOfPages(KVGuardError):
+    """No free page is left for an operation that cannot wait (fetching pages back)."""

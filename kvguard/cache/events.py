@@ -21,7 +21,7 @@ class CacheEvent:
     op: ClassVar[str]
     seq: SeqId | None
     subject: Subject
-    pages: tuple[int, ...]
+    pages: tuple[str, ...]  # "<pool>:<page>"
     tokens: int
     bytes: int
 

@@ -20,7 +20,7 @@ import torch
 
 from ..compress.codecs import Fp16Codec, make_codec
 from ..compress.evictors import make_evictor
-from ..errors import ConfigError, InputError, UnknownSequence
+from ..errors import ConfigError, InputError, OutOfPages, UnknownSequence
 from ..types import PageId, SeqId, Subject
 from . import events as ev
 from .attention import dense_attention
@@ -30,6 +30,11 @@ from .prefix import PrefixIndex, page_hashes, tenant_salt
 from .tiers import Tier
 
 HOT, MAIN = "hot", "main"
+
+
+def _pid(pool: str, page) -> str:
+    """A page as events name it: pools number their pages independently."""
+    return f"{pool}:{int(page)}"
 
 
 @dataclass
@@ -166,7 +171,6 @@ class CacheManager:
             if new is None:
                 return False
             seq.pages.extend(PageRef(HOT, p, HOT) for p in new)
-        self._fetch_all(seq)
         pos = torch.arange(start, start + t)
         page_idx, offset = pos // c.page_size, pos % c.page_size
         pool = self.pools[HOT]
@@ -241,7 +245,7 @@ class CacheManager:
             seq.pages[i] = PageRef(MAIN, p, MAIN)
         self._release(HOT, old, seq.subject)
         self.events.emit(ev.PagesQuantized(
-            seq=seq.id, subject=seq.subject, pages=tuple(int(seq.pages[i].page) for i in todo),
+            seq=seq.id, subject=seq.subject, pages=tuple(_pid(MAIN, seq.pages[i].page) for i in todo),
             tokens=len(todo) * self.cfg.page_size, bytes=len(todo) * main.page_bytes,
             codec=self.codec.name, bytes_before=len(todo) * hot.page_bytes))
 
@@ -360,14 +364,14 @@ class CacheManager:
         for name in self.pools:
             pages = [PageId(int(r.page)) for r in old_refs if r.where == name]
             if pages:
-                freed += self._release(name, pages, seq.subject)
+                freed += [_pid(name, p) for p in self._release(name, pages, seq.subject)]
         seq.pages = seq.pages[:first] + new_refs
         seq.lengths = [new_len] * c.num_layers
         seq.mass = seq.mass[keep]
         seq.evicted += length - new_len
         seq.positional = False
         event = ev.TokensEvicted(
-            seq=seq.id, subject=seq.subject, pages=tuple(int(p) for p in freed), tokens=length - new_len,
+            seq=seq.id, subject=seq.subject, pages=tuple(freed), tokens=length - new_len,
             bytes=sum(self.pools[r.where].page_bytes for r in old_refs)
             - sum(self.pools[r.where].page_bytes for r in new_refs),
             evictor=self.evictor.name, kept=new_len)
@@ -394,7 +398,7 @@ class CacheManager:
             key = f"{seq.id}-{uuid.uuid4().hex}"
             nbytes += self.tiers[tier].put(key, self.pools[r.where].page_blob(PageId(int(r.page))))
             self._release(r.where, [PageId(int(r.page))], seq.subject)
-            moved.append(int(r.page))
+            moved.append(_pid(r.where, r.page))
             seq.pages[i] = PageRef(tier, key, r.where)
         self.events.emit(ev.PagesOffloaded(seq=seq.id, subject=seq.subject, pages=tuple(moved),
                                            tokens=len(moved) * self.cfg.page_size, bytes=nbytes,
@@ -409,25 +413,28 @@ class CacheManager:
         for i in away:
             by_tier.setdefault(seq.pages[i].where, []).append(i)
         for tier, idxs in by_tier.items():
-            got = []
-            for i in idxs:
-                r = seq.pages[i]
-                new = self.pools[r.pool].allocate(1, seq.subject)
-                if new is None:
-                    raise MemoryError(f"no free {r.pool} page to fetch an offloaded page back into")
-                blob = self.tiers[tier].get(str(r.page))
-                self.pools[r.pool].load_blob(new[0], blob)
-                self.tiers[tier].erase(str(r.page))
-                seq.pages[i] = PageRef(r.pool, new[0], r.pool)
-                got.append(int(new[0]))
-            self.events.emit(ev.PagesFetched(seq=seq.id, subject=seq.subject, pages=tuple(got),
-                                             tokens=len(got) * self.cfg.page_size,
-                                             bytes=sum(self.pools[seq.pages[i].pool].page_bytes for i in idxs),
-                                             src=tier, dst="device"))
+            got, nbytes = [], 0
+            try:
+                for i in idxs:
+                    r = seq.pages[i]
+                    new = self.pools[r.pool].allocate(1, seq.subject)
+                    if new is None:
+                        raise OutOfPages(f"no free {r.pool} page to fetch an offloaded page back into;"
+                                         " free or offload other sequences first")
+                    self.pools[r.pool].load_blob(new[0], self.tiers[tier].get(str(r.page)))
+                    self.tiers[tier].erase(str(r.page))
+                    seq.pages[i] = PageRef(r.pool, new[0], r.pool)
+                    got.append(_pid(r.pool, new[0]))
+                    nbytes += self.pools[r.pool].page_bytes
+            finally:  # pages fetched before a failure are recorded too
+                if got:
+                    self.events.emit(ev.PagesFetched(seq=seq.id, subject=seq.subject, pages=tuple(got),
+                                                     tokens=len(got) * self.cfg.page_size, bytes=nbytes,
+                                                     src=tier, dst="device"))
 
     # --- free / erase ---------------------------------------------------------------------------
 
-    def _drop(self, seq: Sequence) -> tuple[list[int], int, int, int]:
+    def _drop(self, seq: Sequence) -> tuple[list[str], int, int, int]:
         """Release every page of a sequence; returns (freed pages, shared pages kept for
         others, tier copies erased, prefix entries removed)."""
         freed, shared, tier_copies, prefix = [], 0, 0, 0
@@ -436,7 +443,7 @@ class CacheManager:
                 if self.prefix.drop_page((r.where, int(r.page))):
                     prefix += 1
                 got = self._release(r.where, [PageId(int(r.page))], seq.subject)
-                freed += [int(p) for p in got]
+                freed += [_pid(r.where, p) for p in got]
                 shared += not got
             else:
                 self.tiers[r.where].erase(str(r.page))
@@ -451,11 +458,11 @@ class CacheManager:
         freed = []
         for r in seq.pages:
             if r.where in self.pools:
-                freed += self._release(r.where, [PageId(int(r.page))], seq.subject)
+                freed += [_pid(r.where, p) for p in self._release(r.where, [PageId(int(r.page))], seq.subject)]
             else:
                 self.tiers[r.where].erase(str(r.page))
         del self._seqs[seq.id]
-        self.events.emit(ev.SequenceFreed(seq=seq.id, subject=seq.subject, pages=tuple(int(p) for p in freed),
+        self.events.emit(ev.SequenceFreed(seq=seq.id, subject=seq.subject, pages=tuple(freed),
                                           tokens=max(seq.lengths), bytes=0))
 
     def erase_user(self, tenant: str, user: str) -> ev.SubjectErased:
@@ -474,7 +481,7 @@ class CacheManager:
             freed += f
             shared, tiers, prefix, n = shared + sh, tiers + t, prefix + p, n + 1
             tokens += max(seq.lengths)
-        nbytes = sum(self.pools[HOT].page_bytes for _ in freed)
+        nbytes = sum(self.pools[p.split(":")[0]].page_bytes for p in freed)
         event = ev.SubjectErased(seq=None, subject=who, pages=tuple(freed), tokens=tokens, bytes=nbytes,
                                  scope=scope, sequences=n, shared_pages=shared, tier_copies=tiers,
                                  prefix_entries=prefix)

@@ -1,0 +1,146 @@
+"""Erasure overwrites what it frees; every operation emits exactly its events."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+import torch
+
+from kvguard.cache import CacheConfig, CacheManager
+from kvguard.cache.tiers import CpuTier, DiskTier, RedisTier
+from kvguard.types import Subject
+from tests.conftest import outlier_kv
+
+
+def make(codec="int8", tiers=None, **kw):
+    cfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, num_query_heads=4, num_pages=32, codec=codec,
+                      fp_sink=4, **kw)
+    return CacheManager(cfg, tiers=tiers)
+
+
+def write(m, seq, n, seed=0):
+    k, v = outlier_kv(n, 2, 64, seed=seed)
+    for layer in range(2):
+        assert m.append(seq, layer, k, v)
+    return k, v
+
+
+def pool_bytes(m):
+    return {name: [t.clone() for layer in p.fields for t in layer.values()] for name, p in m.pools.items()}
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8", "int4"])
+def test_erase_user_overwrites_freed_pages_and_spares_others(codec, alice, bob):
+    m = make(codec)
+    a1, a2 = m.open(alice), m.open(Subject("acme", "alice", "s-9"))
+    b = m.open(bob)
+    write(m, a1, 70, 1)
+    write(m, a2, 20, 2)
+    kb, vb = write(m, b, 50, 3)
+    before_b = [t.clone() for t in m.kv(b, 1)]
+    alice_pages = {(r.where, int(r.page)) for s in (a1, a2) for r in m._seq(s).pages}
+    m.events.take_events()
+    event = m.erase_user("acme", "alice")
+    assert event.op == "erase" and event.sequences == 2 and event.scope == "user"
+    assert sorted(event.pages) == sorted(f"{w}:{p}" for w, p in alice_pages)
+    # every field of every freed page reads back as zeros
+    for where, page in alice_pages:
+        for layer in m.pools[where].fields:
+            for t in layer.values():
+                assert not t[page].view(torch.uint8).any()
+    assert m.sequences() == [b]
+    after_b = m.kv(b, 1)
+    assert all(torch.equal(x, y) for x, y in zip(before_b, after_b))
+    assert [e.op for e in m.events.take_events()] == ["erase"]
+
+
+def test_erase_session_only_that_session(alice):
+    m = make()
+    s1 = m.open(alice)
+    s2 = m.open(Subject("acme", "alice", "other"))
+    write(m, s1, 30)
+    write(m, s2, 30)
+    m.erase_session("acme", "s-1")
+    assert m.sequences() == [s2]
+
+
+def test_shared_prefix_page_loses_owner_and_index_entry(alice, bob):
+    m = make("fp16")
+    prompt = list(range(40))
+    a = m.open(alice, tokens=prompt)
+    assert m.length(a) == 0
+    write(m, a, 40)
+    assert m.publish_prefix(a, prompt) == 2
+    b = m.open(bob, tokens=prompt)
+    assert m.length(b) == 32  # two full pages reused
+    shared = [int(r.page) for r in m._seq(b).pages]
+    assert all(m.pools["hot"].ref[p] == 2 for p in shared)
+    event = m.erase_user("acme", "alice")
+    assert event.shared_pages == 2 and event.prefix_entries == 2
+    for p in shared:
+        assert m.pools["hot"].owners[p] == {bob: 1}
+    assert m.length(m.open(Subject("acme", "carol", "x"), tokens=prompt)) == 0
+
+
+def test_prefix_is_salted_per_tenant(alice):
+    m = make("fp16")
+    prompt = list(range(32))
+    a = m.open(alice, tokens=prompt)
+    write(m, a, 32)
+    m.publish_prefix(a, prompt)
+    assert m.length(m.open(Subject("acme", "dave", "d"), tokens=prompt)) == 32
+    assert m.length(m.open(Subject("other-tenant", "eve", "e"), tokens=prompt)) == 0
+
+
+TIERS = [
+    pytest.param(lambda tmp: CpuTier(), id="cpu"),
+    pytest.param(lambda tmp: DiskTier(tmp / "pages"), id="disk"),
+    pytest.param(lambda tmp: RedisTier(redis.Redis(host="127.0.0.1", port=6379),
+                                       prefix=f"kvguard-test:{tmp.name}:"), id="redis"),
+]
+
+
+@pytest.mark.parametrize("factory", TIERS)
+def test_offload_fetch_and_erase_in_tier(factory, tmp_path, alice):
+    tier = factory(tmp_path)
+    m = make("int8", fp_window=16, tiers={tier.name: tier})
+    seq = m.open(alice)
+    write(m, seq, 70)
+    before = [t.clone() for t in m.kv(seq, 1)]
+    m.events.take_events()
+    moved = m.offload(seq, tier.name, max_pages=2)
+    assert moved == 2 and len(tier.keys()) == 2
+    assert m.stats().pages_offloaded == {tier.name: 2}
+    after = m.kv(seq, 1)  # fetches back
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    assert tier.keys() == []
+    assert [e.op for e in m.events.take_events()] == ["offload", "fetch"]
+    m.offload(seq, tier.name, max_pages=3)
+    event = m.erase_user("acme", "alice")
+    assert event.tier_copies == 3 and tier.keys() == []
+
+
+def test_each_operation_emits_exactly_its_events(alice):
+    m = make("int8", evictor="h2o", evictor_options={"budget": 32, "sink": 4, "window": 8}, auto_compact=False,
+             tiers={"cpu": CpuTier()})
+    seq = m.open(alice)
+    assert m.events.take_events() == []
+    write(m, seq, 15)  # no page full yet
+    assert m.events.take_events() == []
+    write(m, seq, 40)  # pages 1 and 2 fill (page 0 holds the sinks)
+    evs = m.events.take_events()
+    assert [e.op for e in evs] == ["quantize"]
+    assert evs[0].pages == ("main:0", "main:1") and evs[0].tokens == 32 and evs[0].codec == "int8"
+    assert evs[0].bytes < evs[0].bytes_before
+    m.attend(seq, 0, torch.randn(1, 4, 64).half())
+    assert m.events.take_events() == []
+    ev = m.compact(seq)
+    assert [e.op for e in m.events.take_events()] == ["evict"] and ev.tokens == 55 - 32
+    assert m.compact(seq) is None and m.events.take_events() == []
+    m.offload(seq, "cpu", max_pages=1)
+    m.kv(seq, 0)
+    assert [e.op for e in m.events.take_events()] == ["offload", "fetch"]
+    m.free(seq)
+    assert [e.op for e in m.events.take_events()] == ["free"]
+    # details never carry the subject
+    assert "subject" not in ev.details() and "alice" not in repr(ev)

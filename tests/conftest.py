@@ -1,0 +1,27 @@
+"""Shared fixtures: small cache shapes and random K/V with outlier channels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvguard.types import Subject
+
+
+def outlier_kv(t: int, heads: int, dim: int, *, seed: int = 0, dtype=torch.float16):
+    """Random K/V [T, H, D] where a few key channels are 20x larger, as in real models."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(t, heads, dim, generator=g)
+    v = torch.randn(t, heads, dim, generator=g)
+    k[:, :, [3, dim // 2 + 1]] *= 20.0
+    return k.to(dtype), v.to(dtype)
+
+
+@pytest.fixture
+def alice() -> Subject:
+    return Subject("acme", "alice", "s-1")
+
+
+@pytest.fixture
+def bob() -> Subject:
+    return Subject("acme", "bob", "s-2")
