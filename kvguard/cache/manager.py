@@ -10,8 +10,10 @@ emits one frozen event per operation into `self.events`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import threading
 import uuid
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -30,6 +32,17 @@ from .prefix import PrefixIndex, page_hashes, tenant_salt
 from .tiers import Tier
 
 HOT, MAIN = "hot", "main"
+
+
+def _locked(method):
+    """Serialize public operations: an erasure may arrive on another thread mid-decode."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 def _pid(pool: str, page) -> str:
@@ -97,9 +110,11 @@ class CacheManager:
         self.prefix = PrefixIndex()
         self._seqs: dict[SeqId, Sequence] = {}
         self._ids = itertools.count(1)
+        self.lock = threading.RLock()
 
     # --- sequences ------------------------------------------------------------------------------
 
+    @_locked
     def open(self, subject: Subject, tokens: Seq[int] | None = None) -> SeqId:
         """Open a sequence for a subject. With `tokens` (the prompt's ids), full pages
         already cached for the same tenant are shared; `length(seq)` says how many."""
@@ -121,6 +136,7 @@ class CacheManager:
             seq.mass = torch.zeros(n)
         return seq.id
 
+    @_locked
     def publish_prefix(self, seq_id: SeqId, tokens: Seq[int]) -> int:
         """Index the sequence's full pages under the tenant-salted hashes of `tokens`, so
         later sequences of the same tenant share them. Returns pages indexed."""
@@ -153,6 +169,7 @@ class CacheManager:
 
     # --- write → encode → page ------------------------------------------------------------------
 
+    @_locked
     def append(self, seq_id: SeqId, layer: int, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Append K/V [T, H, D] of T new tokens for one layer. Returns False, changing
         nothing, when the pool has no page left for them."""
@@ -257,6 +274,7 @@ class CacheManager:
 
     # --- read -----------------------------------------------------------------------------------
 
+    @_locked
     def kv(self, seq_id: SeqId, layer: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V over everything the sequence holds, dequantized: [H, L, D]."""
         seq = self._seq(seq_id)
@@ -284,6 +302,7 @@ class CacheManager:
         # [N, H, S, D] -> [H, N*S, D]
         return k.transpose(0, 1).flatten(1, 2), v.transpose(0, 1).flatten(1, 2)
 
+    @_locked
     def attend(self, seq_id: SeqId, layer: int, q: torch.Tensor, *, causal: bool = True,
                scale: float | None = None) -> torch.Tensor:
         """Attention of q [T, Hq, D] (the sequence's last T positions) over everything
@@ -308,6 +327,7 @@ class CacheManager:
 
     # --- evict ----------------------------------------------------------------------------------
 
+    @_locked
     def compact(self, seq_id: SeqId) -> ev.TokensEvicted | None:
         """Run the evictor and move the survivors into fewer pages, freeing the rest.
         Returns the event, or None when nothing was evicted (within budget, or no
@@ -380,6 +400,7 @@ class CacheManager:
 
     # --- offload / fetch ------------------------------------------------------------------------
 
+    @_locked
     def offload(self, seq_id: SeqId, tier: str, max_pages: int | None = None) -> int:
         """Move the sequence's oldest full device pages that no other sequence shares
         to a lower tier, freeing device pages. Returns how many moved."""
@@ -451,6 +472,7 @@ class CacheManager:
         del self._seqs[seq.id]
         return freed, shared, tier_copies, prefix
 
+    @_locked
     def free(self, seq_id: SeqId) -> None:
         """End a sequence: its pages are overwritten and freed unless another sequence
         shares them; its prefix-index entries stay for the pages still shared."""
@@ -465,9 +487,11 @@ class CacheManager:
         self.events.emit(ev.SequenceFreed(seq=seq.id, subject=seq.subject, pages=tuple(freed),
                                           tokens=max(seq.lengths), bytes=0))
 
+    @_locked
     def erase_user(self, tenant: str, user: str) -> ev.SubjectErased:
         return self._erase("user", lambda s: s.tenant == tenant and s.user == user, Subject(tenant, user, "*"))
 
+    @_locked
     def erase_session(self, tenant: str, session: str) -> ev.SubjectErased:
         return self._erase("session", lambda s: s.tenant == tenant and s.session == session,
                            Subject(tenant, "*", session))
@@ -490,6 +514,7 @@ class CacheManager:
 
     # --- accounting -----------------------------------------------------------------------------
 
+    @_locked
     def stats(self) -> CacheStats:
         c = self.cfg
         tokens = sum(max(s.lengths) for s in self._seqs.values())
