@@ -1,0 +1,116 @@
+"""Argument checks shared by the kernel wrappers, and the codec a page dict holds.
+
+Kernels index pages by arithmetic on the layout of kernels/__init__.py, so a
+wrong dtype, shape or stride would read the wrong bytes silently: every wrapper
+checks its arguments first and raises KernelArgError saying what to pass.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import quantize as ref
+
+SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+FIELDS = {
+    "16bit": ("k", "v"),
+    "int8": ("k", "k_scale", "v", "v_scale"),
+    "fp8": ("k", "k_scale", "v", "v_scale"),
+    "int4": ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero"),
+}
+
+
+class KernelArgError(ValueError):
+    """A kernel was called with arguments it cannot use; the message says which and why."""
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def check_device(*tensors: torch.Tensor) -> torch.device:
+    dev = tensors[0].device
+    for t in tensors:
+        if t.device != dev:
+            raise KernelArgError(f"all tensors must be on one device, got {dev} and {t.device}")
+    if dev.type == "cpu" and not interpreting():
+        raise KernelArgError("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing "
+                             "triton, or pass CUDA tensors")
+    if dev.type not in ("cpu", "cuda"):
+        raise KernelArgError(f"tensors on {dev} are not supported; pass CUDA tensors")
+    return dev
+
+
+def check(t: torch.Tensor, name: str, *, dtype=None, shape=None, contiguous: bool = True) -> None:
+    """dtype: one dtype or a tuple; shape: a tuple whose None entries match any size."""
+    if not isinstance(t, torch.Tensor):
+        raise KernelArgError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        ok = dtype if isinstance(dtype, tuple) else (dtype,)
+        if t.dtype not in ok:
+            raise KernelArgError(f"{name} must be {' or '.join(map(str, ok))}, got {t.dtype}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise KernelArgError(f"{name} must have shape {want}, got {list(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise KernelArgError(f"{name} must be contiguous (call .contiguous() first)")
+
+
+def codec_of(pages: dict[str, torch.Tensor]) -> str:
+    """'16bit', 'int8', 'fp8' or 'int4', from the dtype of pages['k']."""
+    if not isinstance(pages, dict) or "k" not in pages:
+        raise KernelArgError("pages must be a dict of page fields with at least 'k' and 'v'")
+    dt = pages["k"].dtype
+    codec = {torch.int8: "int8", torch.float8_e4m3fn: "fp8", torch.uint8: "int4"}.get(dt)
+    if codec is None:
+        codec = "16bit" if dt in SIXTEEN_BIT else None
+    if codec is None:
+        raise KernelArgError(f"pages['k'] has dtype {dt}: expected fp16/bf16, int8, float8_e4m3fn or uint8 (int4)")
+    missing = [f for f in FIELDS[codec] if f not in pages]
+    if missing:
+        raise KernelArgError(f"{codec} pages need the fields {FIELDS[codec]}; missing {missing}")
+    return codec
+
+
+def check_pages(pages: dict[str, torch.Tensor]) -> tuple[str, int, int, int, int]:
+    """Check every field against the layout of kernels/__init__.py; returns (codec, P, H, S, D)."""
+    codec = codec_of(pages)
+    k = pages["k"]
+    if k.dim() != 4:
+        raise KernelArgError(f"pages['k'] must be [P, H, S, D], got shape {list(k.shape)}")
+    p, h, s, dk = k.shape
+    d = dk * 2 if codec == "int4" else dk
+    if d < 16 or d & (d - 1):
+        raise KernelArgError(f"head_dim must be a power of two >= 16, got {d}")
+    if s < 1 or s & (s - 1):
+        raise KernelArgError(f"page_size must be a power of two, got {s}")
+    if codec == "16bit":
+        check(pages["v"], "pages['v']", dtype=k.dtype, shape=(p, h, s, d))
+    elif codec in ("int8", "fp8"):
+        check(pages["v"], "pages['v']", dtype=k.dtype, shape=(p, h, s, d))
+        check(pages["k_scale"], "pages['k_scale']", dtype=torch.float16, shape=(p, h, d))
+        check(pages["v_scale"], "pages['v_scale']", dtype=torch.float16, shape=(p, h, s))
+    else:
+        if d % ref.INT4_GROUP:
+            raise KernelArgError(f"int4 needs head_dim divisible by {ref.INT4_GROUP}, got {d}")
+        check(pages["v"], "pages['v']", dtype=torch.uint8, shape=(p, h, s, d // 2))
+        for f in ("k_scale", "k_zero"):
+            check(pages[f], f"pages['{f}']", dtype=torch.float16, shape=(p, h, d))
+        for f in ("v_scale", "v_zero"):
+            check(pages[f], f"pages['{f}']", dtype=torch.float16, shape=(p, h, s, d // ref.INT4_GROUP))
+    check(k, "pages['k']")
+    check_device(*[pages[f] for f in FIELDS[codec]])
+    return codec, p, h, s, d
+
+
+def field_args(pages: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The six field pointers a kernel takes (k, k_scale, k_zero, v, v_scale, v_zero); absent
+    fields are passed as pages['k'] and never read (the kernel's KIND decides)."""
+    return [pages.get(f, pages["k"]) for f in ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")]
+
+
+KIND = {"16bit": 0, "int8": 1, "fp8": 1, "int4": 2}

@@ -1,0 +1,219 @@
+"""Device functions shared by the paged kernels: read tokens out of pages and
+dequantize them, quantize one page exactly as kernels/quantize.py does, and one
+step of online-softmax attention.
+
+Layout and field names are those of kernels/__init__.py. KIND: 0 = 16-bit,
+1 = int8 or fp8 (symmetric; the code dtype comes from the pointer), 2 = int4.
+Offsets are int64: a 40 GB pool has more elements than int32 can count.
+"""
+
+import triton
+import triton.language as tl
+
+FP16_MIN_NORMAL = tl.constexpr(2.0**-14)
+FP16_MAX = tl.constexpr(65504.0)
+
+
+@triton.jit
+def codes_to_f16(c, BIAS: tl.constexpr):
+    """uint8 codes -> fp16 (c - BIAS), exactly: 0x6400 | c is the fp16 number 1024 + c. Bit
+    operations and one fp16 subtraction instead of an int-to-float conversion, which runs at
+    a quarter of the rate on Hopper and would bound the int4 kernel."""
+    return (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + BIAS)
+
+
+@triton.jit
+def load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, ok, h,
+                   H: tl.constexpr, S: tl.constexpr, D: tl.constexpr, PAGES: tl.constexpr,
+                   KIND: tl.constexpr, GROUP: tl.constexpr):
+    """page [PAGES] int64 page ids, ok [PAGES, S] which tokens exist -> k, v [PAGES*S, D] fp16
+    and vs [PAGES*S] fp32, the per-token V scale still to apply (int8/fp8; ones otherwise).
+
+    fp16 is what the tensor cores take: codes are exact in it and a dequantized key rounds
+    once or twice (2^-11 relative). int8/fp8 values stay exact codes; their per-token scale
+    goes into the probabilities instead. Per-page key scales are loaded once per page
+    ([PAGES, 1, D]) and broadcast over its tokens. V of missing tokens is zero so that
+    0-probability x garbage never makes a NaN; K of missing tokens is masked by the caller.
+    """
+    ph = page * H + h  # [PAGES] (page, head) rows of the scale tensors
+    s = tl.arange(0, S)
+    rows = ph[:, None] * S + s[None, :]  # [PAGES, S] token rows of the pool
+    d = tl.arange(0, D)
+    m3 = ok[:, :, None]
+    vs = tl.full([PAGES * S], 1.0, tl.float32)
+    if KIND == 0:
+        k = tl.load(kp + rows[:, :, None] * D + d[None, None, :], mask=m3, other=0.0)
+        v = tl.load(vp + rows[:, :, None] * D + d[None, None, :], mask=m3, other=0.0)
+        if kp.dtype.element_ty == tl.bfloat16:  # via fp32: the interpreter has no bf16 arithmetic
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        k = k.to(tl.float16)
+        v = v.to(tl.float16)
+    elif KIND == 1:
+        kc = tl.load(kp + rows[:, :, None] * D + d[None, None, :], mask=m3, other=0.0)  # [PAGES, S, D]
+        vc = tl.load(vp + rows[:, :, None] * D + d[None, None, :], mask=m3, other=0.0)
+        if kp.dtype.element_ty == tl.int8:  # c + 128 as a byte is c ^ 0x80
+            kc = codes_to_f16(kc.to(tl.uint8, bitcast=True) ^ 0x80, 128.0)
+            vc = codes_to_f16(vc.to(tl.uint8, bitcast=True) ^ 0x80, 128.0)
+        ks = tl.load(ksp + ph[:, None, None] * D + d[None, None, :])  # [PAGES, 1, D]
+        k = kc.to(tl.float16) * ks
+        v = vc.to(tl.float16)
+        vs = tl.load(vsp + rows, mask=ok, other=0.0).to(tl.float32).reshape(PAGES * S)
+    else:
+        D2: tl.constexpr = D // 2
+        NG: tl.constexpr = D // GROUP
+        c = tl.arange(0, D2)
+        kb = tl.load(kp + rows[:, :, None] * D2 + c[None, None, :], mask=m3, other=0)  # [PAGES, S, D/2] u8
+        kc = codes_to_f16(tl.join(kb & 15, kb >> 4).reshape(PAGES, S, D), 0.0)  # low nibble = even channel
+        ks = tl.load(ksp + ph[:, None, None] * D + d[None, None, :])  # [PAGES, 1, D]
+        kz = tl.load(kzp + ph[:, None, None] * D + d[None, None, :])
+        k = kc * ks + kz
+        vb = tl.load(vp + rows[:, :, None] * D2 + c[None, None, :], mask=m3, other=0)
+        vc = codes_to_f16(tl.join(vb & 15, vb >> 4).reshape(PAGES, S, NG, GROUP), 0.0)
+        g = tl.arange(0, NG)
+        gi = rows[:, :, None, None] * NG + g[None, None, :, None]  # [PAGES, S, NG, 1]
+        vsc = tl.load(vsp + gi, mask=ok[:, :, None, None], other=0.0)
+        vz = tl.load(vzp + gi, mask=ok[:, :, None, None], other=0.0)
+        v = (vc * vsc + vz).reshape(PAGES, S, D)
+    return k.reshape(PAGES * S, D), v.reshape(PAGES * S, D), vs
+
+
+@triton.jit
+def load_tokens_f32(kp, ksp, kzp, vp, vsp, vzp, page, slot, ok, h,
+                    H: tl.constexpr, S: tl.constexpr, D: tl.constexpr, N: tl.constexpr,
+                    KIND: tl.constexpr, GROUP: tl.constexpr):
+    """Tokens at (page [N], slot [N]) of head h -> k, v [N, D] fp32, dequantized exactly as
+    kernels/quantize.py's decode functions do (a product of a code and an fp16 scale is exact
+    in fp32). For compaction and gathers, not for the attention hot loop."""
+    ph = page * H + h
+    row = ph * S + slot  # [N]
+    d = tl.arange(0, D)
+    m2 = ok[:, None]
+    if KIND == 0:
+        k = tl.load(kp + row[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        v = tl.load(vp + row[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    elif KIND == 1:
+        kc = tl.load(kp + row[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        ks = tl.load(ksp + ph[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        vc = tl.load(vp + row[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        vs = tl.load(vsp + row, mask=ok, other=0.0).to(tl.float32)
+        k = kc * ks
+        v = vc * vs[:, None]
+    else:
+        D2: tl.constexpr = D // 2
+        c = tl.arange(0, D2)
+        kb = tl.load(kp + row[:, None] * D2 + c[None, :], mask=m2, other=0)
+        kc = tl.join(kb & 15, kb >> 4).reshape(N, D).to(tl.float32)
+        ks = tl.load(ksp + ph[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        kz = tl.load(kzp + ph[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        k = kc * ks + kz
+        vb = tl.load(vp + row[:, None] * D2 + c[None, :], mask=m2, other=0)
+        vc = tl.join(vb & 15, vb >> 4).reshape(N, D).to(tl.float32)
+        gi = row[:, None] * (D // GROUP) + d[None, :] // GROUP  # [N, D] index of each channel's group
+        vs = tl.load(vsp + gi, mask=m2, other=0.0).to(tl.float32)
+        vz = tl.load(vzp + gi, mask=m2, other=0.0).to(tl.float32)
+        v = vc * vs + vz
+    return k, v
+
+
+# --- quantization of one page, bit-exact with kernels/quantize.py -------------------------------
+
+
+@triton.jit
+def round_half_even(y):
+    """torch.round on fp32: nearest integer, ties to even. floor(y + 0.5) is wrong just
+    below 0.5, where y + 0.5 rounds up to 1."""
+    r = tl.floor(y)
+    f = y - r  # exact
+    odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
+    return tl.where((f > 0.5) | ((f == 0.5) & odd), r + 1.0, r)
+
+
+@triton.jit
+def fp16_scale(amax, qmax: tl.constexpr):
+    """quantize._scale: fp32 division rounded to nearest (div_rn, not the approximate '/'),
+    clamped to fp16's normal range, rounded to fp16. Returns the fp16 scale."""
+    s = tl.math.div_rn(amax, tl.full(amax.shape, qmax, tl.float32))
+    return tl.minimum(tl.maximum(s, FP16_MIN_NORMAL), FP16_MAX).to(tl.float16)
+
+
+@triton.jit
+def quant_sym(x, AXIS: tl.constexpr, QMAX: tl.constexpr, ROUND: tl.constexpr):
+    """x fp32 -> (codes fp32, fp16 scale reduced over AXIS). ROUND for int8; fp8 codes are
+    clamped here and rounded by the caller's cast."""
+    scale = fp16_scale(tl.max(tl.abs(x), AXIS), QMAX)
+    y = tl.math.div_rn(x, tl.expand_dims(scale.to(tl.float32), AXIS))
+    if ROUND:
+        y = round_half_even(y)
+    return tl.minimum(tl.maximum(y, -QMAX), QMAX), scale
+
+
+@triton.jit
+def quant_asym4(x, AXIS: tl.constexpr):
+    """x fp32 -> (codes fp32 in 0..15, fp16 scale, fp16 zero), min/max over AXIS."""
+    lo = tl.min(x, AXIS)
+    scale = fp16_scale(tl.max(x, AXIS) - lo, 15.0)
+    zero = tl.minimum(tl.maximum(lo, -FP16_MAX), FP16_MAX).to(tl.float16)
+    y = tl.math.div_rn(x - tl.expand_dims(zero.to(tl.float32), AXIS), tl.expand_dims(scale.to(tl.float32), AXIS))
+    return tl.minimum(tl.maximum(round_half_even(y), 0.0), 15.0), scale, zero
+
+
+@triton.jit
+def pack4(codes, S: tl.constexpr, D: tl.constexpr):
+    """codes [S, D] (any shape of S*D elements) in 0..15 -> [S, D/2] bytes, even channel low."""
+    lo, hi = tl.split(codes.to(tl.uint8).reshape(S, D // 2, 2))
+    return lo | (hi << 4)
+
+
+@triton.jit
+def store_page(kq, ksp, kzp, vq, vsp, vzp, ph, xk, xv,
+               S: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr, QMAX: tl.constexpr,
+               ROUND: tl.constexpr, GROUP: tl.constexpr):
+    """Quantize one page-head, xk, xv [S, D] fp32, into row ph = page * H + head of the fields."""
+    s = tl.arange(0, S)
+    d = tl.arange(0, D)
+    if KIND == 1:
+        kc, ks = quant_sym(xk, 0, QMAX, ROUND)  # per channel over the page: ks [D]
+        vc, vs = quant_sym(xv, 1, QMAX, ROUND)  # per token: vs [S]
+        tok = (ph * S + s)[:, None] * D + d[None, :]
+        tl.store(kq + tok, kc.to(kq.dtype.element_ty))
+        tl.store(vq + tok, vc.to(vq.dtype.element_ty))
+        tl.store(ksp + ph * D + d, ks)
+        tl.store(vsp + ph * S + s, vs)
+    else:
+        NG: tl.constexpr = D // GROUP
+        kc, ks, kz = quant_asym4(xk, 0)  # ks, kz [D]
+        vc, vs, vz = quant_asym4(xv.reshape(S, NG, GROUP), 2)  # vs, vz [S, NG]
+        c = tl.arange(0, D // 2)
+        tok = (ph * S + s)[:, None] * (D // 2) + c[None, :]
+        tl.store(kq + tok, pack4(kc, S, D))
+        tl.store(vq + tok, pack4(vc, S, D))
+        tl.store(ksp + ph * D + d, ks)
+        tl.store(kzp + ph * D + d, kz)
+        g = (ph * S + s)[:, None] * NG + tl.arange(0, NG)[None, :]
+        tl.store(vsp + g, vs)
+        tl.store(vzp + g, vz)
+
+
+# --- attention ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def attend_block(acc, m, l, q, k, v, vs, visible, qk_scale, VSCALE: tl.constexpr):
+    """One online-softmax step in base 2. q [M, D], k, v [N, D] fp16; visible [M, N];
+    vs [N] per-key V scale (applied when VSCALE) folded into the probabilities;
+    acc [M, D], m, l [M] fp32; qk_scale = sm_scale * log2(e), applied in fp32 after the
+    dot so that fp16 q and K give exact products. Every row must see at least one key by
+    its first block (m stays finite). Returns acc, m, l and the base-2 logits."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N] fp32
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    if VSCALE:
+        pv = (p * vs[None, :]).to(tl.float16)
+    else:
+        pv = p.to(tl.float16)
+    acc = acc * alpha[:, None] + tl.dot(pv, v)
+    return acc, m_new, l, s

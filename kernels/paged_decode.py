@@ -1,0 +1,242 @@
+"""Paged decode attention: one query token per sequence over its K/V pages, any codec,
+dequantized in registers, flash-decoding split over the context.
+
+Pass 1 (grid B x H x splits): a program takes one sequence, one KV head with all of
+its query heads (GQA: the group's heads are the rows of one tensor-core tile), and one
+slice of the context; it writes a partial (out, lse) per split, or the final result
+when there is one split. Pass 2 merges the splits by their lse. The number of splits
+comes from shapes only (no host sync, so the call can be captured in a CUDA graph):
+enough programs to fill the GPU.
+
+H2O's per-key attention mass needs each key's probability under the final lse. Pass 1
+then also stores the base-2 logits [B, Hq, L] (4 bytes per query head and key, about
+1/8 of an int8 K page's bytes at group 4, D 128) and pass 3 reads them back with the
+lse: one extra write and read of the logits, no second read of K.
+
+Precision: q (times sm_scale), dequantized K/V and the probabilities enter the tensor
+cores as fp16 (codes are exact in fp16, dequantized values round once), accumulation is
+fp32. Values must lie within fp16's range, as the quantized codecs already require.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import quantize as ref
+from ._checks import INDEX_DTYPES, KIND, SIXTEEN_BIT, KernelArgError, check, check_device, check_pages, field_args
+from ._pages import attend_block, load_pages_f16
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _decode_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, lse, logits,
+                   qk_scale, bt_stride, split_tokens, max_len,
+                   H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
+                   KIND: tl.constexpr, GROUP: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
+                   MASS: tl.constexpr):
+    # q [B, Hq, D]; block_table [B, *]; out [B, Hq, D] (or [B, Hq, NS, D] fp32 if SPLIT);
+    # lse [B, Hq] natural log (or [B, Hq, NS] base 2 if SPLIT); logits [B, Hq, max_len] if MASS
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    ns = tl.num_programs(2)
+    BN: tl.constexpr = PAGES * S
+    seq_len = tl.load(seq_lens + b)
+    lo = sp * split_tokens
+    hi = tl.minimum(seq_len, lo + split_tokens)
+
+    r = tl.arange(0, GP)  # rows: query heads h*G .. h*G+G-1, padded to GP >= 16 for tl.dot
+    hq = h * G + r
+    row_ok = r < G
+    d = tl.arange(0, D)
+    qrow = b * (H * G) + hq
+    qv = tl.load(q + qrow[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    qh = qv.to(tl.float16)  # [GP, D]
+
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    bt = block_table + b.to(tl.int64) * bt_stride
+    for start in range(lo, hi, BN):
+        pi = start // S + tl.arange(0, PAGES)  # [PAGES] logical page index
+        n = start + tl.arange(0, BN)  # [BN] token positions
+        tok_ok = n < hi
+        page = tl.load(bt + pi, mask=pi * S < hi, other=0).to(tl.int64)
+        k, v, vs = load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, tok_ok.reshape(PAGES, S), h,
+                              H, S, D, PAGES, KIND, GROUP)
+        acc, m, l, s = attend_block(acc, m, l, qh, k, v, vs, tok_ok[None, :], qk_scale, KIND == 1)
+        if MASS:
+            tl.store(logits + qrow[:, None].to(tl.int64) * max_len + n[None, :], s,
+                     mask=row_ok[:, None] & tok_ok[None, :])
+
+    empty = l == 0.0  # split past the end of this sequence
+    o = acc / tl.where(empty, 1.0, l)[:, None]
+    lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))
+    if SPLIT:
+        prow = qrow.to(tl.int64) * ns + sp
+        tl.store(out + prow[:, None] * D + d[None, :], o, mask=row_ok[:, None])
+        tl.store(lse + prow, lse2, mask=row_ok)
+    else:
+        tl.store(out + qrow[:, None] * D + d[None, :], o.to(out.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(lse + qrow, lse2 * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(part_out, part_lse, out, lse, NS, D: tl.constexpr, NSP: tl.constexpr):
+    # grid (B * Hq,): part_out [B*Hq, NS, D] fp32, part_lse [B*Hq, NS] base 2 -> out [B*Hq, D], lse natural
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, NSP)
+    d = tl.arange(0, D)
+    ls = tl.load(part_lse + row * NS + i, mask=i < NS, other=float("-inf"))
+    mx = tl.max(ls, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(ls - mx)  # 0 for empty splits
+    tot = tl.sum(w, 0)
+    o = tl.load(part_out + (row * NS + i)[:, None] * D + d[None, :], mask=(i < NS)[:, None], other=0.0)
+    o = tl.sum(o * w[:, None], 0) / tl.where(tot == 0.0, 1.0, tot)
+    tl.store(out + row * D + d, o.to(out.dtype.element_ty))
+    tl.store(lse + row, tl.where(tot == 0.0, float("-inf"), (mx + tl.log2(tot)) * 0.6931471805599453))
+
+
+@triton.jit
+def _mass_kernel(logits, lse, seq_lens, mass, max_len, G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr):
+    # grid (B, H, cdiv(max_len, BLOCK)): mass[b, h, n] = sum_g 2^(logit[b, h*G+g, n] - lse2[b, h*G+g])
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    H = tl.num_programs(1)
+    n = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    r = tl.arange(0, GP)
+    qrow = (b * H + h) * G + r
+    ok = (n < tl.load(seq_lens + b))[None, :] & (r < G)[:, None]
+    lse2 = tl.load(lse + qrow, mask=r < G, other=0.0) * 1.4426950408889634
+    s = tl.load(logits + qrow[:, None].to(tl.int64) * max_len + n[None, :], mask=ok, other=float("-inf"))
+    p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
+    tl.store(mass + (b * H + h).to(tl.int64) * max_len + n, tl.sum(p, 0), mask=n < max_len)
+
+
+# Tile shapes: PAGES pages per loop step, warps per program, software-pipeline depth.
+DEFAULT_CONFIG = {"pages": 4, "num_warps": 4, "num_stages": 3}
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
+def num_splits(batch: int, heads: int, max_len: int, device: torch.device, block_tokens: int,
+               programs_per_sm: int = 4, min_split: int = 256) -> tuple[int, int]:
+    """(splits, tokens per split): about programs_per_sm programs per SM, splits no shorter
+    than min_split tokens, each a multiple of block_tokens."""
+    want = max(1, -(-programs_per_sm * _num_sms(device) // (batch * heads)))
+    want = min(want, max(1, max_len // min_split))
+    step = -(-max_len // want)
+    step = -(-step // block_tokens) * block_tokens
+    return -(-max_len // step), step
+
+
+def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 sm_scale: float | None = None, return_mass: bool = False, max_seq_len: int | None = None,
+                 config: dict | None = None):
+    """Decode attention of one new token per sequence over paged K/V.
+
+    q            [B, Hq, D] fp16/bf16, Hq = group * H
+    pages        one layer's page fields (layout of kernels/__init__.py): 16-bit, int8, fp8 or int4
+    block_table  [B, max_pages] int32: page ids of each sequence's logical pages
+    seq_lens     [B] int32: tokens of each sequence (may be 0), at most max_pages * S
+    sm_scale     default 1/sqrt(D)
+    max_seq_len  an upper bound of seq_lens known on the host; sizes the splits (default max_pages * S)
+    config       override of DEFAULT_CONFIG and of the split choice ('splits') for tuning
+    Returns out [B, Hq, D] in q's dtype, lse [B, Hq] fp32 (natural log of the sum of exp of the
+    scaled logits; -inf for an empty sequence), and with return_mass, mass [B, H, max_pages * S]
+    fp32: each key's probability summed over the group's query heads, 0 past seq_len.
+    """
+    codec, _, h, s, d = check_pages(pages)
+    check(q, "q", dtype=SIXTEEN_BIT, shape=(None, None, d))
+    b, hq, _ = q.shape
+    if hq % h:
+        raise KernelArgError(f"q has {hq} heads, not a multiple of the pages' {h} KV heads")
+    check(block_table, "block_table", dtype=INDEX_DTYPES, shape=(b, None), contiguous=False)
+    if block_table.stride(1) != 1:
+        raise KernelArgError("block_table rows must be contiguous (stride 1 along pages)")
+    check(seq_lens, "seq_lens", dtype=INDEX_DTYPES, shape=(b,))
+    dev = check_device(q, block_table, seq_lens, pages["k"])
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    g = hq // h
+    gp = max(16, triton.next_power_of_2(g))
+    bn = cfg["pages"] * s
+    max_len = block_table.shape[1] * s
+    span = max_len if max_seq_len is None else max(1, min(max_seq_len, max_len))
+    ns, step = num_splits(b, h, span, dev, bn)
+    if "splits" in cfg:
+        ns = cfg["splits"]
+        step = -(-(-(-span // ns)) // bn) * bn
+        ns = -(-span // step)
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+
+    out = torch.empty_like(q)
+    lse = torch.empty(b, hq, device=dev, dtype=torch.float32)
+    logits = torch.empty(b, hq, max_len, device=dev, dtype=torch.float32) if return_mass else lse
+    split = ns > 1
+    p_out = torch.empty(b, hq, ns, d, device=dev, dtype=torch.float32) if split else out
+    p_lse = torch.empty(b, hq, ns, device=dev, dtype=torch.float32) if split else lse
+    _decode_kernel[(b, h, ns)](q, *field_args(pages), block_table, seq_lens, p_out, p_lse, logits,
+                               scale * LOG2E, block_table.stride(0), step, max_len,
+                               H=h, G=g, GP=gp, S=s, D=d, KIND=KIND[codec], GROUP=ref.INT4_GROUP,
+                               PAGES=cfg["pages"], SPLIT=split, MASS=return_mass,
+                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split:
+        _combine_kernel[(b * hq,)](p_out, p_lse, out, lse, ns, D=d, NSP=max(2, triton.next_power_of_2(ns)),
+                                   num_warps=4)
+    if not return_mass:
+        return out, lse
+    mass = torch.empty(b, h, max_len, device=dev, dtype=torch.float32)
+    blk = 256
+    _mass_kernel[(b, h, triton.cdiv(max_len, blk))](logits, lse, seq_lens, mass, max_len, G=g, GP=gp, BLOCK=blk,
+                                                    num_warps=4)
+    return out, lse, mass
+
+
+def paged_decode_ref(q, pages, block_table, seq_lens, sm_scale=None, return_mass=False):
+    """Dense fp32 reference: dequantize each sequence's pages with kernels/quantize.py, softmax
+    attention in fp32. Returns out [B, Hq, D] fp32 (not rounded to q's dtype), lse, and mass."""
+    codec = {torch.int8: "int8", torch.float8_e4m3fn: "int8", torch.uint8: "int4"}.get(pages["k"].dtype, "16bit")
+    b, hq, d = q.shape
+    h, s = pages["k"].shape[1:3]
+    g = hq // h
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    max_len = block_table.shape[1] * s
+    out = torch.zeros(b, hq, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, hq), float("-inf"), device=q.device)
+    mass = torch.zeros(b, h, max_len, device=q.device)
+    for i in range(b):
+        n = int(seq_lens[i])
+        if n == 0:
+            continue
+        ids = block_table[i, : -(-n // s)].long()
+        sel = {name: t[ids] for name, t in pages.items()}
+        if codec == "16bit":
+            k, v = sel["k"].float(), sel["v"].float()
+        elif codec == "int8":
+            k, v = ref.decode_int8(sel)
+        else:
+            k, v = ref.decode_int4(sel)
+        k = k.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :n]  # [H, n, D]
+        v = v.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :n]
+        qi = q[i].float().reshape(h, g, d)
+        sc = torch.einsum("hgd,hnd->hgn", qi, k) * scale
+        lse[i] = torch.logsumexp(sc, -1).reshape(hq)
+        p = torch.softmax(sc, -1)
+        out[i] = torch.einsum("hgn,hnd->hgd", p, v).reshape(hq, d)
+        mass[i, :, :n] = p.sum(1)
+    return (out, lse, mass) if return_mass else (out, lse)

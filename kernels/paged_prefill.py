@@ -1,0 +1,116 @@
+"""Causal prefill attention of one chunk of queries over its sequence's pages, any
+codec, dequantized in registers (the same block loader and softmax step as decode).
+
+The chunk's T queries are the last T of the sequence's L tokens (their own K/V already
+written to the pages). GQA is packed into the rows of a tile: a program takes BLOCK_M
+consecutive (token, query head) pairs of one KV head, so each K/V block read serves the
+whole group. Query row (t, g) sees keys 0 .. L - T + t.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import quantize as ref
+from ._checks import INDEX_DTYPES, KIND, SIXTEEN_BIT, KernelArgError, check, check_device, check_pages, field_args
+from ._pages import attend_block, load_pages_f16
+from .paged_decode import LOG2E
+
+
+@triton.jit
+def _prefill_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, out, lse, qk_scale, T, L,
+                    H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr,
+                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PAGES: tl.constexpr):
+    # grid (cdiv(T * G, BLOCK_M), H); q, out [T, Hq, D]; lse [T, Hq]; block_table [max_pages]
+    h = tl.program_id(1)
+    f = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # flat (token, group head) index
+    row_ok = f < T * G
+    t = tl.where(row_ok, f // G, 0)
+    qrow = t.to(tl.int64) * (H * G) + h * G + f % G
+    d = tl.arange(0, D)
+    qh = tl.load(q + qrow[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(tl.float16)
+    lim = L - T + t + 1  # [BLOCK_M] keys visible to each row (>= 1, so key 0 makes m finite)
+    hi = tl.max(lim, 0)
+
+    BN: tl.constexpr = PAGES * S
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for start in range(0, hi, BN):
+        pi = start // S + tl.arange(0, PAGES)
+        n = start + tl.arange(0, BN)
+        tok_ok = n < hi
+        page = tl.load(block_table + pi, mask=pi * S < hi, other=0).to(tl.int64)
+        k, v, vs = load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, tok_ok.reshape(PAGES, S), h,
+                              H, S, D, PAGES, KIND, GROUP)
+        acc, m, l, s = attend_block(acc, m, l, qh, k, v, vs, n[None, :] < lim[:, None], qk_scale, KIND == 1)
+
+    tl.store(out + qrow[:, None] * D + d[None, :], (acc / l[:, None]).to(out.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(lse + qrow, (m + tl.log2(l)) * 0.6931471805599453, mask=row_ok)
+
+
+DEFAULT_CONFIG = {"block_m": 64, "pages": 4, "num_warps": 4, "num_stages": 2}
+
+
+def paged_prefill(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch.Tensor, seq_len: int,
+                  sm_scale: float | None = None, config: dict | None = None):
+    """Causal attention of a chunk's queries over one sequence's pages.
+
+    q            [T, Hq, D] fp16/bf16: the last T of the sequence's seq_len tokens
+    pages        one layer's page fields (layout of kernels/__init__.py): 16-bit, int8, fp8 or int4
+    block_table  [max_pages] int32: the sequence's page ids, max_pages * S >= seq_len
+    seq_len      L, tokens in the pages including the chunk's own
+    Returns out [T, Hq, D] in q's dtype and lse [T, Hq] fp32 (natural log).
+    """
+    codec, _, h, s, d = check_pages(pages)
+    check(q, "q", dtype=SIXTEEN_BIT, shape=(None, None, d))
+    t, hq, _ = q.shape
+    if hq % h:
+        raise KernelArgError(f"q has {hq} heads, not a multiple of the pages' {h} KV heads")
+    check(block_table, "block_table", dtype=INDEX_DTYPES, shape=(None,))
+    seq_len = int(seq_len)
+    if not t <= seq_len <= block_table.shape[0] * s:
+        raise KernelArgError(f"need T={t} <= seq_len={seq_len} <= max_pages*S={block_table.shape[0] * s}")
+    dev = check_device(q, block_table, pages["k"])
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    g = hq // h
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    out = torch.empty_like(q)
+    lse = torch.empty(t, hq, device=dev, dtype=torch.float32)
+    if t == 0:
+        return out, lse
+    grid = (triton.cdiv(t * g, cfg["block_m"]), h)
+    _prefill_kernel[grid](q, *field_args(pages), block_table, out, lse, scale * LOG2E, t, seq_len,
+                          H=h, G=g, S=s, D=d, KIND=KIND[codec], GROUP=ref.INT4_GROUP, BLOCK_M=cfg["block_m"],
+                          PAGES=cfg["pages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out, lse
+
+
+def paged_prefill_ref(q, pages, block_table, seq_len, sm_scale=None):
+    """Dense fp32 reference: dequantize with kernels/quantize.py, causal softmax attention in fp32.
+    Returns out [T, Hq, D] fp32 and lse [T, Hq]."""
+    t, hq, d = q.shape
+    h, s = pages["k"].shape[1:3]
+    g = hq // h
+    ids = block_table[: -(-seq_len // s)].long()
+    sel = {name: x[ids] for name, x in pages.items()}
+    if pages["k"].dtype in (torch.float16, torch.bfloat16):
+        k, v = sel["k"].float(), sel["v"].float()
+    elif pages["k"].dtype == torch.uint8:
+        k, v = ref.decode_int4(sel)
+    else:
+        k, v = ref.decode_int8(sel)
+    k = k.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :seq_len]  # [H, L, D]
+    v = v.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :seq_len]
+    qf = q.float().reshape(t, h, g, d).permute(1, 2, 0, 3)  # [H, g, T, D]
+    sc = torch.einsum("hgtd,hld->hgtl", qf, k) * (1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
+    pos_q = torch.arange(seq_len - t, seq_len, device=q.device)[:, None]
+    sc = sc.masked_fill(torch.arange(seq_len, device=q.device)[None, :] > pos_q, float("-inf"))
+    lse = torch.logsumexp(sc, -1)  # [H, g, T]
+    out = torch.einsum("hgtl,hld->hgtd", torch.softmax(sc, -1), v)
+    return out.permute(2, 0, 1, 3).reshape(t, hq, d), lse.permute(2, 0, 1).reshape(t, hq)
