@@ -115,6 +115,7 @@ def _mass_kernel(logits, lse, seq_lens, mass, max_len, G: tl.constexpr, GP: tl.c
     qrow = (b * H + h) * G + r
     ok = (n < tl.load(seq_lens + b))[None, :] & (r < G)[:, None]
     lse2 = tl.load(lse + qrow, mask=r < G, other=0.0) * 1.4426950408889634
+    lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # empty sequence: every key is masked anyway
     s = tl.load(logits + qrow[:, None].to(tl.int64) * max_len + n[None, :], mask=ok, other=float("-inf"))
     p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
     tl.store(mass + (b * H + h).to(tl.int64) * max_len + n, tl.sum(p, 0), mask=n < max_len)

@@ -1,0 +1,86 @@
+"""paged_decode against dense fp32 attention over the reference-dequantized pages."""
+
+import math
+
+import pytest
+import torch
+
+from kernels._checks import KernelArgError
+from kernels.paged_decode import paged_decode, paged_decode_ref
+
+from .conftest import DEVICE
+from .util import CODECS, make_pages, outlier_kv
+
+# ‖out − ref‖/‖ref‖. fp16 out: dequantized keys round to fp16 for the tensor cores, which the
+# ×20 outlier channels turn into ~1e-3; bf16 out adds its own rounding (~2e-3).
+TOL = {(torch.float16, False): 1e-3, (torch.float16, True): 2e-3,
+       (torch.bfloat16, False): 4e-3, (torch.bfloat16, True): 5e-3}
+
+
+def _case(codec, dtype, group, dim, seq_lens, heads=2, max_pages=10, seed=0):
+    b = len(seq_lens)
+    pages = make_pages(codec, b * max_pages + 3, heads, 16, dim, dtype, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    table = torch.randperm(b * max_pages + 3, generator=gen)[: b * max_pages].reshape(b, max_pages)
+    q, _ = outlier_kv((b, heads * group, dim), dtype, gen, outlier=1.0)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return q, pages, table.to(torch.int32).to(DEVICE), lens
+
+
+def _check(codec, dtype, q, pages, table, lens, **kw):
+    out, lse, mass = paged_decode(q, pages, table, lens, return_mass=True, **kw)
+    r_out, r_lse, r_mass = paged_decode_ref(q, pages, table, lens, return_mass=True,
+                                            sm_scale=kw.get("sm_scale"))
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert rel_ok(out, r_out, TOL[dtype, codec != "16bit"])
+    live = lens > 0
+    assert torch.allclose(lse[live], r_lse[live], rtol=2e-3, atol=1e-2 if codec != "16bit" else 1e-4)
+    assert torch.isneginf(lse[~live]).all() and (out[~live] == 0).all()
+    assert torch.allclose(mass, r_mass, atol=5e-3)
+
+
+def rel_ok(out, ref, tol):
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < tol, f"relative error {err:.2e} over {tol:.0e}"
+    return True
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("group", (1, 4, 8))
+@pytest.mark.parametrize("dim", (64, 128))
+def test_matches_reference(codec, group, dim):
+    # lengths: a partly filled last page, exactly one page, one token, an empty sequence
+    q, pages, table, lens = _case(codec, torch.float16, group, dim, [37, 16, 1, 0, 150])
+    _check(codec, torch.float16, q, pages, table, lens)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_bf16_and_forced_splits(codec):
+    # splits of 64 tokens: several per sequence, some past a sequence's end
+    q, pages, table, lens = _case(codec, torch.bfloat16, 4, 64, [150, 5, 97], seed=3)
+    _check(codec, torch.bfloat16, q, pages, table, lens, config={"splits": 3})
+
+
+def test_scale_and_max_seq_len():
+    q, pages, table, lens = _case("int8", torch.float16, 2, 64, [40, 33], seed=5)
+    _check("int8", torch.float16, q, pages, table, lens, sm_scale=0.3 / math.sqrt(64), max_seq_len=48)
+
+
+def test_errors():
+    q, pages, table, lens = _case("int4", torch.float16, 4, 64, [20, 3], seed=7)
+    with pytest.raises(KernelArgError, match="q must be"):
+        paged_decode(q.float(), pages, table, lens)
+    with pytest.raises(KernelArgError, match="multiple"):
+        paged_decode(q[:, :3].contiguous(), pages, table, lens)
+    with pytest.raises(KernelArgError, match="contiguous"):
+        paged_decode(q.transpose(0, 1).contiguous().transpose(0, 1), pages, table, lens)
+    with pytest.raises(KernelArgError, match="block_table must be"):
+        paged_decode(q, pages, table.to(torch.int16), lens)
+    with pytest.raises(KernelArgError, match="block_table must have shape"):
+        paged_decode(q, pages, table[:1], lens)
+    with pytest.raises(KernelArgError, match="seq_lens"):
+        paged_decode(q, pages, table, lens[:1])
+    with pytest.raises(KernelArgError, match="k_zero"):
+        paged_decode(q, {n: t for n, t in pages.items() if n != "k_zero"}, table, lens)
+    with pytest.raises(KernelArgError, match="v_scale"):
+        paged_decode(q, {**pages, "v_scale": pages["v_scale"].float()}, table, lens)
