@@ -87,7 +87,9 @@ class PublicKey:
         try:
             self._key.verify(signature, data)
         except InvalidSignature:
-            raise VerificationError("signature", f"Ed25519 signature by key {self.key_id[:16]}… does not verify") from None
+            raise VerificationError(
+                "signature", f"Ed25519 signature by key {self.key_id[:16]}... does not verify"
+            ) from None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, PublicKey) and other.raw == self.raw
@@ -129,32 +131,13 @@ class SigningKey:
         pem = self._key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
-        try:
-            fd = os.open(path, flags, 0o600)
-        except FileExistsError:
-            raise KeyFileError(f"{path} exists; refusing to overwrite a private key") from None
-        except OSError as exc:
-            raise KeyFileError(f"cannot create {path}: {exc}") from None
-        with os.fdopen(fd, "wb") as fh:
-            os.fchmod(fh.fileno(), 0o600)  # O_CREAT's mode does not apply to an existing file
-            fh.write(pem)
-            fh.flush()
-            os.fsync(fh.fileno())
+        write_private_file(path, pem, overwrite=overwrite)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "SigningKey":
+        data = read_private_file(path)
         try:
-            mode = os.stat(path).st_mode
-        except OSError as exc:
-            raise KeyFileError(f"cannot read private key {path}: {exc.strerror}") from None
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise KeyFileError(
-                f"private key {path} is accessible by group or others (mode {stat.S_IMODE(mode):04o});"
-                f" run `chmod 600 {path}`"
-            )
-        try:
-            key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+            key = serialization.load_pem_private_key(data, password=None)
         except (OSError, ValueError, TypeError) as exc:
             raise KeyFileError(f"{path} is not an unencrypted PEM private key: {exc}") from None
         if not isinstance(key, Ed25519PrivateKey):
@@ -168,6 +151,39 @@ class SigningKey:
 
     def __reduce__(self):
         raise TypeError("a SigningKey is not picklable: load it from its file in each process")
+
+
+def read_private_file(path: str | os.PathLike[str]) -> bytes:
+    """Read a secret file, refusing one that group or others could read or write."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise KeyFileError(f"cannot read private key {path}: {exc.strerror}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise KeyFileError(
+            f"private key {path} is accessible by group or others (mode {stat.S_IMODE(mode):04o});"
+            f" run `chmod 600 {path}`"
+        )
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise KeyFileError(f"cannot read private key {path}: {exc.strerror}") from None
+
+
+def write_private_file(path: str | os.PathLike[str], data: bytes, *, overwrite: bool = False) -> None:
+    """Create a secret file with mode 0600 (refusing to replace one unless told to)."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        raise KeyFileError(f"{path} exists; refusing to overwrite a private key") from None
+    except OSError as exc:
+        raise KeyFileError(f"cannot create {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "wb") as fh:
+        os.fchmod(fh.fileno(), 0o600)  # O_CREAT's mode does not apply to an existing file
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def rotation_details(new_key: PublicKey) -> dict[str, str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import fields as f
@@ -39,8 +39,9 @@ class Record:
     key_id: str
     sig: str = ""
     v: int = f.FORMAT_VERSION
-    # The leaf bytes, computed once: hashing, storing and exporting all need them.
+    # The leaf bytes and leaf hash, computed once: hashing, storing and exporting all need them.
     _leaf: bytes = field(default=b"", repr=False, compare=False)
+    _leaf_hash: bytes = field(default=b"", repr=False, compare=False)
 
     @property
     def ref(self) -> str:
@@ -68,10 +69,18 @@ class Record:
     def signing_bytes(self) -> bytes:
         return record_bytes(self.unsigned_dict())
 
-    def with_signature(self, sig: bytes) -> "Record":
-        signed = replace(self, sig=base64.b64encode(sig).decode("ascii"), _leaf=b"")
-        object.__setattr__(signed, "_leaf", record_bytes(signed.to_dict()))
-        return signed
+    def with_signature(self, sig: bytes, signing_bytes: bytes | None = None) -> "Record":
+        """The signed record. Given the signing bytes, the leaf bytes are spliced from them:
+        in key order `sig` sits right before `subject`, and the last `,"subject":{` of the
+        signing bytes is the top-level one (only pseudonyms, time and v follow it)."""
+        b64 = base64.b64encode(sig).decode("ascii")
+        if signing_bytes is None:
+            leaf = record_bytes({**self.unsigned_dict(), "sig": b64})
+        else:
+            cut = signing_bytes.rindex(b',"subject":{') + 1
+            leaf = b"".join((signing_bytes[:cut], b'"sig":"', b64.encode("ascii"), b'",', signing_bytes[cut:]))
+        return Record(self.origin, self.seq, self.time, self.op, self.subject, self.details, self.prev,
+                      self.key_id, b64, self.v, leaf)
 
     @property
     def signature(self) -> bytes:
@@ -92,7 +101,9 @@ class Record:
 
     @property
     def leaf_hash(self) -> bytes:
-        return hashlib.sha256(b"\x00" + self.leaf_bytes).digest()
+        if not self._leaf_hash:
+            object.__setattr__(self, "_leaf_hash", hashlib.sha256(b"\x00" + self.leaf_bytes).digest())
+        return self._leaf_hash
 
     @property
     def time_ms(self) -> int:

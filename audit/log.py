@@ -1,0 +1,363 @@
+"""The log writer: validates, signs and durably stores records in group commits.
+
+Callers' threads validate, so a bad record fails at the call. A signer thread
+drains the queue, signs everything queued as one batch and hands it to a
+committer thread, which stores it in one transaction and then answers every
+caller of the batch; the two overlap (Ed25519 signing releases the GIL while the
+previous batch commits). A write is acknowledged only after its commit, so
+acknowledged records survive kill -9.
+
+If another writer appended first, the committer loads its records and re-signs
+the batch on the new tail; the signer then restarts from the committed tail.
+Key rotations and forced checkpoints wait for the committer to go idle, so they
+act on a settled tail. Checkpoints are issued every `checkpoint_every` records
+or `checkpoint_interval_ms`, and before a rotation (so every record has a
+checkpoint signed by its own key).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from . import fields
+from .checkpoint import Checkpoint
+from .errors import AuditError, ChainConflictError, StoreError
+from .keys import SigningKey, rotation_details
+from .record import Record
+from .store import AuditStore, CheckpointEntry
+from .tree import HashTree
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    checkpoint_every: int = 1000
+    checkpoint_interval_ms: int = 1000
+    max_batch: int = 4096
+    cache_level: int = 8  # tree levels below this are re-read from the store (audit.tree)
+    conflict_retries: int = 20
+
+
+class _Waiter:
+    """One event for all records of an append/append_many call: a Future per record
+    costs more than signing it once thousands are pending."""
+
+    __slots__ = ("_lock", "_done", "_pending", "error")
+
+    def __init__(self, n: int) -> None:
+        self._lock, self._done, self._pending, self.error = threading.Lock(), threading.Event(), n, None
+
+    def finish(self, error: BaseException | None) -> None:
+        with self._lock:
+            self.error = self.error or error
+            self._pending -= 1
+            if self._pending == 0:
+                self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+@dataclass(slots=True)
+class _Item:
+    op: str
+    subject: dict[str, str]
+    details: dict[str, Any]
+    future: Future | None = None  # submit()
+    waiter: _Waiter | None = None  # append(), append_many()
+    result: Record | None = None
+    new_key: SigningKey | None = None  # a key rotation
+    checkpoint: bool = False  # a forced checkpoint
+
+    @property
+    def control(self) -> bool:
+        return self.new_key is not None or self.checkpoint
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None if self.future is None else self.future.done()
+
+    def resolve(self, record: Any = None, error: BaseException | None = None) -> None:
+        if self.future is not None:
+            self.future.set_exception(error) if error is not None else self.future.set_result(record)
+            return
+        self.result = record
+        if self.waiter is not None:
+            self.waiter.finish(error)
+
+
+_STOP = object()
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class AuditLog:
+    def __init__(self, store: AuditStore, origin: str, key: SigningKey,
+                 config: LogConfig = LogConfig(), *, clock: Callable[[], int] = _now_ms) -> None:
+        self.store, self.origin, self.config = store, fields.check_origin(origin), config
+        self._key, self._clock = key, clock
+        if not store.has_log(origin):
+            try:
+                store.create_log(origin, key.public_key, clock())
+            except Exception:
+                if not store.has_log(origin):  # not a lost creation race: a real failure
+                    raise
+        self.tree = HashTree(config.cache_level, lambda a, b: store.leaf_hashes(origin, a, b))
+        self._prev, self._active_key_id = fields.ZERO_HASH, store.keys(origin)[0].key.key_id
+        self._catch_up()
+        self._latest, self._cp_time = store.latest_checkpoint(origin), clock()
+        self._next_seq, self._next_prev = self.tree.size, self._prev  # the signer's (tentative) tail
+        self._resync = threading.Event()
+        self._failed: BaseException | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._commits: queue.Queue = queue.Queue(maxsize=2)
+        self._committer = threading.Thread(target=self._commit_loop, name=f"audit-commit[{origin}]", daemon=True)
+        self._signer = threading.Thread(target=self._sign_loop, name=f"audit-sign[{origin}]", daemon=True)
+        self._committer.start()
+        self._signer.start()
+
+    @classmethod
+    def open(cls, url: str, origin: str, key: SigningKey, config: LogConfig = LogConfig()) -> "AuditLog":
+        return cls(AuditStore(url), origin, key, config)
+
+    # -- callers' side -------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        """Records durably stored (and in the tree) so far."""
+        return self.tree.size
+
+    @property
+    def key(self) -> SigningKey:
+        return self._key
+
+    def submit(self, op: str, subject: dict[str, str] | None = None,
+               details: dict[str, Any] | None = None) -> "Future[Record]":
+        """Queue a record without waiting; the future resolves to it once it is durably stored."""
+        item = _Item(fields.check_op(op), fields.check_subject(subject), fields.check_details(details), Future())
+        self._enqueue([item])
+        return item.future
+
+    def append(self, op: str, subject: dict[str, str] | None = None,
+               details: dict[str, Any] | None = None) -> Record:
+        """Store one record; returns once it is durable."""
+        return self.append_many([(op, subject, details)])[0]
+
+    def append_many(self, items: Iterable[tuple[str, dict | None, dict | None]]) -> list[Record]:
+        """Store records in order; returns once all are durable (usually in one commit)."""
+        batch = [_Item(fields.check_op(op), fields.check_subject(subject), fields.check_details(details))
+                 for op, subject, details in items]
+        if not batch:
+            return []
+        waiter = _Waiter(len(batch))
+        for item in batch:
+            item.waiter = waiter
+        self._enqueue(batch)
+        waiter.wait()
+        return [item.result for item in batch]
+
+    def rotate_key(self, new_key: SigningKey) -> Record:
+        """The current key signs a key_rotation record naming `new_key`, which signs onward."""
+        item = _Item("key_rotation", {}, rotation_details(new_key.public_key), Future(), new_key=new_key)
+        self._enqueue([item])
+        return item.future.result()
+
+    def checkpoint(self) -> CheckpointEntry:
+        """A signed checkpoint of everything stored so far (issued now if needed)."""
+        item = _Item("", {}, {}, Future(), checkpoint=True)
+        self._enqueue([item])
+        return item.future.result()
+
+    def root(self, size: int | None = None) -> bytes:
+        return self.tree.root(size)
+
+    def inclusion_proof(self, seq: int, size: int | None = None) -> list[bytes]:
+        return self.tree.inclusion_proof(seq, size)
+
+    def consistency_proof(self, size1: int, size2: int | None = None) -> list[bytes]:
+        return self.tree.consistency_proof(size1, size2)
+
+    def close(self) -> None:
+        if self._signer.is_alive():
+            self._queue.put(_STOP)
+            self._signer.join()
+        self._committer.join()
+
+    def __enter__(self) -> "AuditLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _enqueue(self, items: list[_Item]) -> None:
+        if self._failed is not None:
+            raise StoreError(f"audit writer for {self.origin} stopped: {self._failed}")
+        if not self._signer.is_alive():
+            raise StoreError(f"audit log {self.origin} is closed")
+        self._queue.put(items)  # one queue entry per call, so a call's records share a commit
+
+    # -- signer thread -------------------------------------------------------------
+
+    def _sign_loop(self) -> None:
+        try:
+            while True:
+                due = self._cp_time + self.config.checkpoint_interval_ms - self._clock()
+                pending = self._next_seq > (0 if self._latest is None else self._latest.size)
+                try:
+                    first = self._queue.get(timeout=max(due, 0) / 1000 if pending else None)
+                except queue.Empty:
+                    self._settle()
+                    self._answer([], self._checkpoint)
+                    continue
+                batch = [first] if first is _STOP else list(first)
+                while batch[-1] is not _STOP and len(batch) < self.config.max_batch:
+                    try:
+                        more = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    batch.extend([more] if more is _STOP else more)
+                run: list[_Item] = []
+                for item in batch:
+                    if item is _STOP:
+                        self._hand_over(run)
+                        return
+                    if not item.control:
+                        run.append(item)
+                        continue
+                    self._hand_over(run)
+                    run = []
+                    self._settle()
+                    self._answer([item], self._control, item)
+                self._hand_over(run)
+        finally:
+            self._commits.put(_STOP)
+
+    def _hand_over(self, items: list[_Item]) -> None:
+        if not items:
+            return
+        if self._resync.is_set():  # a batch was re-signed: restart from the committed tail
+            self._settle()
+        records = self._answer(items, self._sign, items, self._next_seq, self._next_prev)
+        if records:
+            self._next_seq, self._next_prev = records[-1].seq + 1, records[-1].digest
+            self._commits.put((items, records))
+
+    def _settle(self) -> None:
+        """Wait until every handed-over batch is committed; then the signer's tail is the log's."""
+        self._commits.join()
+        self._resync.clear()
+        self._next_seq, self._next_prev = self.tree.size, self._prev
+
+    def _control(self, item: _Item) -> None:
+        if item.checkpoint:
+            item.resolve(self._checkpoint(force=True))
+            return
+        self._checkpoint(force=True)  # every record gets a checkpoint by its own key
+        self._commit([item], self._sign([item], self.tree.size, self._prev))
+        self._next_seq, self._next_prev = self.tree.size, self._prev
+
+    def _sign(self, items: list[_Item], seq: int, prev: str) -> list[Record]:
+        when, key = fields.format_time(self._clock()), self._key
+        records = []
+        for item in items:
+            r = Record(self.origin, seq, when, item.op, item.subject, item.details, prev, key.key_id)
+            data = r.signing_bytes()
+            r = r.with_signature(key.sign(data), data)
+            records.append(r)
+            prev, seq = r.digest, seq + 1
+        return records
+
+    # -- committer thread ----------------------------------------------------------
+
+    def _commit_loop(self) -> None:
+        while True:
+            job = self._commits.get()
+            try:
+                if job is _STOP:
+                    return
+                self._answer(job[0], self._commit, *job)
+            finally:
+                self._commits.task_done()
+
+    def _commit(self, items: list[_Item], records: list[Record]) -> None:
+        for _ in range(self.config.conflict_retries):
+            if self._active_key_id != self._key.key_id:
+                raise StoreError(f"log {self.origin} was rotated to key {self._active_key_id} by another writer")
+            if records[0].seq != self.tree.size or records[0].prev != self._prev:
+                records = self._sign(items, self.tree.size, self._prev)  # signed on a stale tail
+                self._resync.set()
+            rotation = items[-1].new_key
+            new_key = None if rotation is None else (rotation.public_key, records[-1].seq + 1, records[-1].seq)
+            try:
+                self.store.append(self.origin, records, self.tree.size, new_key)
+                break
+            except ChainConflictError:
+                self._catch_up()
+        else:
+            raise ChainConflictError(f"log {self.origin}: gave up after {self.config.conflict_retries} conflicts")
+        self.tree.extend([r.leaf_hash for r in records])
+        self._prev = records[-1].digest
+        if rotation is not None:
+            self._key, self._active_key_id = rotation, rotation.key_id
+        for item, record in zip(items, records):
+            item.resolve(record)
+        self._checkpoint()
+
+    def _catch_up(self) -> None:
+        """Load records other writers appended since our tail (or the whole log on open)."""
+        for seq, body, _sig, leaf in self.store.iter_bodies(self.origin, self.tree.size):
+            if seq != self.tree.size:
+                raise StoreError(f"log {self.origin} has a gap at seq {self.tree.size}")
+            self.tree.append(leaf)
+            data = body.encode("utf-8")
+            self._prev = hashlib.sha256(data).hexdigest()
+            if '"op":"key_rotation"' in body:
+                rotated = Record.from_leaf_bytes(data)
+                if rotated.op == "key_rotation":
+                    self._active_key_id = rotated.details["new_key_id"]
+
+    def _checkpoint(self, force: bool = False) -> CheckpointEntry | None:
+        size, now = self.tree.size, self._clock()
+        if self._latest is not None and self._latest.size == size:
+            return self._latest
+        done = 0 if self._latest is None else self._latest.size
+        if not force and (size == 0 or (size - done < self.config.checkpoint_every
+                                        and now - self._cp_time < self.config.checkpoint_interval_ms)):
+            return None
+        root = self.tree.root()
+        note = Checkpoint(self.origin, size, root).sign(self._key)
+        entry = CheckpointEntry(self.origin, size, root, now, self._key.key_id, note)
+        self.store.add_checkpoint(entry)
+        self._latest, self._cp_time = entry, now
+        return entry
+
+    def _answer(self, items: list[_Item], step: Callable[..., Any], *args: Any) -> Any:
+        """Run one step; on failure, fail its callers and keep serving (a database outage
+        or conflict is the callers' error, not the writer's death)."""
+        try:
+            return step(*args)
+        except BaseException as exc:
+            for item in items:
+                if not item.done:
+                    item.resolve(error=exc)
+            self._resync.set()  # the signer's tentative tail may include the failed batch
+            if not isinstance(exc, (AuditError, OSError)) and not _is_db_error(exc):
+                self._failed = exc
+                raise
+            return None
+
+
+def _is_db_error(exc: BaseException) -> bool:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    return isinstance(exc, SQLAlchemyError)

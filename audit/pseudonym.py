@@ -1,0 +1,114 @@
+"""Keyed pseudonyms of tenants, users and sessions, and crypto-shredding.
+
+For a subject of kind K with raw id R (docs/audit-format.md, "Pseudonyms"):
+
+    data      = K || 0x00 || scoped id     scoped id: tenant = T, user = T || 0x00 || U,
+                                           session = T || 0x00 || S (UTF-8, no NUL inside)
+    index     = HMAC-SHA256(index key, data)          locates the subject's secret row
+    secret    = 32 random bytes, row `index` of subject_keys
+    pseudonym = hex(HMAC-SHA256(secret, data))[:32]   what records carry (128 bits)
+
+Users and sessions are scoped by tenant, so the same user name in two tenants
+is two subjects. `shred` deletes the secret row. After that, nobody - not even
+someone holding the whole database, the index key and the signing keys - can
+recompute the pseudonym: it is an HMAC under 256 random bits that no longer
+exist anywhere, and the index is an HMAC under a different key. Asking again
+for the same subject creates a fresh secret, hence an unlinkable new pseudonym.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import time
+
+from .errors import RecordFormatError
+from .fields import SUBJECT_KINDS
+from .keys import read_private_file, write_private_file
+
+INDEX_KEY_BYTES = 32
+
+
+def generate_index_key(path: str | os.PathLike[str]) -> bytes:
+    """Create the server's index key file (mode 0600) and return the key."""
+    key = os.urandom(INDEX_KEY_BYTES)
+    write_private_file(path, key.hex().encode() + b"\n")
+    return key
+
+
+def load_index_key(path: str | os.PathLike[str]) -> bytes:
+    try:
+        key = bytes.fromhex(read_private_file(path).decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        key = b""
+    if len(key) != INDEX_KEY_BYTES:
+        raise RecordFormatError(f"{path} must hold {INDEX_KEY_BYTES} bytes as hex")
+    return key
+
+
+def subject_data(kind: str, raw_id: str, tenant: str | None = None) -> bytes:
+    """The bytes both HMACs run over: kind || 0x00 || scoped id."""
+    if kind not in SUBJECT_KINDS:
+        raise RecordFormatError(f"subject kind {kind!r} is not one of {SUBJECT_KINDS}")
+    parts = [raw_id] if kind == "tenant" else [tenant, raw_id]
+    if kind != "tenant" and tenant is None:
+        raise RecordFormatError(f"a {kind} pseudonym is scoped by its tenant: pass tenant=")
+    for part in parts:
+        if not isinstance(part, str) or not part or "\x00" in part:
+            raise RecordFormatError("subject ids must be non-empty strings without NUL")
+    return kind.encode() + b"\x00" + b"\x00".join(p.encode("utf-8") for p in parts)
+
+
+def pseudonym_of(secret: bytes, data: bytes) -> str:
+    return hmac.new(secret, data, hashlib.sha256).hexdigest()[:32]
+
+
+class Pseudonymizer:
+    """Turns raw subject ids into record pseudonyms, backed by a store's subject_keys table.
+
+    Nothing is cached: after `shred` in any process, no process can produce the old
+    pseudonym again. Callers compute a request's pseudonyms once and reuse them."""
+
+    def __init__(self, store, index_key: bytes) -> None:
+        if len(index_key) != INDEX_KEY_BYTES:
+            raise RecordFormatError(f"the index key must be {INDEX_KEY_BYTES} bytes")
+        self._store = store
+        self._index_key = index_key
+
+    def __repr__(self) -> str:
+        return "Pseudonymizer(<index key hidden>)"
+
+    def index(self, data: bytes) -> bytes:
+        return hmac.new(self._index_key, data, hashlib.sha256).digest()
+
+    def pseudonym(self, kind: str, raw_id: str, *, tenant: str | None = None) -> str:
+        """The subject's pseudonym, creating its secret on first use."""
+        data = subject_data(kind, raw_id, tenant)
+        secret = self._store.subject_secret(
+            self.index(data), kind, os.urandom(32), int(time.time() * 1000)
+        )
+        return pseudonym_of(secret, data)
+
+    def existing(self, kind: str, raw_id: str, *, tenant: str | None = None) -> str | None:
+        """The pseudonym if the subject has a secret, without creating one (erasure lookups)."""
+        data = subject_data(kind, raw_id, tenant)
+        secret = self._store.find_subject_secret(self.index(data))
+        return None if secret is None else pseudonym_of(secret, data)
+
+    def subject(self, tenant: str | None = None, user: str | None = None,
+                session: str | None = None) -> dict[str, str]:
+        """The `subject` object of a record for the ids given."""
+        out: dict[str, str] = {}
+        if tenant is not None:
+            out["tenant"] = self.pseudonym("tenant", tenant)
+        if user is not None:
+            out["user"] = self.pseudonym("user", user, tenant=tenant)
+        if session is not None:
+            out["session"] = self.pseudonym("session", session, tenant=tenant)
+        return out
+
+    def shred(self, kind: str, raw_id: str, *, tenant: str | None = None) -> bool:
+        """Destroy the subject's secret; True if there was one. Shredding a tenant does not
+        shred its users or sessions: erase those first, each by its own call."""
+        return self._store.delete_subject_secret(self.index(subject_data(kind, raw_id, tenant)))

@@ -1,0 +1,116 @@
+"""Record fields, the details rule, and canonical bytes (fast encoder vs the rfc8785 package)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import rfc8785
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from audit.canonical import MAX_SAFE_INTEGER, record_bytes
+from audit.errors import RecordFormatError
+from audit.fields import check_details, check_op, check_subject, format_time, parse_time
+from audit.keys import SigningKey
+from audit.record import Record
+
+KEY = SigningKey.from_seed(bytes(32))
+
+
+def make(seq=0, details=None, subject=None, op="evict") -> Record:
+    r = Record("kvguard.example/t", seq, "2025-01-31T12:00:00.123Z", op, subject or {}, details or {},
+               "0" * 64, KEY.key_id)
+    data = r.signing_bytes()
+    return r.with_signature(KEY.sign(data), data)
+
+
+def _ok(d) -> bool:
+    try:
+        check_details(d)
+        return True
+    except RecordFormatError:
+        return False
+
+
+keys = st.from_regex(r"[a-z][a-z0-9_]{0,10}", fullmatch=True).filter(lambda k: _ok({k: 1}))
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-MAX_SAFE_INTEGER, MAX_SAFE_INTEGER),
+    st.text(st.characters(exclude_categories=("Cs",)), max_size=40),
+)
+values = st.recursive(scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(keys, inner, max_size=4)), max_leaves=12)
+details_st = st.dictionaries(keys, values, max_size=5).filter(_ok)
+
+
+@settings(max_examples=300, deadline=None)
+@given(details=details_st, seq=st.integers(0, MAX_SAFE_INTEGER))
+def test_fast_encoder_matches_rfc8785(details, seq):
+    r = make(seq, details, {"user": "ab" * 16})
+    assert r.signing_bytes() == rfc8785.dumps(r.unsigned_dict())
+    assert r.leaf_bytes == rfc8785.dumps(r.to_dict())
+    assert Record.from_leaf_bytes(r.leaf_bytes) == r
+
+
+def test_escapes_and_unicode_match_rfc8785():
+    tricky = {"codec": "\u0000\u001f\"\\\u007f\u2028\ud7ff\ue000\U0001f600 é", "n": -(2**53 - 1)}
+    assert record_bytes(tricky) == rfc8785.dumps(tricky)
+
+
+@pytest.mark.parametrize("details", [
+    {"prompt": "hello"}, {"nested": {"text": "x"}}, {"token_ids": [1, 2]}, {"user_id": "alice"},
+    {"session_id": "s"}, {"tenant_id": "t"}, {"raw_bytes": 1}, {"input_text": "x"},
+    {"items": [{"messages": []}]}, {"ratio": 0.5}, {"big": 2**53}, {"s": "x" * 257},
+    {"Bad": 1}, {"a-b": 1}, {1: 2}, {"blob": b"x"}, {"d": {"e": {"f": {"g": {"h": 1}}}}},
+    {"many": list(range(4097))}, {"nan": float("nan")},
+])
+def test_details_that_look_like_content_are_refused(details):
+    with pytest.raises(RecordFormatError):
+        check_details(details)
+
+
+def test_details_accepts_digests_counts_codec():
+    d = {"pages": [1, 2, 3], "bytes": 65536, "codec": "int8", "digest": "ab" * 32, "num_tokens": 16,
+         "tier": {"from": "gpu", "to": "cpu"}, "ok": True, "note": None}
+    assert check_details(d) is d
+
+
+@pytest.mark.parametrize("op", ["", "Evict", "evict-1", "a" * 33, None, "évict"])
+def test_op_must_be_lowercase_word(op):
+    with pytest.raises(RecordFormatError):
+        check_op(op)
+
+
+@pytest.mark.parametrize("subject", [{"user": "alice"}, {"user": "AB" * 16}, {"email": "a" * 32}, ["x"]])
+def test_subject_only_holds_pseudonyms(subject):
+    with pytest.raises(RecordFormatError):
+        check_subject(subject)
+
+
+def test_time_round_trip():
+    assert format_time(1738324800123) == "2025-01-31T12:00:00.123Z"
+    assert parse_time("2025-01-31T12:00:00.123Z") == 1738324800123
+    for bad in ["2025-01-31T12:00:00Z", "2025-01-31T12:00:00.123+00:00", "2025-02-30T00:00:00.000Z", 5]:
+        with pytest.raises(RecordFormatError):
+            parse_time(bad)
+
+
+def test_non_canonical_bytes_are_refused():
+    r = make(details={"b": 1, "a": 2})
+    pretty = json.dumps(r.to_dict(), indent=1).encode()
+    with pytest.raises(RecordFormatError, match="canonical"):
+        Record.from_leaf_bytes(pretty)
+    duplicated = r.leaf_bytes.replace(b'{"details":{', b'{"details":{"a":2,', 1)
+    with pytest.raises(RecordFormatError):
+        Record.from_leaf_bytes(duplicated)
+    with pytest.raises(RecordFormatError, match="fields"):
+        Record.parse({**r.to_dict(), "extra": 1})
+
+
+def test_prev_and_leaf_hash_definitions():
+    import hashlib
+
+    r = make()
+    assert r.digest == hashlib.sha256(r.leaf_bytes).hexdigest()
+    assert r.leaf_hash == hashlib.sha256(b"\x00" + r.leaf_bytes).digest()
+    assert b'"sig":' not in r.signing_bytes() and b'"sig":' in r.leaf_bytes
