@@ -22,7 +22,7 @@ class CacheEvent:
     seq: SeqId | None
     subject: Subject
     pages: tuple[str, ...]  # "<pool>:<page>"
-    tokens: int
+    n_tokens: int  # tokens the operation touched ("tokens" alone would read as content)
     bytes: int
 
     def details(self) -> dict:
@@ -44,7 +44,7 @@ class PagesQuantized(CacheEvent):
 
 @dataclass(frozen=True, slots=True)
 class TokensEvicted(CacheEvent):
-    """One compaction: `tokens` evicted, `pages` freed (overwritten), `kept` tokens left."""
+    """One compaction: `n_tokens` evicted, `pages` freed (overwritten), `kept` tokens left."""
 
     op = "evict"
     evictor: str = ""

@@ -263,7 +263,7 @@ class CacheManager:
         self._release(HOT, old, seq.subject)
         self.events.emit(ev.PagesQuantized(
             seq=seq.id, subject=seq.subject, pages=tuple(_pid(MAIN, seq.pages[i].page) for i in todo),
-            tokens=len(todo) * self.cfg.page_size, bytes=len(todo) * main.page_bytes,
+            n_tokens=len(todo) * self.cfg.page_size, bytes=len(todo) * main.page_bytes,
             codec=self.codec.name, bytes_before=len(todo) * hot.page_bytes))
 
     def _release(self, pool_name: str, pages: list[PageId], subject: Subject) -> list[PageId]:
@@ -391,7 +391,7 @@ class CacheManager:
         seq.evicted += length - new_len
         seq.positional = False
         event = ev.TokensEvicted(
-            seq=seq.id, subject=seq.subject, pages=tuple(freed), tokens=length - new_len,
+            seq=seq.id, subject=seq.subject, pages=tuple(freed), n_tokens=length - new_len,
             bytes=sum(self.pools[r.where].page_bytes for r in old_refs)
             - sum(self.pools[r.where].page_bytes for r in new_refs),
             evictor=self.evictor.name, kept=new_len)
@@ -422,7 +422,7 @@ class CacheManager:
             moved.append(_pid(r.where, r.page))
             seq.pages[i] = PageRef(tier, key, r.where)
         self.events.emit(ev.PagesOffloaded(seq=seq.id, subject=seq.subject, pages=tuple(moved),
-                                           tokens=len(moved) * self.cfg.page_size, bytes=nbytes,
+                                           n_tokens=len(moved) * self.cfg.page_size, bytes=nbytes,
                                            src="device", dst=tier))
         return len(moved)
 
@@ -450,7 +450,7 @@ class CacheManager:
             finally:  # pages fetched before a failure are recorded too
                 if got:
                     self.events.emit(ev.PagesFetched(seq=seq.id, subject=seq.subject, pages=tuple(got),
-                                                     tokens=len(got) * self.cfg.page_size, bytes=nbytes,
+                                                     n_tokens=len(got) * self.cfg.page_size, bytes=nbytes,
                                                      src=tier, dst="device"))
 
     # --- free / erase ---------------------------------------------------------------------------
@@ -485,7 +485,7 @@ class CacheManager:
                 self.tiers[r.where].erase(str(r.page))
         del self._seqs[seq.id]
         self.events.emit(ev.SequenceFreed(seq=seq.id, subject=seq.subject, pages=tuple(freed),
-                                          tokens=max(seq.lengths), bytes=0))
+                                          n_tokens=max(seq.lengths), bytes=0))
 
     @_locked
     def erase_user(self, tenant: str, user: str) -> ev.SubjectErased:
@@ -506,7 +506,7 @@ class CacheManager:
             shared, tiers, prefix, n = shared + sh, tiers + t, prefix + p, n + 1
             tokens += max(seq.lengths)
         nbytes = sum(self.pools[p.split(":")[0]].page_bytes for p in freed)
-        event = ev.SubjectErased(seq=None, subject=who, pages=tuple(freed), tokens=tokens, bytes=nbytes,
+        event = ev.SubjectErased(seq=None, subject=who, pages=tuple(freed), n_tokens=tokens, bytes=nbytes,
                                  scope=scope, sequences=n, shared_pages=shared, tier_copies=tiers,
                                  prefix_entries=prefix)
         self.events.emit(event)

@@ -130,12 +130,12 @@ def test_each_operation_emits_exactly_its_events(alice):
     write(m, seq, 40)  # pages 1 and 2 fill (page 0 holds the sinks)
     evs = m.events.take_events()
     assert [e.op for e in evs] == ["quantize"]
-    assert evs[0].pages == ("main:0", "main:1") and evs[0].tokens == 32 and evs[0].codec == "int8"
+    assert evs[0].pages == ("main:0", "main:1") and evs[0].n_tokens == 32 and evs[0].codec == "int8"
     assert evs[0].bytes < evs[0].bytes_before
     m.attend(seq, 0, torch.randn(1, 4, 64).half())
     assert m.events.take_events() == []
     ev = m.compact(seq)
-    assert [e.op for e in m.events.take_events()] == ["evict"] and ev.tokens == 55 - 32
+    assert [e.op for e in m.events.take_events()] == ["evict"] and ev.n_tokens == 55 - 32
     assert m.compact(seq) is None and m.events.take_events() == []
     m.offload(seq, "cpu", max_pages=1)
     m.kv(seq, 0)

@@ -51,7 +51,7 @@ def test_compaction_keeps_sinks_window_and_budget(case, codec, alice):
     budget, sink = case["options"]["budget"], case["options"]["sink"]
     window = budget - sink if case["name"] == "streamingllm" else case["options"]["window"]
     assert ev is not None and ev.op == "evict"
-    assert m.length(seq) == budget and ev.kept == budget and ev.tokens == 150 - budget
+    assert m.length(seq) == budget and ev.kept == budget and ev.n_tokens == 150 - budget
     kk, vv = m.kv(seq, 0, dtype=torch.float32)
     tol = 1e-3 if codec == "fp16" else 0.05
     ref_k = k.float().transpose(0, 1)

@@ -1,0 +1,45 @@
+"""Dependencies of the routes: the sidecar, and bearer-token authentication with scopes."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from ..auth import Principal, authenticate
+from ..service import Sidecar
+from .problems import Problem
+
+bearer = HTTPBearer(auto_error=False, description="An API token from 'kvguard token create'")
+
+
+def get_sidecar(request: Request) -> Sidecar:
+    return request.app.state.sidecar
+
+
+SidecarDep = Annotated[Sidecar, Depends(get_sidecar)]
+
+
+def require(scope: str):
+    def check(sidecar: SidecarDep,
+              creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
+        if creds is None or creds.scheme.lower() != "bearer":
+            raise Problem(401, "Unauthorized", "send 'Authorization: Bearer <token>'",
+                          headers={"WWW-Authenticate": "Bearer"})
+        with sidecar.db() as db:
+            principal = authenticate(db, creds.credentials)
+        if principal is None:
+            raise Problem(401, "Unauthorized", "the token is unknown or revoked",
+                          headers={"WWW-Authenticate": "Bearer"})
+        if not principal.allows(scope):
+            raise Problem(403, "Forbidden", f"this token lacks the '{scope}' scope")
+        return principal
+
+    return check
+
+
+ErasureWrite = Annotated[Principal, Depends(require("erasure:write"))]
+ErasureRead = Annotated[Principal, Depends(require("erasure:read"))]
+AuditRead = Annotated[Principal, Depends(require("audit:read"))]
+Ingest = Annotated[Principal, Depends(require("ingest"))]

@@ -1,0 +1,81 @@
+"""Erasure requests: POST stores one durably and answers 202; GET shows its state and,
+once completed, the receipt that verifies offline."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Header, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..erasure import NewRequest
+from ..models import ErasureRequest
+from .deps import ErasureRead, ErasureWrite
+from .problems import Problem
+
+router = APIRouter(prefix="/v1/erasure-requests", tags=["erasure"])
+
+Id = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f]+$")]
+
+
+class ErasureIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: Id
+    user: Id | None = None
+    session: Id | None = None
+    legal_basis: Literal["gdpr-art17", "pipl-art47"]
+    reason: Annotated[str, Field(max_length=2000)] | None = None
+
+    @model_validator(mode="after")
+    def _one_target(self):
+        if (self.user is None) == (self.session is None):
+            raise ValueError("give exactly one of user or session")
+        return self
+
+
+class ErasureOut(BaseModel):
+    id: str
+    state: Literal["received", "executing", "completed", "failed"]
+    scope: str
+    legal_basis: str
+    tenant_pseudonym: str
+    subject_pseudonym: str
+    received_ms: int
+    deadline_ms: int
+    completed_ms: int | None = None
+    result: dict | None = None
+    receipt: dict | None = None
+    error: str | None = None
+
+
+def _out(row: ErasureRequest) -> ErasureOut:
+    return ErasureOut(
+        id=row.id, state=row.state, scope=row.scope, legal_basis=row.legal_basis,
+        tenant_pseudonym=row.tenant_pseudonym, subject_pseudonym=row.subject_pseudonym,
+        received_ms=row.received_ms, deadline_ms=row.deadline_ms, completed_ms=row.completed_ms,
+        result=json.loads(row.result_json) if row.result_json else None,
+        receipt=json.loads(row.receipt_json) if row.receipt_json else None, error=row.error)
+
+
+@router.post("", status_code=202, response_model=ErasureOut,
+             summary="Request the erasure of a user's or a session's data",
+             responses={200: {"description": "the request with this Idempotency-Key already exists"}})
+def create(body: ErasureIn, principal: ErasureWrite, request: Request, response: Response,
+           idempotency_key: Annotated[str, Header(min_length=8, max_length=200)]) -> ErasureOut:
+    service = request.app.state.erasure
+    row, new = service.create(NewRequest(body.tenant, body.user, body.session, body.legal_basis, body.reason),
+                              idempotency_key, principal.token_id)
+    if not new:
+        response.status_code = 200
+    response.headers["Location"] = f"/v1/erasure-requests/{row.id}"
+    return _out(row)
+
+
+@router.get("/{request_id}", response_model=ErasureOut, summary="An erasure request's state and receipt")
+def read(request_id: Annotated[str, Field(max_length=36)], _: ErasureRead, request: Request) -> ErasureOut:
+    row = request.app.state.erasure.get(request_id)
+    if row is None:
+        raise Problem(404, "Not Found", f"no erasure request {request_id}")
+    return _out(row)

@@ -1,0 +1,89 @@
+"""The internal API of inference processes (over the Unix socket, or loopback TCP):
+event batches in, erase commands out, acknowledgements back. Needs the `ingest` scope."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, ConfigDict, Field
+
+from .deps import Ingest, SidecarDep
+
+router = APIRouter(prefix="/internal/v1", tags=["ingest"])
+
+ClientId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
+Name = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class WireSubject(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tenant: Name
+    user: Name
+    session: Name
+
+
+class WireEvent(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    n: Annotated[int, Field(ge=0)]  # the process's event number, to drop resent duplicates
+    op: Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")]
+    subject: WireSubject
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class OpenSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    subject: WireSubject
+    opened_ms: Annotated[int, Field(ge=0)]
+
+
+class EventBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    client: ClientId
+    events: Annotated[list[WireEvent], Field(max_length=4096)] = Field(default_factory=list)
+    stats: dict[str, Any] = Field(default_factory=dict)
+    sessions: Annotated[list[OpenSession], Field(max_length=100_000)] | None = None
+
+
+class BatchAck(BaseModel):
+    recorded: int
+    up_to: int  # every event numbered up to this is durable
+    seqs: list[int]
+
+
+@router.post("/events", response_model=BatchAck, summary="Record a batch of cache events")
+async def events(batch: EventBatch, sidecar: SidecarDep, _: Ingest) -> BatchAck:
+    client = sidecar.registry.touch(batch.client)
+    client.stats = batch.stats or client.stats
+    if batch.sessions is not None:
+        client.sessions = {(s.subject.tenant, s.subject.user, s.subject.session): s.opened_ms
+                           for s in batch.sessions}
+    fresh = [e for e in sorted(batch.events, key=lambda e: e.n) if e.n > client.last_event_no]
+    t0 = time.perf_counter()
+    seqs = await asyncio.to_thread(sidecar.ingest.record_batch, batch.client,
+                                   [e.model_dump() for e in fresh]) if fresh else []
+    if fresh:
+        sidecar.metrics.sign_latency.observe(time.perf_counter() - t0)
+        for e in fresh:
+            sidecar.metrics.records.labels(e.op).inc()
+        client.last_event_no = fresh[-1].n
+    return BatchAck(recorded=len(seqs), up_to=client.last_event_no, seqs=seqs)
+
+
+@router.get("/commands", summary="Wait for erase commands (long poll)")
+async def commands(sidecar: SidecarDep, _: Ingest, client: Annotated[str, Query(pattern=r"^[A-Za-z0-9._-]{1,64}$")],
+                   wait: Annotated[float, Query(ge=0, le=30)] = 10.0) -> list[dict]:
+    return await sidecar.registry.take_commands(client, wait)
+
+
+class AckIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    client: ClientId
+    result: dict[str, Any]
+
+
+@router.post("/commands/{command_id}/ack", summary="Acknowledge an executed command")
+def ack(command_id: Annotated[str, Field(max_length=64)], body: AckIn, sidecar: SidecarDep, _: Ingest) -> dict:
+    return {"accepted": sidecar.registry.ack(body.client, command_id, body.result)}

@@ -1,0 +1,181 @@
+"""The inference side: streams a cache's events to the sidecar and carries out its
+erase commands.
+
+Events leave the decode loop through the cache's queue; a sender thread moves them
+into a pending buffer and posts them in batches, removing each only once the
+sidecar says it is durable. Nothing is dropped: when the sidecar is unreachable
+the buffer grows, and once it holds `max_pending` events new sequences are
+refused (`on_full="refuse"`) or wait (`on_full="block"`) until it drains, while
+open sequences keep decoding. A command thread long-polls for erase commands,
+erases under the cache's lock, waits until its own erase event is durable, and
+acknowledges with what was overwritten.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import httpx
+
+from ..cache import CacheManager
+from ..errors import KVGuardError
+from ..types import SeqId, Subject
+
+
+class SidecarUnavailable(KVGuardError):
+    """The sidecar has not confirmed recent events; new sequences are refused until it does."""
+
+
+class SidecarClient:
+    def __init__(self, cache: CacheManager, *, token: str, socket: str | Path | None = None,
+                 url: str | None = None, client_id: str | None = None, max_pending: int = 50_000,
+                 on_full: Literal["block", "refuse"] = "block", batch: int = 1024, interval_s: float = 0.05,
+                 block_timeout_s: float = 60.0):
+        if (socket is None) == (url is None):
+            raise ValueError("give exactly one of socket (Unix socket path) or url (loopback http://...)")
+        self.cache = cache
+        self.client_id = client_id or f"proc-{uuid.uuid4().hex[:12]}"
+        transport = httpx.HTTPTransport(uds=str(socket)) if socket else None
+        self._http = httpx.Client(base_url=url or "http://sidecar", transport=transport, timeout=40.0,
+                                  headers={"Authorization": f"Bearer {token}"})
+        self.max_pending, self.on_full, self.batch = max_pending, on_full, batch
+        self.interval_s, self.block_timeout_s = interval_s, block_timeout_s
+        self._pending: deque[dict] = deque()
+        self._next_no = 0
+        self._durable_no = -1
+        self._opened: dict[SeqId, tuple[Subject, int]] = {}
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self.connected = False
+        self.erasures: list[dict] = []  # results of executed commands, for the serving process's own use
+        self._threads = [threading.Thread(target=self._send_loop, name="kvguard-events", daemon=True),
+                         threading.Thread(target=self._command_loop, name="kvguard-commands", daemon=True)]
+
+    def start(self) -> "SidecarClient":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def close(self, flush_timeout_s: float = 10.0) -> None:
+        self.flush(flush_timeout_s)
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=45)
+        self._http.close()
+
+    def __enter__(self) -> "SidecarClient":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- the serving process's side --------------------------------------------------------------
+
+    def open(self, subject: Subject, tokens: Sequence[int] | None = None) -> SeqId:
+        """Open a sequence, applying back-pressure when events are not being recorded."""
+        with self._cond:
+            if len(self._pending) >= self.max_pending:
+                if self.on_full == "refuse":
+                    raise SidecarUnavailable(f"{len(self._pending)} events await the sidecar; "
+                                             "refusing new sequences until they are recorded")
+                if not self._cond.wait_for(lambda: len(self._pending) < self.max_pending, self.block_timeout_s):
+                    raise SidecarUnavailable("the sidecar did not record pending events in time")
+        seq = self.cache.open(subject, tokens)
+        self._opened[seq] = (subject, time.time_ns() // 1_000_000)
+        return seq
+
+    def free(self, seq: SeqId) -> None:
+        self.cache.free(seq)
+        self._opened.pop(seq, None)
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every event emitted so far is durable in the audit log."""
+        self._collect()
+        target = self._next_no - 1
+        with self._cond:
+            return self._cond.wait_for(lambda: self._durable_no >= target, timeout_s)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    # --- threads ----------------------------------------------------------------------------------
+
+    def _collect(self) -> None:
+        events = self.cache.events.take_events()
+        if not events:
+            return
+        with self._cond:
+            for e in events:
+                s = e.subject
+                self._pending.append({"n": self._next_no, "op": e.op,
+                                      "subject": {"tenant": s.tenant, "user": s.user, "session": s.session},
+                                      "details": e.details()})
+                self._next_no += 1
+
+    def _send_loop(self) -> None:
+        backoff = self.interval_s
+        while not self._stop.is_set():
+            self._collect()
+            with self._cond:
+                batch = list(self._pending)[: self.batch]
+            live = [s for s in self._opened if s in set(self.cache.sequences())]
+            self._opened = {s: self._opened[s] for s in live}
+            body = {"client": self.client_id, "events": batch, "stats": self._stats(),
+                    "sessions": [{"subject": {"tenant": sub.tenant, "user": sub.user, "session": sub.session},
+                                  "opened_ms": t} for sub, t in self._opened.values()]}
+            try:
+                r = self._http.post("/internal/v1/events", json=body)
+                r.raise_for_status()
+                up_to = int(r.json()["up_to"])
+                with self._cond:
+                    while self._pending and self._pending[0]["n"] <= up_to:
+                        self._pending.popleft()
+                    self._durable_no = max(self._durable_no, up_to)
+                    self._cond.notify_all()
+                self.connected, backoff = True, self.interval_s
+                if len(self._pending) >= self.batch:
+                    continue  # more waiting: no pause
+            except (httpx.HTTPError, KeyError, ValueError):
+                self.connected = False
+                backoff = min(backoff * 2, 2.0)
+            self._stop.wait(backoff)
+
+    def _stats(self) -> dict:
+        st = self.cache.stats()
+        return {"codec": st.codec, "pages_used": st.pages_used, "pages_offloaded": st.pages_offloaded,
+                "tokens_held": st.tokens_held}
+
+    def _command_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                r = self._http.get("/internal/v1/commands", params={"client": self.client_id, "wait": 5})
+                r.raise_for_status()
+                for cmd in r.json():
+                    self._execute(cmd)
+            except httpx.HTTPError:
+                self._stop.wait(1.0)
+
+    def _execute(self, cmd: dict) -> None:
+        if cmd.get("kind") != "erase":
+            return
+        if cmd["scope"] == "user":
+            event = self.cache.erase_user(cmd["tenant"], cmd["target"])
+        else:
+            event = self.cache.erase_session(cmd["tenant"], cmd["target"])
+        self._opened = {s: v for s, v in self._opened.items() if s in set(self.cache.sequences())}
+        # acknowledge only once our own erase event is durable in the log
+        while not self.flush(5.0) and not self._stop.is_set():
+            pass
+        result = {"pages": len(event.pages), "bytes": event.bytes, "sequences": event.sequences,
+                  "shared_pages": event.shared_pages, "tier_copies": event.tier_copies,
+                  "prefix_entries": event.prefix_entries}
+        self.erasures.append(result)
+        self._http.post(f"/internal/v1/commands/{cmd['id']}/ack",
+                        json={"client": self.client_id, "result": result}).raise_for_status()

@@ -1,0 +1,68 @@
+"""Prometheus metrics of the sidecar, on a registry of its own."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from sqlalchemy import func, select
+
+from .models import ErasureRequest
+
+if TYPE_CHECKING:
+    from .service import Sidecar
+
+
+class Metrics:
+    def __init__(self, sidecar: "Sidecar") -> None:
+        self.sc = sidecar
+        r = self.registry = CollectorRegistry()
+        self.records = Counter("kvguard_audit_records_written", "Audit records signed and stored", ["op"],
+                               registry=r)
+        self.sign_latency = Histogram("kvguard_audit_write_seconds",
+                                      "Time from an event batch's arrival to its records being durable",
+                                      registry=r, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
+        self.erasures_received = Counter("kvguard_erasure_requests_received", "Erasure requests stored",
+                                         registry=r)
+        self.erasures_completed = Counter("kvguard_erasure_requests_completed", "Erasure requests completed",
+                                          registry=r)
+        self.by_state = Gauge("kvguard_erasure_requests", "Erasure requests by state", ["state"], registry=r)
+        self.overdue = Gauge("kvguard_erasure_requests_overdue", "Open erasure requests past their deadline",
+                             registry=r)
+        self.pages = Gauge("kvguard_cache_pages", "KV pages held by connected processes", ["tier", "codec"],
+                           registry=r)
+        self.processes = Gauge("kvguard_inference_processes_live", "Inference processes seen recently",
+                               registry=r)
+
+    def render(self) -> bytes:
+        origin = self.sc.settings.origin
+        with self.sc.db() as db:
+            counts = dict(db.execute(select(ErasureRequest.state, func.count()).where(
+                ErasureRequest.origin == origin).group_by(ErasureRequest.state)).all())
+            overdue = db.scalar(select(func.count()).select_from(ErasureRequest).where(
+                ErasureRequest.origin == origin, ErasureRequest.state.in_(("received", "executing")),
+                ErasureRequest.deadline_ms < int(time.time() * 1000)))
+        for state in ("received", "executing", "completed", "failed"):
+            self.by_state.labels(state).set(counts.get(state, 0))
+        self.overdue.set(overdue or 0)
+        self.pages.clear()
+        live = self.sc.registry.live()
+        self.processes.set(len(live))
+        totals: dict[tuple[str, str], int] = {}
+        for c in live:
+            for (tier, codec), n in _pages(c.stats).items():
+                totals[(tier, codec)] = totals.get((tier, codec), 0) + n
+        for (tier, codec), n in totals.items():
+            self.pages.labels(tier, codec).set(n)
+        return generate_latest(self.registry)
+
+
+def _pages(stats: dict) -> dict[tuple[str, str], int]:
+    out = {}
+    codec = str(stats.get("codec", "unknown"))
+    for pool, n in (stats.get("pages_used") or {}).items():
+        out[("device", "fp16" if pool == "hot" else codec)] = int(n)
+    for tier, n in (stats.get("pages_offloaded") or {}).items():
+        out[(str(tier), codec)] = int(n)
+    return out

@@ -1,0 +1,49 @@
+"""The sidecar's own tables: admin API tokens and erasure requests.
+
+Neither holds a raw subject id: a pending request keeps its ids sealed
+(AES-GCM under a key in the data directory) until it completes, and then the
+sealed blob is wiped; queries go by pseudonym.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import BigInteger, Boolean, Integer, LargeBinary, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class ApiToken(Base):
+    __tablename__ = "api_tokens"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(100))
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    scopes: Mapped[str] = mapped_column(String(200))  # space separated
+    created_ms: Mapped[int] = mapped_column(BigInteger)
+    revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class ErasureRequest(Base):
+    __tablename__ = "erasure_requests"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    origin: Mapped[str] = mapped_column(String(255), index=True)
+    idempotency_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    scope: Mapped[str] = mapped_column(String(16))  # user | session | retention
+    legal_basis: Mapped[str] = mapped_column(String(32))
+    reason_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    tenant_pseudonym: Mapped[str] = mapped_column(String(64))
+    subject_pseudonym: Mapped[str] = mapped_column(String(64), index=True)
+    sealed_subject: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    state: Mapped[str] = mapped_column(String(16), index=True)  # received | executing | completed | failed
+    received_ms: Mapped[int] = mapped_column(BigInteger)
+    deadline_ms: Mapped[int] = mapped_column(BigInteger)
+    completed_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    result_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    receipt_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    record_seq: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -1,0 +1,100 @@
+"""The sidecar's state: settings, signing key, audit log, pseudonyms, sealed requests.
+
+Keys live in the data directory, mode 0600: the Ed25519 signing key, the index
+key of the pseudonyms, and the key that seals the subject ids of a pending
+erasure request. None of them is ever logged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from sqlalchemy import text
+from sqlalchemy.orm import Session, sessionmaker
+
+from audit.keys import SigningKey, read_private_file, write_private_file
+from audit.log import AuditLog, LogConfig
+from audit.pseudonym import Pseudonymizer, generate_index_key, load_index_key
+from audit.store import AuditStore, check_current, make_engine, migrate
+
+from .auth import any_admin_token
+from .ingest import Ingestor
+from .logs import log
+from .metrics import Metrics
+from .registry import Registry
+from .settings import Settings, check_secure
+
+
+def _key_file(path: Path, make) -> bytes:
+    if path.exists():
+        return read_private_file(path)
+    data = make()
+    write_private_file(path, data)
+    return data
+
+
+class Sidecar:
+    def __init__(self, settings: Settings, *, migrate_db: bool = True) -> None:
+        self.settings = s = settings
+        s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.engine = make_engine(s.db_url)
+        if migrate_db:
+            migrate(s.db_url)
+        check_current(s.db_url)
+        self.sessions = sessionmaker(self.engine, expire_on_commit=False)
+        with self.sessions() as db:
+            check_secure(s, tokens_exist=any_admin_token(db))
+        key_path = s.signing_key_path
+        if not key_path.exists():
+            SigningKey.generate().save(key_path)
+            log.info("signing key created", path=str(key_path))
+        self.key = SigningKey.load(key_path)  # refuses a file others can read
+        index_path = s.data_dir / "index.key"
+        index_key = load_index_key(index_path) if index_path.exists() else generate_index_key(index_path)
+        self._seal = AESGCM(_key_file(s.data_dir / "seal.key", lambda: AESGCM.generate_key(256)))
+        self.store = AuditStore(self.engine)
+        self.log = AuditLog(self.store, s.origin, self.key,
+                            LogConfig(checkpoint_every=s.checkpoint_every, checkpoint_interval_ms=s.checkpoint_ms))
+        self.pseudonyms = Pseudonymizer(self.store, index_key)
+        self.ingest = Ingestor(self.log, self.pseudonyms)
+        self.registry = Registry()
+        self.metrics = Metrics(self)
+        log.info("sidecar ready", origin=s.origin, key_id=self.key.key_id, database=self.engine.url.get_backend_name())
+
+    def db(self) -> Session:
+        return self.sessions()
+
+    # --- sealing of pending subject ids ---------------------------------------------------------
+
+    def seal(self, obj: dict) -> bytes:
+        nonce = os.urandom(12)
+        return nonce + self._seal.encrypt(nonce, json.dumps(obj).encode(), b"kvguard-erasure")
+
+    def unseal(self, blob: bytes) -> dict:
+        return json.loads(self._seal.decrypt(blob[:12], blob[12:], b"kvguard-erasure"))
+
+    # --- health ---------------------------------------------------------------------------------
+
+    def readiness(self) -> dict[str, str]:
+        """What /readyz reports; a value other than 'ok' makes it fail."""
+        out = {}
+        try:
+            with self.engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+            out["database"] = "ok"
+        except Exception as e:  # noqa: BLE001 - any failure means not ready
+            out["database"] = f"unreachable: {type(e).__name__}"
+        try:
+            check_current(self.settings.db_url)
+            out["migrations"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            out["migrations"] = str(e)[:200]
+        out["signing_key"] = "ok" if self.key is not None else "missing"
+        return out
+
+    def close(self) -> None:
+        self.log.close()
+        self.engine.dispose()

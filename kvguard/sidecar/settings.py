@@ -1,0 +1,95 @@
+"""The daemon's settings: environment (KVGUARD_*) over a YAML file over defaults.
+
+Outside development, insecure configurations are refused at start: see `check_secure`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
+
+from ..errors import ConfigError
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVGUARD_", extra="forbid")
+
+    environment: Literal["development", "production"] = "production"
+    data_dir: Path = Path("./.data")
+    database_url: str | None = None  # default: SQLite in data_dir
+    key_file: Path | None = None  # default: data_dir/signing.key
+    origin: str = Field(default_factory=lambda: f"kvguard.local/{socket.gethostname()}")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8470, ge=0, le=65535)
+    ingest_socket: Path | None = None  # Unix socket for inference clients; default data_dir/ingest.sock
+    checkpoint_every: int = Field(default=256, ge=1)
+    checkpoint_ms: int = Field(default=1000, ge=10)
+    gdpr_deadline_days: int = Field(default=30, ge=1)
+    pipl_deadline_hours: int = Field(default=72, ge=1)  # "without undue delay": configurable
+    erasure_ack_timeout_s: float = Field(default=30.0, gt=0)
+    retention_max_age_s: float | None = Field(default=None, gt=0)  # from the policy; None = no limit
+    retention_check_s: float = Field(default=60.0, gt=0)
+    log_format: Literal["json", "console", "auto"] = "auto"
+    log_level: str = "info"
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings, env_settings,
+                                   dotenv_settings, file_secret_settings) -> tuple[PydanticBaseSettingsSource, ...]:
+        yaml_file = os.environ.get("KVGUARD_CONFIG")
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if yaml_file:
+            if not Path(yaml_file).is_file():
+                raise ConfigError(f"KVGUARD_CONFIG points to {yaml_file}, which is not a readable file")
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
+        return tuple(sources)
+
+    @field_validator("origin")
+    @classmethod
+    def _origin(cls, v: str) -> str:
+        if not v or any(c.isspace() for c in v) or len(v) > 200:
+            raise ValueError("origin must be a non-empty name without whitespace (the log's C2SP origin line)")
+        return v
+
+    # --- derived paths ----------------------------------------------------------------------------
+
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.data_dir / 'audit.db').resolve()}"
+
+    @property
+    def signing_key_path(self) -> Path:
+        return self.key_file or self.data_dir / "signing.key"
+
+    @property
+    def secrets_path(self) -> Path:
+        """Index key for pseudonyms and the key that seals pending erasure requests."""
+        return self.data_dir / "sidecar.secrets"
+
+    @property
+    def socket_path(self) -> Path:
+        return self.ingest_socket or self.data_dir / "ingest.sock"
+
+    @property
+    def development(self) -> bool:
+        return self.environment == "development"
+
+
+def check_secure(settings: Settings, *, tokens_exist: bool) -> None:
+    """Refuse to start with an insecure configuration outside development."""
+    if settings.development:
+        return
+    problems = []
+    if not tokens_exist:
+        problems.append("no admin API token exists: create one with 'kvguard token create --scope admin'")
+    if settings.host not in ("127.0.0.1", "::1", "localhost") and not os.environ.get("KVGUARD_BEHIND_TLS_PROXY"):
+        problems.append(f"the admin API would listen on {settings.host} without TLS: bind to loopback behind a "
+                        "TLS-terminating proxy and set KVGUARD_BEHIND_TLS_PROXY=1")
+    if settings.database_url and settings.database_url.startswith("postgresql") and "password=" in settings.database_url:
+        problems.append("the database password is in the URL: use a PGPASSFILE or a secret-mounted service file")
+    if problems:
+        raise ConfigError("refusing to start in production: " + "; ".join(problems))

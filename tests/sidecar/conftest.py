@@ -1,0 +1,112 @@
+"""Real sidecar processes on loopback, over SQLite and over PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pg_database():
+    """A PostgreSQL database of its own, dropped afterwards."""
+    name = f"kvguard_sidecar_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    with admin.connect() as c:
+        c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@dataclass
+class Server:
+    url: str
+    socket: Path
+    data_dir: Path
+    db_url: str
+    tokens: dict[str, str]
+    proc: subprocess.Popen
+    env: dict
+
+    def client(self, scope: str | None = "admin") -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.tokens[scope]}"} if scope else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def kvguard(args: list[str], env: dict) -> str:
+    r = subprocess.run([sys.executable, "-m", "kvguard", *args], env=env, capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def start_server(tmp: Path, db_url: str, *, tokens: dict | None = None, extra_env: dict | None = None) -> Server:
+    data = tmp / "data"
+    env = {**os.environ, "KVGUARD_DATA_DIR": str(data), "KVGUARD_DATABASE_URL": db_url,
+           "KVGUARD_ORIGIN": f"test.kvguard/{uuid.uuid4().hex[:8]}", "KVGUARD_LOG_FORMAT": "json",
+           "KVGUARD_ERASURE_ACK_TIMEOUT_S": "20", **(extra_env or {})}
+    if tokens is None:
+        tokens = {}
+        for scope in ("admin", "ingest", "erasure:write", "erasure:read", "audit:read"):
+            tokens[scope] = kvguard(["token", "create", "--scope", scope, "--name", scope.replace(":", "-")], env)
+    port = free_port()
+    env["KVGUARD_PORT"] = str(port)
+    log = open(tmp / "serve.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "kvguard", "serve"], env=env, cwd=ROOT, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"kvguard serve exited: {(tmp / 'serve.log').read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/readyz", timeout=1).status_code == 200 and (data / "ingest.sock").exists():
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        raise AssertionError("kvguard serve did not become ready")
+    return Server(url, data / "ingest.sock", data, db_url, tokens, proc, env)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'audit.db'}"
+    return request.getfixturevalue("pg_database")
+
+
+@pytest.fixture
+def server(tmp_path, db_url):
+    s = start_server(tmp_path, db_url)
+    yield s
+    s.stop()
