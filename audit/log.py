@@ -115,6 +115,8 @@ class AuditLog:
         self.tree = HashTree(config.cache_level, lambda a, b: store.leaf_hashes(origin, a, b))
         self._prev, self._active_key_id = fields.ZERO_HASH, store.keys(origin)[0].key.key_id
         self._catch_up()
+        if self._active_key_id != key.key_id:
+            raise StoreError(f"log {origin} is signed by key {self._active_key_id} now; open it with that key")
         self._latest, self._cp_time = store.latest_checkpoint(origin), clock()
         self._next_seq, self._next_prev = self.tree.size, self._prev  # the signer's (tentative) tail
         self._resync = threading.Event()

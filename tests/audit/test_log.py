@@ -1,0 +1,126 @@
+"""The writer: batching, futures, checkpoints every N records / T ms, rotation, proofs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from audit.checkpoint import open_checkpoint
+from audit.errors import RecordFormatError, StoreError, VerificationError
+from audit.keys import SigningKey
+from audit.merkle import leaf_hash, verify_consistency, verify_inclusion
+from audit.record import Record
+from audit.verify import verify_store
+from audit_testlib import fill, open_log
+
+
+def test_append_returns_the_stored_signed_record(audit_log, store, origin, signing_key):
+    r = audit_log.append("quantize", {"tenant": "ab" * 16}, {"pages": [3], "codec": "int8"})
+    assert (r.seq, r.prev, r.key_id) == (0, "0" * 64, signing_key.key_id)
+    signing_key.public_key.verify(r.signature, r.signing_bytes())
+    assert store.record(origin, 0) == r
+    r2 = audit_log.append("evict")
+    assert r2.prev == r.digest
+
+
+def test_submit_and_append_many_keep_order(audit_log):
+    futures = [audit_log.submit("evict", None, {"n": i}) for i in range(50)]
+    many = audit_log.append_many([("offload", {}, {"n": i}) for i in range(50)])
+    seqs = [f.result(timeout=10).seq for f in futures] + [r.seq for r in many]
+    assert seqs == list(range(100))
+    assert [r.details["n"] for r in many] == list(range(50))
+    assert audit_log.append_many([]) == []
+
+
+def test_bad_records_fail_at_the_call(audit_log):
+    with pytest.raises(RecordFormatError):
+        audit_log.append("evict", {}, {"prompt": "secret text"})
+    with pytest.raises(RecordFormatError):
+        audit_log.submit("Evict!")
+    with pytest.raises(RecordFormatError):
+        audit_log.append("evict", {"user": "alice"})
+    assert audit_log.size == 0
+
+
+def test_checkpoint_every_n_records(store, origin, signing_key):
+    with open_log(store, origin, signing_key, checkpoint_every=10, max_batch=7) as log:
+        for _ in range(5):
+            fill(log, 7)
+    sizes = [cp.size for cp in store.checkpoints(origin)]
+    assert sizes and all(b - a >= 10 for a, b in zip([0] + sizes, sizes))
+    for cp in store.checkpoints(origin):
+        c = open_checkpoint(cp.note, signing_key.public_key, origin)
+        assert (c.size, c.root) == (cp.size, cp.root)
+
+
+def test_checkpoint_after_interval_when_idle(store, origin, signing_key):
+    with open_log(store, origin, signing_key, checkpoint_interval_ms=50) as log:
+        fill(log, 3)
+        deadline = time.monotonic() + 5
+        while not store.checkpoints(origin) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert [cp.size for cp in store.checkpoints(origin)] == [3]
+        assert store.checkpoints(origin)[0].root == log.root()
+
+
+def test_forced_checkpoint_and_reopen(store, origin, signing_key):
+    with open_log(store, origin, signing_key) as log:
+        fill(log, 9)
+        cp = log.checkpoint()
+        assert (cp.size, cp.root) == (9, log.root())
+        assert log.checkpoint() == cp  # nothing new: the same checkpoint
+        root = log.root()
+    with open_log(store, origin, signing_key) as log:  # a restart rebuilds tail and tree
+        assert (log.size, log.root()) == (9, root)
+        assert log.append("evict").seq == 9
+
+
+def test_proofs_from_the_log(audit_log):
+    records = fill(audit_log, 37)
+    old = audit_log.checkpoint()
+    fill(audit_log, 20)
+    new = audit_log.checkpoint()
+    for seq in (0, 17, 36):
+        proof = audit_log.inclusion_proof(seq, new.size)
+        verify_inclusion(seq, new.size, records[seq].leaf_hash, proof, new.root)
+    verify_consistency(old.size, new.size, old.root, new.root, audit_log.consistency_proof(old.size, new.size))
+    with pytest.raises(VerificationError):
+        verify_inclusion(3, new.size, leaf_hash(b"forged"), audit_log.inclusion_proof(3, new.size), new.root)
+
+
+def test_key_rotation(store, origin, signing_key):
+    new_key = SigningKey.generate()
+    with open_log(store, origin, signing_key) as log:
+        fill(log, 4)
+        rotation = log.rotate_key(new_key)
+        after = log.append("evict")
+        log.checkpoint()
+    assert rotation.op == "key_rotation" and rotation.key_id == signing_key.key_id
+    assert rotation.details == {"new_key_id": new_key.key_id, "new_public_key": new_key.public_key.to_base64()}
+    assert after.key_id == new_key.key_id
+    # every record has a checkpoint signed by its own key: one at size 4 by the old key
+    cps = {cp.size: cp for cp in store.checkpoints(origin)}
+    open_checkpoint(cps[4].note, signing_key.public_key)
+    open_checkpoint(cps[6].note, new_key.public_key)
+    assert [(k.key.key_id, k.valid_from_seq, k.rotation_seq) for k in store.keys(origin)] == [
+        (signing_key.key_id, 0, None), (new_key.key_id, 5, 4)]
+    assert verify_store(store, origin, [signing_key.public_key]).size == 6
+    with pytest.raises(StoreError, match="rotated"):
+        with open_log(store, origin, signing_key) as stale:
+            stale.append("evict")
+    with open_log(store, origin, new_key) as log:
+        assert log.append("evict").seq == 6
+
+
+def test_closed_log_refuses_writes(audit_log):
+    audit_log.close()
+    with pytest.raises(StoreError, match="closed"):
+        audit_log.append("evict")
+
+
+def test_records_are_canonical_in_the_store(audit_log, store, origin):
+    fill(audit_log, 3)
+    for seq, body, sig, leaf in store.iter_bodies(origin):
+        record = Record.from_leaf_bytes(body.encode())
+        assert (record.seq, record.sig, record.leaf_hash) == (seq, sig, leaf)

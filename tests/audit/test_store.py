@@ -1,0 +1,141 @@
+"""Migrations, append-only enforcement, SQLite durability settings, several logs and writers."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from sqlalchemy import inspect, text
+from sqlalchemy.exc import DatabaseError
+
+from audit.errors import StoreError
+from audit.keys import SigningKey
+from alembic.script import ScriptDirectory
+
+from audit.store import AuditStore, alembic_config, check_current, downgrade, make_engine, migrate
+from audit.verify import verify_store
+from audit_testlib import fill, open_log
+
+TABLES = {"logs", "keys", "records", "checkpoints", "subject_keys"}
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def empty_url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'empty.db'}"
+    return request.getfixturevalue("fresh_pg_url")
+
+
+def _tables(url: str) -> set[str]:
+    engine = make_engine(url)
+    try:
+        return set(inspect(engine).get_table_names()) - {"alembic_version"}
+    finally:
+        engine.dispose()
+
+
+def test_upgrade_downgrade_and_readiness(empty_url):
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    with pytest.raises(StoreError, match=f"at schema None, expected '{head}'"):
+        check_current(empty_url)
+    migrate(empty_url)
+    check_current(empty_url)
+    assert TABLES <= _tables(empty_url)
+    downgrade(empty_url, "0001")  # triggers gone, tables kept
+    with pytest.raises(StoreError):
+        check_current(empty_url)
+    store = AuditStore(empty_url)
+    key = SigningKey.generate()
+    store.create_log("o.example/x", key.public_key, 0)
+    with store.write() as conn:
+        conn.execute(text("UPDATE logs SET created_ms = 1"))
+    store.dispose()
+    downgrade(empty_url, "base")
+    assert _tables(empty_url) == set()
+    migrate(empty_url)
+    check_current(empty_url)
+
+
+def test_sqlite_is_wal_with_full_sync(sqlite_url):
+    engine = make_engine(sqlite_url)
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
+    engine.dispose()
+
+
+@pytest.mark.parametrize("statement", [
+    "UPDATE records SET op = 'quantize'",
+    "DELETE FROM records",
+    "UPDATE checkpoints SET note = ''",
+    "DELETE FROM checkpoints",
+    "DELETE FROM keys",
+    "UPDATE logs SET created_ms = 0",
+])
+def test_database_refuses_update_and_delete(store, audit_log, origin, statement):
+    fill(audit_log, 3)
+    audit_log.checkpoint()
+    with pytest.raises(DatabaseError, match="append-only"):
+        with store.write() as conn:
+            conn.execute(text(statement))
+    assert store.size(origin) == 3
+
+
+def test_postgres_refuses_truncate(pg_url):
+    store = AuditStore(pg_url)
+    with pytest.raises(DatabaseError, match="append-only"):
+        with store.write() as conn:
+            conn.execute(text("TRUNCATE records CASCADE"))
+    store.dispose()
+
+
+def test_logs_of_different_origins_do_not_interfere(store, signing_key, origin):
+    logs = [open_log(store, f"{origin}-{i}", signing_key) for i in range(3)]
+    threads = [threading.Thread(target=fill, args=(log, 40)) for log in logs]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for log in logs:
+        log.checkpoint()
+        log.close()
+        assert verify_store(store, log.origin, [signing_key.public_key]).size == 40
+
+
+def test_concurrent_writers_of_one_log_never_fork(db_url, signing_key, origin):
+    # Two writers, each with its own engine and in-memory tail, appending to one log at once.
+    stores = [AuditStore(db_url) for _ in range(2)]
+    open_log(stores[0], origin, signing_key).close()
+    logs = [open_log(s, origin, signing_key) for s in stores]
+    done: list[list] = [[], []]
+
+    def write(i):
+        for n in range(15):
+            done[i] += logs[i].append_many([("evict", {}, {"writer": i, "n": n})] * 4)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    seqs = sorted(r.seq for r in done[0] + done[1])
+    assert seqs == list(range(120))
+    logs[1].append("evict")  # catches up with whatever the other wrote last
+    for log in logs:
+        log.close()
+    summary = verify_store(stores[0], origin, [signing_key.public_key])
+    assert summary.size == 121
+    assert summary.root == logs[1].root()
+    for s in stores:
+        s.dispose()
+
+
+def test_a_stale_writer_reloads_the_tail_and_re_signs(db_url, signing_key, origin):
+    stores = [AuditStore(db_url) for _ in range(2)]
+    first = open_log(stores[0], origin, signing_key)
+    second = open_log(stores[1], origin, signing_key)  # both believe the log is empty
+    fill(first, 5)
+    record = second.append("evict", {}, {"after": "conflict"})
+    assert record.seq == 5 and second.size == 6
+    assert record.prev == stores[0].record(origin, 4).digest
+    first.close()
+    second.close()
+    verify_store(stores[0], origin, [signing_key.public_key])
+    for s in stores:
+        s.dispose()
