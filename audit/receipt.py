@@ -1,0 +1,102 @@
+"""Erasure receipts: proof to a requester that their erasure is recorded in the log.
+
+A receipt (docs/audit-format.md, "Erasure receipts") is a JSON object holding the
+signed erase record, its RFC 9162 inclusion proof into a signed checkpoint that
+covers it, that checkpoint, and the log's public key. Anyone with the public
+key checks it offline with `verify_receipt`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+from .checkpoint import open_checkpoint
+from .errors import ReceiptError, RecordFormatError, VerificationError
+from .keys import PublicKey
+from .merkle import verify_inclusion
+from .record import Record
+
+RECEIPT_FORMAT = "kvguard-erasure-receipt/v1"
+ERASE_OPS = frozenset({"erase", "retention_erase"})
+
+
+def build_receipt(record: Record, checkpoint_note: str, tree_size: int, proof: list[bytes],
+                  public_key: PublicKey) -> dict[str, Any]:
+    return {
+        "format": RECEIPT_FORMAT,
+        "origin": record.origin,
+        "record": record.to_dict(),
+        "leaf_index": record.seq,
+        "tree_size": tree_size,
+        "inclusion_proof": [h.hex() for h in proof],
+        "checkpoint": checkpoint_note,
+        "public_key": public_key.to_base64(),
+    }
+
+
+def make_receipt(log, erase_record_seq: int) -> dict[str, Any]:
+    """The receipt of record `erase_record_seq` of an open AuditLog, against the first
+    checkpoint that covers it and is signed by the record's own key (issuing one now if
+    none does yet)."""
+    record = log.store.record(log.origin, erase_record_seq)
+    if record.op not in ERASE_OPS:
+        raise ReceiptError(f"record {record.ref} is a {record.op!r} record, not an erasure")
+    key = next((k.key for k in log.store.keys(log.origin) if k.key.key_id == record.key_id), None)
+    if key is None:
+        raise ReceiptError(f"key {record.key_id} of record {record.ref} is not registered")
+    cp = next((c for c in log.store.checkpoints(log.origin, min_size=record.seq + 1)
+               if c.key_id == record.key_id), None)
+    if cp is None:
+        cp = log.checkpoint()
+        if cp.key_id != record.key_id:  # cannot happen: a rotation checkpoints first
+            raise ReceiptError(f"no checkpoint signed by the key of record {record.ref}")
+    proof = log.inclusion_proof(record.seq, cp.size)
+    return build_receipt(record, cp.note, cp.size, proof, key)
+
+
+def verify_receipt(receipt: dict[str, Any], public_key: PublicKey) -> Record:
+    """Check a receipt against the log's public key; returns the erase record, raises
+    VerificationError naming the record and the failed check."""
+    def fail(check: str, message: str, seq: int | None = None) -> VerificationError:
+        return VerificationError(check, message, origin=receipt.get("origin"), seq=seq)
+
+    # (1) shape
+    if not isinstance(receipt, dict) or receipt.get("format") != RECEIPT_FORMAT:
+        raise fail("format", f"not a {RECEIPT_FORMAT} object")
+    try:
+        record = Record.parse(receipt["record"])
+        index, size = receipt["leaf_index"], receipt["tree_size"]
+        proof = [bytes.fromhex(h) for h in receipt["inclusion_proof"]]
+        note = receipt["checkpoint"]
+        shipped_key = PublicKey.from_raw(base64.b64decode(receipt["public_key"], validate=True))
+    except (KeyError, TypeError, ValueError, binascii.Error, RecordFormatError) as exc:
+        raise fail("format", f"malformed receipt: {exc}") from None
+    seq = record.seq
+    # (2) what it claims
+    if record.op not in ERASE_OPS:
+        raise fail("format", f"record is a {record.op!r} record, not an erasure", seq)
+    if record.origin != receipt["origin"] or index != seq:
+        raise fail("format", "origin or leaf_index disagree with the record", seq)
+    # (3) the key: the one the verifier trusts, and the one that signed
+    if shipped_key != public_key or record.key_id != public_key.key_id:
+        raise fail("key", f"record is signed by key {record.key_id[:16]}..., not the trusted key", seq)
+    # (4) the record's signature
+    try:
+        public_key.verify(record.signature, record.signing_bytes())
+    except VerificationError as exc:
+        raise fail("signature", exc.message, seq) from None
+    # (5) the checkpoint's signature, for this log and size
+    try:
+        cp = open_checkpoint(note, public_key, record.origin)
+    except VerificationError as exc:
+        raise fail(exc.check, exc.message, seq) from None
+    if cp.size != size:
+        raise fail("checkpoint_format", f"tree_size {size} but the checkpoint is of size {cp.size}", seq)
+    # (6) the record is in the tree the checkpoint commits to
+    try:
+        verify_inclusion(seq, size, record.leaf_hash, proof, cp.root)
+    except VerificationError as exc:
+        raise fail("inclusion", exc.message, seq) from None
+    return record
