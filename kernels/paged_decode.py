@@ -122,7 +122,7 @@ def _mass_kernel(logits, lse, seq_lens, mass, max_len, G: tl.constexpr, GP: tl.c
 
 
 # Tile shapes: PAGES pages per loop step, warps per program, software-pipeline depth.
-DEFAULT_CONFIG = {"pages": 4, "num_warps": 4, "num_stages": 3}
+DEFAULT_CONFIG = {"pages": 4, "num_warps": 4, "num_stages": 3, "programs_per_sm": 4}
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -178,7 +178,7 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
     bn = cfg["pages"] * s
     max_len = block_table.shape[1] * s
     span = max_len if max_seq_len is None else max(1, min(max_seq_len, max_len))
-    ns, step = num_splits(b, h, span, dev, bn)
+    ns, step = num_splits(b, h, span, dev, bn, cfg["programs_per_sm"])
     if "splits" in cfg:
         ns = cfg["splits"]
         step = -(-(-(-span // ns)) // bn) * bn

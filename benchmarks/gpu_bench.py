@@ -1,0 +1,352 @@
+"""GPU benchmark of kvguard's kernels: correctness on the GPU (fp8 included), the machine's
+ceilings, and decode-step times against their memory floors and PyTorch SDPA.
+
+    PYTHONPATH=. python3 benchmarks/gpu_bench.py [--sweep] [--quick] [--out DIR]
+    PYTHONPATH=. python3 benchmarks/gpu_bench.py --smoke      # CPU, Triton interpreter, tiny shapes
+
+Every time is one layer's decode step, measured by replaying a CUDA graph of R calls over R
+disjoint copies of the data (R chosen so that R copies are several times the L2), median of
+the replays divided by R. Floors are the bytes a variant must read over the copy bandwidth
+measured in the same run. Imports kernels/ only (torch + triton), never kvguard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    from triton.runtime import interpreter as _interp  # numpy >= 2.4 fix, as in tests/kernels/conftest.py
+
+    _orig = _interp._patch_lang_tensor
+
+    def _patched(tensor, scope):
+        _orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    _interp._patch_lang_tensor = _patched
+
+import torch.nn.functional as F  # noqa: E402
+
+from kernels import quantize as ref  # noqa: E402
+from kernels.compact import compact_pages, compact_pages_ref  # noqa: E402
+from kernels.paged_decode import paged_decode, paged_decode_ref  # noqa: E402
+from kernels.paged_prefill import paged_prefill, paged_prefill_ref  # noqa: E402
+from kernels.quantize_scatter import quantize_scatter, quantize_scatter_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+GPU = DEV == "cuda"
+MODELS = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}  # (Hq, H, D)
+S = 16
+CODECS = ("int8", "fp8", "int4")
+GB = 1e9
+
+
+# --- timing -----------------------------------------------------------------------------------
+
+
+def time_calls(calls, min_total_s=0.04, max_reps=200) -> float:
+    """Seconds per call: calls[i] touch disjoint data; a CUDA graph of all of them is replayed."""
+    if not GPU:
+        t = time.perf_counter()
+        for c in calls:
+            c()
+        return (time.perf_counter() - t) / len(calls)
+    for c in calls:
+        c()  # compile, autotune-free warm up
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        calls[0]()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    g.replay()
+    torch.cuda.synchronize()
+    reps = max(5, min(max_reps, int(min_total_s / max(time.perf_counter() - t, 1e-6))))
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in ev:
+        a.record()
+        g.replay()
+        b.record()
+    torch.cuda.synchronize()
+    ms = statistics.median(a.elapsed_time(b) for a, b in ev)
+    del g
+    return ms / 1e3 / len(calls)
+
+
+def ceilings() -> dict:
+    if not GPU:
+        return {"copy_GBps": 100.0, "bf16_TFLOPs": 1.0}
+    n = 2 * 1024**3 // 2  # 2 GiB each way
+    src = torch.randn(n, device=DEV, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t = time_calls([lambda: dst.copy_(src)], min_total_s=0.2)
+    copy = 2 * n * 2 / t / GB
+    del src, dst
+    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    t = time_calls([lambda: a @ b], min_total_s=0.2)
+    return {"copy_GBps": copy, "bf16_TFLOPs": 2 * 8192**3 / t / 1e12}
+
+
+# --- data ----------------------------------------------------------------------------------------
+
+
+def pool_bytes(codec: str, tokens: int, h: int, d: int) -> int:
+    """Bytes of K/V pages holding `tokens` tokens of h heads: what decode must read."""
+    pages = tokens // S
+    if codec in ("bf16", "16bit"):
+        return 2 * tokens * h * d * 2
+    if codec in ("int8", "fp8"):
+        return 2 * tokens * h * d + pages * h * d * 2 + tokens * h * 2
+    return tokens * h * d + 2 * pages * h * d * 2 + 2 * tokens * h * (d // ref.INT4_GROUP) * 2
+
+
+def quantized_pool(pool16: dict, codec: str) -> dict:
+    p, h, s, d = pool16["k"].shape
+    z = torch.zeros(1, h, s, d, device=DEV, dtype=torch.float16)
+    fields = ref.encode_int4(z, z) if codec == "int4" else ref.encode_int8(
+        z, z, dtype=torch.float8_e4m3fn if codec == "fp8" else torch.int8)
+    out = {n: torch.empty((p, *t.shape[1:]), dtype=t.dtype, device=DEV) for n, t in fields.items()}
+    quantize_scatter(pool16["k"], pool16["v"], torch.arange(p, device=DEV, dtype=torch.int32), out)
+    return out
+
+
+def outlier(shape, dtype=torch.bfloat16):
+    x = torch.randn(shape, device=DEV, dtype=dtype)
+    x[..., 3] *= 20
+    return x
+
+
+# --- correctness on the device --------------------------------------------------------------------
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def check_all() -> list[str]:
+    """Each kernel against its reference at model shapes; fp8 codes included (real GPU stores)."""
+    lines, ok = [], True
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for model, (hq, h, d) in MODELS.items():
+        b, maxp = 3, (40 if SMOKE else 300)
+        k, v = outlier((b * maxp, h, S, d)), outlier((b * maxp, h, S, d))
+        pool = {"k": k, "v": v}
+        lens = torch.tensor([maxp * S - 5, 1, maxp * S // 3], dtype=torch.int32, device=DEV)
+        table = torch.randperm(b * maxp, generator=g).reshape(b, maxp).to(torch.int32).to(DEV)
+        q = torch.randn(b, hq, d, device=DEV, dtype=torch.bfloat16)
+        for codec in ("16bit",) + CODECS:
+            pages = pool if codec == "16bit" else quantized_pool(pool, codec)
+            if codec != "16bit":  # quantize_scatter vs the reference encoder, all fields
+                want = {n: torch.zeros_like(t) for n, t in pages.items()}
+                quantize_scatter_ref(k, v, torch.arange(b * maxp, device=DEV), want)
+                bad = [n for n in pages if not _fields_close(pages[n], want[n])]
+                ok &= not bad
+                lines.append(f"check quantize_scatter {model} {codec}: {'ok' if not bad else 'MISMATCH ' + str(bad)}")
+            out, lse, mass = paged_decode(q, pages, table, lens, return_mass=True)
+            r_out, r_lse, r_mass = paged_decode_ref(q, pages, table, lens, return_mass=True)
+            e = (rel(out, r_out), (lse - r_lse).abs().max().item(), (mass - r_mass).abs().max().item())
+            good = e[0] < 5e-3 and e[1] < 5e-2 and e[2] < 5e-3
+            ok &= good
+            lines.append(f"check decode  {model} {codec:5s}: out rel {e[0]:.1e} lse {e[1]:.1e} mass {e[2]:.1e}"
+                         f" {'ok' if good else 'FAIL'}")
+            t_len = 200 if SMOKE else 700
+            qp = torch.randn(t_len, hq, d, device=DEV, dtype=torch.bfloat16)
+            o, l = paged_prefill(qp, pages, table[0], int(lens[0]))
+            ro, rl = paged_prefill_ref(qp, pages, table[0], int(lens[0]))
+            good = rel(o, ro) < 5e-3
+            ok &= good
+            lines.append(f"check prefill {model} {codec:5s}: out rel {rel(o, ro):.1e} {'ok' if good else 'FAIL'}")
+            if codec != "16bit":
+                a = {n: t.clone() for n, t in pages.items()}
+                w = {n: t.clone() for n, t in pages.items()}
+                src = torch.randperm(40 * S, generator=g)[: 16 * S].to(torch.int32).to(DEV)
+                dst = torch.arange(60, 76, device=DEV, dtype=torch.int32)
+                compact_pages(a, src, dst)
+                compact_pages_ref(w, src, dst)
+                bad = [n for n in a if not _fields_close(a[n], w[n])]
+                ok &= not bad
+                lines.append(f"check compact {model} {codec}: {'ok' if not bad else 'MISMATCH ' + str(bad)}")
+    lines.append("ALL CHECKS PASSED" if ok else "SOME CHECKS FAILED")
+    return lines
+
+
+def _fields_close(a, b) -> bool:
+    if a.dtype in (torch.float16, torch.float32):
+        return torch.equal(a, b)
+    if a.dtype == torch.float8_e4m3fn and not GPU:
+        return True  # the interpreter converts float8 itself
+    x = ref.unpack4(a).int() if a.dtype == torch.uint8 else a.view(torch.uint8).int() if a.dtype != torch.int8 else a.int()
+    y = ref.unpack4(b).int() if b.dtype == torch.uint8 else b.view(torch.uint8).int() if b.dtype != torch.int8 else b.int()
+    diff = (x - y).abs()
+    return diff.max().item() <= 1 and (diff > 0).float().mean().item() < 1e-3
+
+
+# --- decode benchmark ------------------------------------------------------------------------------
+
+
+def bench_decode(model, length, batch, copy_bw, configs=None, with_baselines=True) -> dict:
+    hq, h, d = MODELS[model]
+    kv16 = pool_bytes("bf16", length * batch, h, d)
+    reps = max(1, min(64, math.ceil((512e6 if GPU else 1) / kv16)))
+    pages_per_seq = length // S
+    p = reps * batch * pages_per_seq
+    row = {"model": model, "L": length, "B": batch, "kv16_GB": kv16 / GB, "reps": reps}
+    q = torch.randn(reps, batch, hq, d, device=DEV, dtype=torch.bfloat16)
+
+    if with_baselines and GPU:  # SDPA flash on contiguous bf16 K/V; GQA as q [B, H, group, D]
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        kc = torch.randn(reps * batch, h, length, d, device=DEV, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        qs = q.reshape(reps, batch, h, hq // h, d)
+
+        def sdpa(i):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(qs[i], kc[i * batch:(i + 1) * batch], vc[i * batch:(i + 1) * batch])
+
+        row["sdpa"] = time_calls([lambda i=i: sdpa(i) for i in range(reps)])
+        del kc, vc
+
+    pool = {"k": outlier((p, h, S, d)), "v": outlier((p, h, S, d))}
+    perm = torch.randperm(p, device=DEV).to(torch.int32).reshape(reps, batch, pages_per_seq)
+    lens = torch.full((batch,), length, dtype=torch.int32, device=DEV)
+
+    def run(pages, name, **kw):
+        calls = [lambda i=i: paged_decode(q[i], pages, perm[i], lens, **kw) for i in range(reps)]
+        row[name] = time_calls(calls)
+
+    for cfg_name, cfg in (configs or {"": None}).items():
+        run(pool, "16bit" + cfg_name, config=cfg and cfg.get("16bit"))
+    for codec in CODECS:
+        pages = quantized_pool(pool, codec)
+        for cfg_name, cfg in (configs or {"": None}).items():
+            run(pages, codec + cfg_name, config=cfg and cfg.get(codec))
+        if codec == "int8" and not configs:
+            run(pages, "int8+mass", return_mass=True)
+            if with_baselines and GPU and kv16 * reps <= 4e9:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                def deq_sdpa(i):  # PyTorch: gather the pages, dequantize, SDPA
+                    ids = perm[i].reshape(-1).long()
+                    kk, vv = ref.decode_int8({n: t[ids] for n, t in pages.items()}, out_dtype=torch.bfloat16)
+                    kk = kk.reshape(batch, pages_per_seq, h, S, d).transpose(1, 2).reshape(batch, h, length, d)
+                    vv = vv.reshape(batch, pages_per_seq, h, S, d).transpose(1, 2).reshape(batch, h, length, d)
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        return F.scaled_dot_product_attention(q[i].reshape(batch, h, hq // h, d), kk, vv)
+
+                row["deq_sdpa"] = time_calls([lambda i=i: deq_sdpa(i) for i in range(reps)])
+        del pages
+    for name in ("16bit",) + CODECS:
+        row[f"floor_{name}"] = pool_bytes(name, length * batch, h, d) / (copy_bw * GB)
+    del pool
+    if GPU:
+        torch.cuda.empty_cache()
+    return row
+
+
+def sweep(copy_bw) -> list[str]:
+    """Tile configs at a long and a mid context; prints each codec's times per config."""
+    tiles = [(pg, w, st, 4) for pg in (4, 8) for w in (4, 8) for st in (2, 4)] + [(4, 4, 3, 2), (4, 4, 3, 8)]
+    grid = {f" p{pg}w{w}s{st}x{pps}": {c: {"pages": pg, "num_warps": w, "num_stages": st, "programs_per_sm": pps}
+                                       for c in ("16bit",) + CODECS} for pg, w, st, pps in tiles}
+    lines = []
+    for model, length, batch in (("llama3-8b", 32768 if GPU else 256, 8 if GPU else 1),
+                                 ("llama3-8b", 131072 if GPU else 256, 1)):
+        row = bench_decode(model, length, batch, copy_bw, configs=grid, with_baselines=False)
+        for codec in ("16bit",) + CODECS:
+            best = sorted((row[codec + n], n) for n in grid)
+            floor = row[f"floor_{codec}"]
+            lines.append(f"sweep {model} L={length} B={batch} {codec:5s} " +
+                         " ".join(f"{n.strip()}={t / floor:.2f}" for t, n in best[:6]))
+    return lines
+
+
+def bench_quantize(copy_bw) -> list[str]:
+    h, d, n = 8, 128, (16384 if GPU else 8)
+    k, v = outlier((n, h, S, d)), outlier((n, h, S, d))
+    lines = []
+    for codec in CODECS:
+        pages = quantized_pool({"k": k[:1], "v": v[:1]}, codec)
+        pages = {f: torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=DEV) for f, t in pages.items()}
+        dst = torch.randperm(n, device=DEV).to(torch.int32)
+        t = time_calls([lambda: quantize_scatter(k, v, dst, pages)], min_total_s=0.1)
+        nbytes = pool_bytes("bf16", n * S, h, d) + pool_bytes(codec, n * S, h, d)
+        lines.append(f"quantize_scatter {codec:5s} {n} pages x 8 heads x 16 x 128: {t * 1e6:8.1f} us "
+                     f"{nbytes / t / GB:7.0f} GB/s = {nbytes / t / GB / copy_bw:.0%} of copy")
+    return lines
+
+
+def table(rows) -> list[str]:
+    cols = ["sdpa", "deq_sdpa", "16bit", "int8", "fp8", "int4", "int8+mass"]
+    head = f"{'model':13s} {'L':>6s} {'B':>3s} {'KV16GB':>6s} | " + " ".join(f"{c:>9s}" for c in cols) + \
+        " | 16b/fl i8/fl f8/fl i4/fl | i8:sdpa i4:sdpa"
+    out = [head, "-" * len(head)]
+    for r in rows:
+        us = " ".join(f"{r[c] * 1e6:9.1f}" if c in r else f"{'-':>9s}" for c in cols)
+        fl = " ".join(f"{r[c] / r['floor_' + c]:5.2f}" for c in ("16bit", "int8", "fp8", "int4"))
+        sp = (f"{r['sdpa'] / r['int8']:7.2f} {r['sdpa'] / r['int4']:7.2f}" if "sdpa" in r else "      -       -")
+        out.append(f"{r['model']:13s} {r['L']:6d} {r['B']:3d} {r['kv16_GB']:6.2f} | {us} | {fl} | {sp}")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true", help="time tile configs first")
+    ap.add_argument("--quick", action="store_true", help="a smaller grid")
+    ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes: checks the script runs")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    info = {"device": torch.cuda.get_device_name() if GPU else "cpu", "torch": torch.__version__}
+    import triton
+
+    info["triton"] = triton.__version__
+    print(json.dumps(info), flush=True)
+    for line in check_all():
+        print(line, flush=True)
+    ceil = ceilings()
+    print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s (read+write), bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s",
+          flush=True)
+    extra = []
+    if args.sweep:
+        extra += sweep(ceil["copy_GBps"])
+        print("\n".join(extra), flush=True)
+    quant = bench_quantize(ceil["copy_GBps"])
+    print("\n".join(quant), flush=True)
+    if args.smoke:
+        grid = [("smollm2-135m", 256, 1), ("llama3-8b", 256, 2)]
+    else:
+        lengths = (1024, 16384, 131072) if args.quick else (1024, 4096, 16384, 32768, 131072)
+        grid = [(m, length, b) for m in MODELS for length in lengths for b in (1, 8, 64)
+                if pool_bytes("bf16", length * b, MODELS[m][1], MODELS[m][2]) <= 40e9]
+    rows = []
+    for m, length, b in grid:
+        rows.append(bench_decode(m, length, b, ceil["copy_GBps"]))
+        print(table(rows[-1:])[-1], flush=True)
+    lines = table(rows)
+    print("\n" + "\n".join(lines))
+    with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
+        json.dump({"info": info, "ceilings": ceil, "rows": rows, "quantize": quant, "sweep": extra}, f, indent=1)
+    with open(os.path.join(args.out, "gpu_bench_table.txt"), "w") as f:
+        f.write("\n".join([json.dumps(info), f"ceilings {ceil}"] + quant + extra + lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
