@@ -78,7 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # expected errors print without a traceback
         from .errors import KVGuardError
 
-        if isinstance(e, KVGuardError):
+        expected: tuple[type[BaseException], ...] = (KVGuardError,)
+        try:
+            from audit.errors import AuditError
+
+            expected += (AuditError,)
+        except ImportError:
+            pass
+        if isinstance(e, expected):
             print(f"kvguard: error: {e}", file=sys.stderr)
             return 1
         raise
