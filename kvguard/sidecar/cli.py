@@ -57,6 +57,14 @@ def _cmd_token(args: argparse.Namespace) -> int:
 def _cmd_keygen(args: argparse.Namespace) -> int:
     from audit.keys import SigningKey
 
+    if args.secret:
+        import secrets
+
+        from audit.keys import write_private_file
+
+        write_private_file(args.out, secrets.token_bytes(32).hex().encode() + b"\n", overwrite=args.force)
+        print(f"32-byte secret in {args.out} (mode 0600)")
+        return 0
     key = SigningKey.generate()
     key.save(args.out, overwrite=args.force)
     if args.public:
@@ -91,8 +99,11 @@ def register(sub) -> None:
     c.add_argument("--name", default="admin", help="a label for the token (default: admin)")
     c.set_defaults(func=_cmd_token)
 
-    k = sub.add_parser("keygen", help="create an Ed25519 signing key file (mode 0600)")
+    k = sub.add_parser("keygen", help="create an Ed25519 signing key file (mode 0600)",
+                       description="Create the sidecar's Ed25519 signing key, or with --secret a 32-byte secret "
+                                   "(the pseudonyms' index key or the seal key), in a file of mode 0600.")
     k.add_argument("out", type=Path, help="where to write the private key")
     k.add_argument("--public", type=Path, help="also write the public key (PEM) here")
     k.add_argument("--force", action="store_true", help="overwrite an existing file")
+    k.add_argument("--secret", action="store_true", help="a 32-byte secret (index or seal key) instead")
     k.set_defaults(func=_cmd_keygen)

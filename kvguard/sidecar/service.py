@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
-from audit.keys import SigningKey, read_private_file, write_private_file
+from audit.keys import SigningKey
 from audit.log import AuditLog, LogConfig
 from audit.pseudonym import Pseudonymizer, generate_index_key, load_index_key
 from audit.store import AuditStore, check_current, make_engine, migrate
@@ -28,12 +28,9 @@ from .registry import Registry
 from .settings import Settings, check_secure
 
 
-def _key_file(path: Path, make) -> bytes:
-    if path.exists():
-        return read_private_file(path)
-    data = make()
-    write_private_file(path, data)
-    return data
+def _secret(path: Path) -> bytes:
+    """A 32-byte secret kept as hex in a mode-0600 file, created on first start."""
+    return load_index_key(path) if path.exists() else generate_index_key(path)
 
 
 class Sidecar:
@@ -52,9 +49,8 @@ class Sidecar:
             SigningKey.generate().save(key_path)
             log.info("signing key created", path=str(key_path))
         self.key = SigningKey.load(key_path)  # refuses a file others can read
-        index_path = s.data_dir / "index.key"
-        index_key = load_index_key(index_path) if index_path.exists() else generate_index_key(index_path)
-        self._seal = AESGCM(_key_file(s.data_dir / "seal.key", lambda: AESGCM.generate_key(256)))
+        index_key = _secret(s.index_key_path)
+        self._seal = AESGCM(_secret(s.seal_key_path))
         self.store = AuditStore(self.engine)
         self.log = AuditLog(self.store, s.origin, self.key,
                             LogConfig(checkpoint_every=s.checkpoint_every, checkpoint_interval_ms=s.checkpoint_ms))

@@ -23,6 +23,10 @@ class Settings(BaseSettings):
     data_dir: Path = Path("./.data")
     database_url: str | None = None  # default: SQLite in data_dir
     key_file: Path | None = None  # default: data_dir/signing.key
+    # Keys that must outlive a pod and be shared by every sidecar of one database:
+    # the pseudonyms' index key and the key sealing pending erasure requests.
+    index_key_file: Path | None = None  # default: data_dir/index.key
+    seal_key_file: Path | None = None  # default: data_dir/seal.key
     origin: str = Field(default_factory=lambda: f"kvguard.local/{socket.gethostname()}")
     host: str = "127.0.0.1"
     port: int = Field(default=8470, ge=0, le=65535)
@@ -66,9 +70,12 @@ class Settings(BaseSettings):
         return self.key_file or self.data_dir / "signing.key"
 
     @property
-    def secrets_path(self) -> Path:
-        """Index key for pseudonyms and the key that seals pending erasure requests."""
-        return self.data_dir / "sidecar.secrets"
+    def index_key_path(self) -> Path:
+        return self.index_key_file or self.data_dir / "index.key"
+
+    @property
+    def seal_key_path(self) -> Path:
+        return self.seal_key_file or self.data_dir / "seal.key"
 
     @property
     def socket_path(self) -> Path:
@@ -89,7 +96,12 @@ def check_secure(settings: Settings, *, tokens_exist: bool) -> None:
     if settings.host not in ("127.0.0.1", "::1", "localhost") and not os.environ.get("KVGUARD_BEHIND_TLS_PROXY"):
         problems.append(f"the admin API would listen on {settings.host} without TLS: bind to loopback behind a "
                         "TLS-terminating proxy and set KVGUARD_BEHIND_TLS_PROXY=1")
-    if settings.database_url and settings.database_url.startswith("postgresql") and "password=" in settings.database_url:
+    shared_db = bool(settings.database_url and settings.database_url.startswith("postgresql"))
+    for path, what in ((settings.index_key_path, "index key"), (settings.seal_key_path, "seal key")):
+        if shared_db and not path.exists():
+            problems.append(f"the {what} file {path} does not exist: with a shared database every sidecar needs "
+                            f"the same one; create it once with 'kvguard keygen --secret {path}' and mount it")
+    if shared_db and "password=" in settings.database_url:
         problems.append("the database password is in the URL: use a PGPASSFILE or a secret-mounted service file")
     if problems:
         raise ConfigError("refusing to start in production: " + "; ".join(problems))
