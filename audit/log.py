@@ -17,7 +17,6 @@ checkpoint signed by its own key).
 
 from __future__ import annotations
 
-import hashlib
 import queue
 import threading
 import time
@@ -113,7 +112,7 @@ class AuditLog:
                 if not store.has_log(origin):  # not a lost creation race: a real failure
                     raise
         self.tree = HashTree(config.cache_level, lambda a, b: store.leaf_hashes(origin, a, b))
-        self._prev, self._active_key_id = fields.ZERO_HASH, store.keys(origin)[0].key.key_id
+        self._prev, self._active_key_id = fields.ZERO_HASH, ""
         self._catch_up()
         if self._active_key_id != key.key_id:
             raise StoreError(f"log {origin} is signed by key {self._active_key_id} now; open it with that key")
@@ -316,17 +315,18 @@ class AuditLog:
         self._checkpoint()
 
     def _catch_up(self) -> None:
-        """Load records other writers appended since our tail (or the whole log on open)."""
-        for seq, body, _sig, leaf in self.store.iter_bodies(self.origin, self.tree.size):
+        """Load what other writers appended since our tail (or the whole log on open):
+        leaf hashes into the tree, the last record's digest, the active key."""
+        start = self.tree.size
+        for seq, leaf in self.store.iter_leaves(self.origin, start):
             if seq != self.tree.size:
-                raise StoreError(f"log {self.origin} has a gap at seq {self.tree.size}")
+                raise StoreError(f"log {self.origin} has a gap at seq {self.tree.size}: run verify_store")
             self.tree.append(leaf)
-            data = body.encode("utf-8")
-            self._prev = hashlib.sha256(data).hexdigest()
-            if '"op":"key_rotation"' in body:
-                rotated = Record.from_leaf_bytes(data)
-                if rotated.op == "key_rotation":
-                    self._active_key_id = rotated.details["new_key_id"]
+        if self.tree.size > start:
+            self._prev = self.store.record(self.origin, self.tree.size - 1).digest
+        # a key row is written with its rotation record; take the one in force at our tail
+        keys = [k for k in self.store.keys(self.origin) if k.valid_from_seq <= self.tree.size]
+        self._active_key_id = keys[-1].key.key_id
 
     def _checkpoint(self, force: bool = False) -> CheckpointEntry | None:
         size, now = self.tree.size, self._clock()

@@ -235,9 +235,15 @@ class AuditStore:
                 .order_by(RecordRow.seq)
             )]
 
-    def iter_leaf_hashes(self, origin: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
-        for _, _, _, leaf in self.iter_bodies(origin, start, end):
-            yield leaf
+    def iter_leaves(self, origin: str, start: int = 0, end: int | None = None,
+                    batch: int = 20000) -> Iterator[tuple[int, bytes]]:
+        """(seq, leaf hash) in seq order, streamed: what rebuilding a tree needs."""
+        query = select(RecordRow.seq, RecordRow.leaf_hash).where(RecordRow.origin == origin, RecordRow.seq >= start)
+        if end is not None:
+            query = query.where(RecordRow.seq < end)
+        with self.read() as conn:
+            for seq, leaf in conn.execution_options(yield_per=batch).execute(query.order_by(RecordRow.seq)):
+                yield seq, bytes(leaf)
 
     def seq_range(self, origin: str, since_ms: int | None, until_ms: int | None) -> tuple[int, int] | None:
         """First and last seq of the records with since <= time < until (None: nothing)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from .merkle import EMPTY_ROOT, decompose, node_hash, split_point
 
@@ -47,7 +47,7 @@ class HashTree:
                 self._push(0, _perfect_root(self._tail))
                 self._tail = []
 
-    def extend(self, leaves: Sequence[bytes]) -> None:
+    def extend(self, leaves: Iterable[bytes]) -> None:
         with self._lock:
             for leaf in leaves:
                 self.append(leaf)
