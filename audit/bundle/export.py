@@ -1,0 +1,190 @@
+"""Export one log range as a sealed bundle (needs the store extra).
+
+Streams: records go from a server-side cursor straight into the zip member
+while their digest is computed, so a million-record export holds one batch in
+memory (plus the tree's cached upper levels, audit.tree).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from typing import Any
+
+from ..canonical import canonical
+from ..errors import BundleError
+from ..fields import format_time
+from ..keys import PublicKey, SigningKey
+from ..receipt import ERASE_OPS, build_receipt
+from ..record import Record
+from ..store import AuditStore, CheckpointEntry
+from ..tree import HashTree
+from .dsse import sign_envelope
+from .layout import (
+    BUNDLE_FORMAT, CHECKPOINTS, KEYS, MANIFEST, MEDIA_TYPES, MEMBERS, PREDICATE_TYPE, PROOFS, RECEIPTS,
+    RECORDS, STATEMENT_TYPE, ZIP_TIME,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ExportSummary:
+    path: str
+    origin: str
+    from_seq: int
+    to_seq: int  # inclusive
+    tree_size: int
+    records: int
+    receipts: int
+    seconds: float
+
+
+def export_bundle(store: AuditStore, origin: str, out_path: str, key: SigningKey, *,
+                  from_seq: int | None = None, to_seq: int | None = None,
+                  since_ms: int | None = None, until_ms: int | None = None,
+                  progress: bool = True) -> ExportSummary:
+    """Write the bundle of records [from_seq, to_seq] (or since <= time < until; default
+    everything a checkpoint covers) to `out_path`, its manifest signed by `key`."""
+    started = time.perf_counter()
+    first, last, cp = _resolve_range(store, origin, from_seq, to_seq, since_ms, until_ms)
+    end, size = last + 1, cp.size
+    tree = HashTree(8, lambda a, b: store.leaf_hashes(origin, a, b))
+    tree.extend(leaf for _, leaf in store.iter_leaves(origin, 0, size))
+    if tree.root() != cp.root:
+        raise BundleError(f"stored leaf hashes of {origin} do not match checkpoint {size}; verify the store")
+    checkpoints = store.checkpoints(origin, min_size=first, max_size=size)
+    keys = [k for k in store.keys(origin) if k.valid_from_seq <= size]  # incl. the key that signs `size`
+
+    directory = os.path.dirname(os.path.abspath(out_path))
+    fd, tmp = tempfile.mkstemp(prefix=".bundle-", dir=directory)
+    os.close(fd)
+    digests: dict[str, str] = {}
+    try:
+        with zipfile.ZipFile(tmp, "w", allowZip64=True) as zf:
+            erases = _write_records(zf, store, origin, first, end, digests, progress)
+            _write(zf, CHECKPOINTS, canonical({"checkpoints": [
+                {"tree_size": c.size, "note": c.note} for c in checkpoints]}) + b"\n", digests)
+            _write(zf, PROOFS, canonical({
+                "tree_size": size, "range": [first, end],
+                "prefix": [h.hex() for h in tree.compact(0, first)],
+                "suffix": [h.hex() for h in tree.compact(end, size)],
+                "consistency": [{"from": c.size, "to": size, "proof": [h.hex() for h in tree.consistency_proof(
+                    c.size, size)]} for c in checkpoints if c.size < size],
+            }) + b"\n", digests)
+            _write(zf, KEYS, canonical(_keys_member(store, origin, keys, tree, size)) + b"\n", digests)
+            receipts = [_receipt(store, origin, r, tree, keys) for r in erases]
+            _write(zf, RECEIPTS, b"".join(canonical(r) + b"\n" for r in receipts), digests)
+            statement = {
+                "_type": STATEMENT_TYPE,
+                "subject": [{"name": n, "digest": {"sha256": digests[n]}} for n in MEMBERS if n != MANIFEST],
+                "predicateType": PREDICATE_TYPE,
+                "predicate": {
+                    "format": BUNDLE_FORMAT, "origin": origin,
+                    "range": {"from_seq": first, "to_seq": last, "count": end - first,
+                              **({"since": format_time(since_ms)} if since_ms is not None else {}),
+                              **({"until": format_time(until_ms)} if until_ms is not None else {})},
+                    "tree_size": size, "root_hash": cp.root.hex(), "receipts": len(receipts),
+                    "exported_at": format_time(time.time_ns() // 1_000_000),
+                    "members": [{"name": n, "mediaType": MEDIA_TYPES[n]} for n in MEMBERS],
+                },
+            }
+            _write(zf, MANIFEST, sign_envelope(statement, key), digests)
+        os.replace(tmp, out_path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return ExportSummary(out_path, origin, first, last, size, end - first, len(receipts),
+                         time.perf_counter() - started)
+
+
+def _resolve_range(store: AuditStore, origin: str, from_seq, to_seq, since_ms, until_ms
+                   ) -> tuple[int, int, CheckpointEntry]:
+    if not store.has_log(origin):
+        raise BundleError(f"no log {origin!r} in this store")
+    latest = store.latest_checkpoint(origin)
+    if latest is None or latest.size == 0:
+        raise BundleError(f"log {origin} has no checkpoint yet: nothing can be exported and proven")
+    if since_ms is not None or until_ms is not None:
+        if from_seq is not None or to_seq is not None:
+            raise BundleError("give a sequence range or a time range, not both")
+        found = store.seq_range(origin, since_ms, until_ms)
+        if found is None:
+            raise BundleError("no records in that time range")
+        from_seq, to_seq = found
+    first = 0 if from_seq is None else from_seq
+    last = latest.size - 1 if to_seq is None else to_seq
+    if not 0 <= first <= last:
+        raise BundleError(f"empty or negative range {first}..{last}")
+    if last >= latest.size:
+        raise BundleError(f"records after #{latest.size - 1} are not covered by a checkpoint yet; "
+                          "wait for the next one or export an earlier range")
+    cp = store.checkpoint_covering(origin, last)
+    assert cp is not None
+    return first, last, cp
+
+
+def _write(zf: zipfile.ZipFile, name: str, data: bytes, digests: dict[str, str]) -> None:
+    zf.writestr(_info(name), data)
+    digests[name] = hashlib.sha256(data).hexdigest()
+
+
+def _info(name: str) -> zipfile.ZipInfo:
+    info = zipfile.ZipInfo(name, ZIP_TIME)
+    info.compress_type = zipfile.ZIP_DEFLATED
+    info.external_attr = 0o644 << 16
+    return info
+
+
+def _write_records(zf, store, origin, first, end, digests, progress) -> list[Record]:
+    from tqdm import tqdm
+
+    sha, erases = hashlib.sha256(), []
+    bar = tqdm(total=end - first, unit="rec", unit_scale=True, desc=f"export {origin}",
+               file=sys.stderr, disable=not progress, mininterval=0.5)
+    with zf.open(_info(RECORDS), "w", force_zip64=True) as out:
+        chunk: list[bytes] = []
+        for seq, body, _sig, _leaf in store.iter_bodies(origin, first, end):
+            line = body.encode("utf-8") + b"\n"
+            chunk.append(line)
+            if '"op":"erase"' in body or '"op":"retention_erase"' in body:
+                record = Record.from_leaf_bytes(line[:-1])
+                if record.op in ERASE_OPS:
+                    erases.append(record)
+            if len(chunk) == 4096:
+                _flush(out, sha, chunk, bar)
+        _flush(out, sha, chunk, bar)
+    bar.close()
+    digests[RECORDS] = sha.hexdigest()
+    return erases
+
+
+def _flush(out, sha, chunk: list[bytes], bar) -> None:
+    data = b"".join(chunk)
+    out.write(data)
+    sha.update(data)
+    bar.update(len(chunk))
+    chunk.clear()
+
+
+def _keys_member(store: AuditStore, origin: str, keys, tree: HashTree, size: int) -> dict[str, Any]:
+    entries = []
+    for k in keys:
+        rotation = None
+        if k.rotation_seq is not None:
+            rotation = {"record": store.record(origin, k.rotation_seq).to_dict(),
+                        "inclusion_proof": [h.hex() for h in tree.inclusion_proof(k.rotation_seq, size)]}
+        entries.append({"key_id": k.key.key_id, "public_key": k.key.to_base64(),
+                        "valid_from_seq": k.valid_from_seq, "rotation": rotation})
+    return {"origin": origin, "tree_size": size, "keys": entries}
+
+
+def _receipt(store: AuditStore, origin: str, record: Record, tree: HashTree, keys) -> dict[str, Any]:
+    """Against the first checkpoint covering the record signed by the record's own key."""
+    cps = store.checkpoints(origin, min_size=record.seq + 1, max_size=tree.size)
+    cp = next(c for c in cps if c.key_id == record.key_id)  # exists: rotations checkpoint first
+    key: PublicKey = next(k.key for k in keys if k.key.key_id == record.key_id)
+    return build_receipt(record, cp.note, cp.size, tree.inclusion_proof(record.seq, cp.size), key)

@@ -1,0 +1,235 @@
+"""Verify a bundle offline (cryptography + rfc8785 only). Raises VerificationError on the
+first failure, naming the member, the record (origin#seq) and the check.
+
+  (1) container: a zip with exactly the bundle members, in order
+  (2) envelope: DSSE signature by a trusted key over an in-toto Statement v1 of our predicate type
+  (3) digest: each member's SHA-256 is the Statement's (records.jsonl while it streams)
+  (4) checkpoints, proofs, keys: well formed; every key after the first is named by a
+      key_rotation record signed by the key before it and included in the covering checkpoint
+  (5) records: format, origin, sequence, chain, key, signature (audit.verify.LogVerifier);
+      listed checkpoints inside the range match the recomputed root and their signer
+  (6) merkle_root: prefix hashes + records + suffix hashes give the covering checkpoint's
+      root, and that checkpoint is signed by the key valid at its size
+  (7) consistency: every other listed checkpoint is a prefix of the covering one
+  (8) receipts: one per erasure record in range, each verifies and cites a listed checkpoint
+  (9) previous: an older bundle's checkpoint is consistent with this one
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..checkpoint import open_checkpoint
+from ..errors import VerificationError
+from ..fields import ZERO_HASH
+from ..keys import PublicKey
+from ..merkle import decompose, verify_consistency
+from ..receipt import ERASE_OPS, verify_receipt
+from ..verify import KeySchedule, LogVerifier
+from .dsse import open_envelope
+from .layout import (
+    CHECKPOINTS, KEYS, MANIFEST, MEMBERS, PREDICATE_TYPE, PROOFS, RECEIPTS, RECORDS, STATEMENT_TYPE,
+    open_zip, read_small,
+)
+from .members import KeyPlan, Listed, parse_checkpoints, parse_proofs
+
+
+@dataclass(frozen=True, slots=True)
+class BundleSummary:
+    origin: str
+    from_seq: int
+    to_seq: int
+    records: int
+    tree_size: int
+    root: str
+    checkpoints: int
+    keys: int
+    receipts: int
+    signer: str
+    previous_tree_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Manifest:
+    origin: str
+    first: int
+    end: int
+    size: int
+    digests: dict[str, str]
+    signer: PublicKey
+
+
+def verify_bundle(path: str | os.PathLike[str], public_keys: list[PublicKey], *,
+                  previous: str | os.PathLike[str] | None = None) -> BundleSummary:
+    with open_zip(os.fspath(path)) as zf:  # (1)
+        manifest = _manifest(zf, public_keys)  # (2)
+        origin, first, end, size = manifest.origin, manifest.first, manifest.end, manifest.size
+        docs = {name: _member_json(zf, name, manifest) for name in (CHECKPOINTS, PROOFS, KEYS)}  # (3)
+        listed = parse_checkpoints(docs[CHECKPOINTS], origin, first, size)  # (4)
+        cover = listed[-1]
+        proofs = parse_proofs(docs[PROOFS], origin, first, end, size)
+        plan = KeyPlan(docs[KEYS], origin, cover.checkpoint)
+        verifier, erasures = _records(zf, manifest, plan, proofs, listed)  # (5)
+        _cover(verifier, proofs, cover, plan)  # (6)
+        _consistency(listed, proofs, plan, origin)  # (7)
+        receipts = _receipts(zf, manifest, plan, erasures, listed)  # (8)
+    prev_size = None if previous is None else _previous(previous, public_keys, plan, proofs, cover)  # (9)
+    return BundleSummary(origin, first, end - 1, end - first, size, cover.checkpoint.root.hex(),
+                         len(listed), len(plan.keys), receipts, manifest.signer.key_id, prev_size)
+
+
+def _manifest(zf, public_keys: list[PublicKey]) -> _Manifest:
+    statement, signer = open_envelope(read_small(zf, MANIFEST), public_keys)
+
+    def fail(message: str) -> VerificationError:
+        return VerificationError("statement", message, member=MANIFEST)
+
+    if statement.get("_type") != STATEMENT_TYPE or statement.get("predicateType") != PREDICATE_TYPE:
+        raise fail(f"not an {STATEMENT_TYPE} of predicate type {PREDICATE_TYPE}")
+    try:
+        digests = {s["name"]: s["digest"]["sha256"] for s in statement["subject"]}
+        p = statement["predicate"]
+        origin, first, last, size = p["origin"], p["range"]["from_seq"], p["range"]["to_seq"], p["tree_size"]
+        if not all(type(x) is int for x in (first, last, size)) or not 0 <= first <= last < size:
+            raise ValueError(f"range {first}..{last} of tree size {size}")
+        if p["range"]["count"] != last - first + 1:
+            raise ValueError("range count disagrees with from_seq..to_seq")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise fail(f"malformed statement: {exc}") from None
+    if set(digests) != set(MEMBERS) - {MANIFEST} or len(statement["subject"]) != len(digests):
+        raise fail(f"subjects are {sorted(digests)}, expected every member but the manifest")
+    return _Manifest(origin, first, last + 1, size, digests, signer)
+
+
+def _member_json(zf, name: str, manifest: _Manifest) -> Any:
+    data = read_small(zf, name)
+    if hashlib.sha256(data).hexdigest() != manifest.digests[name]:
+        raise VerificationError("digest", "SHA-256 differs from the manifest", member=name)
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise VerificationError("format", f"not JSON: {exc}", member=name) from None
+
+
+def _records(zf, manifest: _Manifest, plan: KeyPlan, proofs, listed: list[Listed]):
+    origin, first, end = manifest.origin, manifest.first, manifest.end
+    schedule = KeySchedule(plan.all(), active=plan.key_at(first))
+    verifier = LogVerifier(origin, schedule, start=first, prefix=proofs.prefix,
+                           prev=ZERO_HASH if first == 0 else None)
+    at_size = {c.size: c.note for c in listed if c.size <= end}
+    sha, erasures = hashlib.sha256(), {}
+    try:
+        if first in at_size:
+            verifier.check_checkpoint(at_size[first])
+        with zf.open(RECORDS) as fh:
+            for line in fh:
+                sha.update(line)
+                if verifier.size == end:
+                    raise verifier.fail("sequence", f"records beyond #{end - 1}, the end of the range")
+                if not line.endswith(b"\n"):
+                    raise verifier.fail("format", "the last line has no newline")
+                record = verifier.add_bytes(line[:-1])
+                if record.op == "key_rotation" and schedule.active != plan.key_at(record.seq + 1):
+                    raise verifier.fail("key", "rotation names a key keys.json does not list next", record.seq)
+                if record.op in ERASE_OPS:
+                    erasures[record.seq] = record
+                if verifier.size in at_size:
+                    verifier.check_checkpoint(at_size[verifier.size])
+    except VerificationError as exc:
+        raise exc.with_member(RECORDS) from None
+    if verifier.size != end:
+        raise VerificationError("sequence", f"the range ends at #{end - 1} but the records stop before",
+                                origin=origin, seq=verifier.size, member=RECORDS)
+    if sha.hexdigest() != manifest.digests[RECORDS]:
+        raise VerificationError("digest", "SHA-256 differs from the manifest", member=RECORDS)
+    return verifier, erasures
+
+
+def _cover(verifier: LogVerifier, proofs, cover: Listed, plan: KeyPlan) -> None:
+    for (level, _), h in zip(decompose(verifier.size, cover.size), proofs.suffix):
+        verifier.tree.append_node(level, h)
+    if verifier.tree.root() != cover.checkpoint.root:
+        raise VerificationError("merkle_root", f"records and proof hashes do not give the root of "
+                                f"checkpoint @{cover.size}", origin=verifier.origin, member=PROOFS)
+    try:
+        open_checkpoint(cover.note, plan.key_at(cover.size), verifier.origin)
+    except VerificationError as exc:
+        raise exc.with_member(CHECKPOINTS) from None
+
+
+def _consistency(listed: list[Listed], proofs, plan: KeyPlan, origin: str) -> None:
+    cover = listed[-1].checkpoint
+    for c in listed[:-1]:
+        try:
+            open_checkpoint(c.note, plan.key_at(c.size), origin)
+        except VerificationError as exc:
+            raise exc.with_member(CHECKPOINTS) from None
+        if c.size not in proofs.consistency:
+            raise VerificationError("consistency", f"no proof from size {c.size}", origin=origin, member=PROOFS)
+        try:
+            verify_consistency(c.size, cover.size, c.checkpoint.root, cover.root, proofs.consistency[c.size])
+        except VerificationError as exc:
+            raise exc.with_member(PROOFS) from None
+
+
+def _receipts(zf, manifest: _Manifest, plan: KeyPlan, erasures: dict, listed: list[Listed]) -> int:
+    data = read_small(zf, RECEIPTS)
+    if hashlib.sha256(data).hexdigest() != manifest.digests[RECEIPTS]:
+        raise VerificationError("digest", "SHA-256 differs from the manifest", member=RECEIPTS)
+    notes, seen = {c.note for c in listed}, set()
+    for line in data.splitlines():
+        try:
+            receipt = json.loads(line)
+            seq = receipt["record"]["seq"]
+            record = verify_receipt(receipt, plan.key_at(seq))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise VerificationError("format", f"malformed receipt: {exc}", member=RECEIPTS) from None
+        except VerificationError as exc:
+            raise exc.with_member(RECEIPTS) from None
+        if erasures.get(seq) != record or receipt["checkpoint"] not in notes or seq in seen:
+            raise VerificationError("receipt", "receipt is not for an erasure record of this bundle, or cites "
+                                    "an unlisted checkpoint", origin=manifest.origin, seq=seq, member=RECEIPTS)
+        seen.add(seq)
+    missing = sorted(set(erasures) - seen)
+    if missing:
+        raise VerificationError("receipt", "erasure record has no receipt", origin=manifest.origin,
+                                seq=missing[0], member=RECEIPTS)
+    return len(seen)
+
+
+def _previous(path, public_keys: list[PublicKey], plan: KeyPlan, proofs, cover: Listed) -> int:
+    name = f"previous:{CHECKPOINTS}"
+    with open_zip(os.fspath(path), member="previous") as zf:
+        try:
+            manifest = _manifest(zf, public_keys)
+        except VerificationError as exc:
+            raise exc.with_member(f"previous:{MANIFEST}") from None
+        try:
+            old = parse_checkpoints(_member_json(zf, CHECKPOINTS, manifest), manifest.origin, manifest.first,
+                                    manifest.size)[-1]
+        except VerificationError as exc:
+            raise exc.with_member(name) from None
+    origin = cover.checkpoint.origin
+    if manifest.origin != origin or old.size > cover.size:
+        raise VerificationError("consistency", f"previous bundle ({manifest.origin}@{old.size}) is not an "
+                                f"earlier state of {origin}@{cover.size}", member=name)
+    try:
+        open_checkpoint(old.note, plan.key_at(old.size), origin)
+    except VerificationError as exc:
+        raise exc.with_member(name) from None
+    if old.size == cover.size:
+        proof = []
+    elif old.size in proofs.consistency:
+        proof = proofs.consistency[old.size]
+    else:
+        raise VerificationError("consistency", f"no consistency proof from size {old.size}: export the new "
+                                f"bundle from a seq at or before {old.size}", origin=origin, member=PROOFS)
+    try:
+        verify_consistency(old.size, cover.size, old.checkpoint.root, cover.checkpoint.root, proof)
+    except VerificationError as exc:
+        raise exc.with_member(PROOFS) from None
+    return old.size

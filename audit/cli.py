@@ -1,0 +1,165 @@
+"""kvguard-audit: export a sealed audit bundle, or verify one offline.
+
+    kvguard-audit export --database-url URL --origin LOG --key KEY -o FILE [range]
+    kvguard-audit verify BUNDLE --public-key KEY [--previous OLD_BUNDLE] [--json]
+
+Exit status: 0 exported / verified; 1 not verified (or export refused), naming the
+first failure; 2 usage error or unreadable file. `main(argv)` returns the status
+and never exits the interpreter, so `kvguard audit ...` can call it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import datetime
+from typing import Any
+
+from .errors import AuditError, KeyFileError, VerificationError
+from .keys import PublicKey, SigningKey
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvguard-audit", description="Export and verify kvguard's sealed audit bundles.",
+        epilog="exit status: 0 ok, 1 not verified / export refused, 2 usage error or unreadable file")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{export,verify}")
+
+    e = sub.add_parser("export", help="write a signed bundle of a log range (needs kvguard[store])",
+                       description="Write one bundle file: records, checkpoints, proofs, keys, erasure "
+                       "receipts and a DSSE-signed in-toto manifest. Default range: every record a "
+                       "checkpoint covers.")
+    e.add_argument("--database-url", default=os.environ.get("KVGUARD_DATABASE_URL"),
+                   help="SQLAlchemy URL of the audit store (default: $KVGUARD_DATABASE_URL)")
+    e.add_argument("--origin", required=True, help="the log to export, e.g. kvguard.example/pod-1")
+    e.add_argument("--key", required=True, help="private key file (PEM, mode 0600) that signs the manifest")
+    e.add_argument("-o", "--output", required=True, help="bundle file to write")
+    e.add_argument("--from-seq", type=int, help="first record (default 0)")
+    e.add_argument("--to-seq", type=int, help="last record, inclusive (default: last checkpointed)")
+    e.add_argument("--since", help="records at or after this time (RFC 3339, e.g. 2025-01-31T00:00:00Z)")
+    e.add_argument("--until", help="records before this time (RFC 3339)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+    v = sub.add_parser("verify", help="verify a bundle offline with the log's public key",
+                       description="Verify every signature, digest, the hash chain, the Merkle root "
+                       "against the signed checkpoint and, with --previous, that this bundle extends "
+                       "an older one.")
+    v.add_argument("bundle", help="bundle file")
+    v.add_argument("--public-key", required=True, action="append", dest="public_keys", metavar="KEY",
+                   help="trusted public key file (PEM, base64 or hex of the raw key); repeatable")
+    v.add_argument("--previous", metavar="OLD_BUNDLE", help="an earlier bundle this one must extend")
+    v.add_argument("--json", action="store_true", help="print the result as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # argparse exits on --help (0) and on usage errors (2)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        return _export(args) if args.command == "export" else _verify(args)
+    except (_UsageError, KeyFileError) as exc:
+        print(f"kvguard-audit: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _export(args: argparse.Namespace) -> int:
+    if not args.database_url:
+        raise _UsageError("--database-url (or KVGUARD_DATABASE_URL) is required")
+    if (args.since or args.until) and (args.from_seq is not None or args.to_seq is not None):
+        raise _UsageError("give --from-seq/--to-seq or --since/--until, not both")
+    since, until = _time(args.since, "--since"), _time(args.until, "--until")
+    key = SigningKey.load(args.key)
+    try:
+        from .bundle.export import export_bundle
+        from .store import AuditStore
+    except ImportError as exc:
+        raise _UsageError(f"export needs the store extra (pip install 'kvguard[store]'): {exc}") from None
+    store = AuditStore(args.database_url)
+    try:
+        summary = export_bundle(store, args.origin, args.output, key, from_seq=args.from_seq,
+                                to_seq=args.to_seq, since_ms=since, until_ms=until,
+                                progress=not args.no_progress)
+    except AuditError as exc:
+        print(f"kvguard-audit: export refused: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except Exception as exc:  # the database itself: unreachable, no schema
+        print(f"kvguard-audit: export failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        store.dispose()
+    print(f"wrote {summary.path}: {summary.origin} records #{summary.from_seq}..#{summary.to_seq} "
+          f"({summary.records}), tree size {summary.tree_size}, {summary.receipts} erasure receipts "
+          f"in {summary.seconds:.1f}s")
+    return EXIT_OK
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .bundle.verify import verify_bundle
+
+    keys = [PublicKey.load(path) for path in args.public_keys]
+    for path in [args.bundle] + ([args.previous] if args.previous else []):
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise _UsageError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        summary = verify_bundle(args.bundle, keys, previous=args.previous)
+    except VerificationError as exc:
+        _report(args, False, error=exc)
+        return EXIT_FAILED
+    _report(args, True, summary=summary)
+    return EXIT_OK
+
+
+def _report(args, ok: bool, summary: Any = None, error: VerificationError | None = None) -> None:
+    if args.json:
+        out: dict[str, Any] = {"verified": ok, "bundle": args.bundle}
+        if ok:
+            out.update({k: getattr(summary, k) for k in summary.__slots__})
+        else:
+            out["error"] = error.to_dict()
+        print(json.dumps(out, indent=2))
+        return
+    if not ok:
+        print(f"NOT VERIFIED  {args.bundle}")
+        for label, value in (("member", error.member), ("record", error.record), ("check", error.check),
+                             ("reason", error.message)):
+            if value:
+                print(f"  {label:<11}{value}")
+        return
+    s = summary
+    print(f"VERIFIED  {args.bundle}")
+    print(f"  {'log':<11}{s.origin}")
+    print(f"  {'records':<11}#{s.from_seq}..#{s.to_seq} ({s.records})")
+    print(f"  {'checkpoint':<11}tree size {s.tree_size}, root {s.root}")
+    print(f"  {'keys':<11}{s.keys}; manifest signed by {s.signer}")
+    print(f"  {'receipts':<11}{s.receipts} erasure receipt(s)")
+    if s.previous_tree_size is not None:
+        print(f"  {'previous':<11}extends the bundle at tree size {s.previous_tree_size}")
+
+
+def _time(text: str | None, flag: str) -> int | None:
+    if text is None:
+        return None
+    try:
+        dt = datetime.fromisoformat(text)
+    except ValueError:
+        raise _UsageError(f"{flag} {text!r} is not an RFC 3339 time") from None
+    if dt.tzinfo is None:
+        raise _UsageError(f"{flag} {text!r} needs a time zone (e.g. Z)")
+    return int(dt.timestamp() * 1000)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

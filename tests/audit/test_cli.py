@@ -1,0 +1,132 @@
+"""The audit CLI: exit codes 0/1/2, readable and JSON output, and an offline verifier that
+runs with neither torch nor SQLAlchemy importable."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from audit.cli import main
+from audit.keys import SigningKey
+from audit_testlib import fill, open_log, read_bundle, write_bundle
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def setup(store, db_url, origin, tmp_path):
+    key = SigningKey.generate()
+    key.save(tmp_path / "log.key")
+    (tmp_path / "log.pub").write_text(key.public_key.to_pem())
+    with open_log(store, origin, key) as log:
+        fill(log, 25)
+        log.append("erase", {"user": "ef" * 16}, {"scope": "user"})
+        log.checkpoint()
+    return db_url, origin, tmp_path
+
+
+def test_export_then_verify(setup, capsys):
+    url, origin, d = setup
+    rc = main(["export", "--database-url", url, "--origin", origin, "--key", str(d / "log.key"),
+               "-o", str(d / "b.zip"), "--from-seq", "3", "--to-seq", "20", "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    assert "records #3..#20 (18)" in capsys.readouterr().out
+    assert main(["verify", str(d / "b.zip"), "--public-key", str(d / "log.pub")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("VERIFIED") and "#3..#20 (18)" in out
+    assert main(["verify", str(d / "b.zip"), "--public-key", str(d / "log.pub"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["verified"] is True and result["records"] == 18
+
+
+def test_not_verified_is_1_and_names_the_failure(setup, capsys):
+    url, origin, d = setup
+    assert main(["export", "--database-url", url, "--origin", origin, "--key", str(d / "log.key"),
+                 "-o", str(d / "b.zip"), "--no-progress"]) == 0
+    members = read_bundle(d / "b.zip")
+    members["records.jsonl"] = members["records.jsonl"].replace(b'"pages":[7]', b'"pages":[8]')
+    write_bundle(d / "bad.zip", members)
+    capsys.readouterr()
+    assert main(["verify", str(d / "bad.zip"), "--public-key", str(d / "log.pub")]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("NOT VERIFIED") and f"{origin}#7" in out and "records.jsonl" in out
+    assert "signature" in out and "Traceback" not in out
+    assert main(["verify", str(d / "bad.zip"), "--public-key", str(d / "log.pub"), "--json"]) == 1
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert (error["member"], error["record"], error["check"]) == ("records.jsonl", f"{origin}#7", "signature")
+
+
+def test_usage_errors_are_2(setup, capsys):
+    url, origin, d = setup
+    assert main([]) == 2
+    assert main(["verify"]) == 2
+    assert main(["verify", str(d / "missing.zip"), "--public-key", str(d / "log.pub")]) == 2
+    assert main(["verify", str(d / "log.pub"), "--public-key", str(d / "missing.pub")]) == 2
+    (d / "bad.pub").write_text("nonsense")
+    assert main(["verify", str(d / "log.pub"), "--public-key", str(d / "bad.pub")]) == 2
+    (d / "log.key").chmod(0o644)
+    assert main(["export", "--database-url", url, "--origin", origin, "--key", str(d / "log.key"),
+                 "-o", str(d / "x.zip")]) == 2
+    assert "chmod 600" in capsys.readouterr().err
+    assert main(["export", "--database-url", url, "--origin", origin, "--key", str(d / "log.key"),
+                 "-o", str(d / "x.zip"), "--since", "2025-01-01"]) == 2  # no time zone
+    assert main(["--help"]) == 0
+    assert "exit status" in capsys.readouterr().out
+
+
+def test_export_refused_is_1(setup, capsys):
+    url, _origin, d = setup
+    assert main(["export", "--database-url", url, "--origin", "no.such/log", "--key", str(d / "log.key"),
+                 "-o", str(d / "x.zip"), "--no-progress"]) == 1
+    assert "no log" in capsys.readouterr().err
+
+
+BLOCKED = ("torch", "triton", "sqlalchemy", "alembic", "psycopg", "tqdm", "kvguard", "numpy", "hypothesis")
+OFFLINE = textwrap.dedent(f"""
+    import sys
+    import importlib.abc
+
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in {BLOCKED!r}:
+                raise ImportError(f"{{name}} is not installed here")
+            return None
+
+    sys.meta_path.insert(0, Block())
+    sys.path.insert(0, {str(REPO)!r})
+    from audit.cli import main
+    code = main(sys.argv[1:])
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in {BLOCKED!r})
+    print("LOADED", loaded)
+    sys.exit(code)
+""")
+
+
+def test_verifier_runs_without_torch_or_sqlalchemy(setup):
+    url, origin, d = setup
+    assert main(["export", "--database-url", url, "--origin", origin, "--key", str(d / "log.key"),
+                 "-o", str(d / "b.zip"), "--no-progress"]) == 0
+    members = read_bundle(d / "b.zip")
+    members["keys.json"] = members["keys.json"].replace(b'"valid_from_seq":0', b'"valid_from_seq":1')
+    write_bundle(d / "bad.zip", members)
+    for bundle, expected in (("b.zip", 0), ("bad.zip", 1)):
+        proc = subprocess.run([sys.executable, "-I", "-c", OFFLINE, "verify", str(d / bundle),
+                               "--public-key", str(d / "log.pub"), "--previous", str(d / "b.zip")],
+                              capture_output=True, text=True, cwd=d)
+        assert proc.returncode == expected, proc.stdout + proc.stderr
+        assert "LOADED []" in proc.stdout
+    proc = subprocess.run([sys.executable, "-I", "-c", OFFLINE.replace("from audit.cli import main",
+                           "import sqlalchemy")], capture_output=True, text=True, cwd=d)
+    assert "sqlalchemy is not installed here" in proc.stderr  # the blocker does block
+
+
+def test_python_dash_m_audit(setup):
+    _url, _origin, d = setup
+    proc = subprocess.run([sys.executable, "-m", "audit", "verify", "--help"], capture_output=True, text=True,
+                          cwd=REPO)
+    assert proc.returncode == 0 and "--previous" in proc.stdout
