@@ -95,7 +95,8 @@ def split_note(note: str) -> tuple[str, list[NoteSignature]]:
     return text, sigs
 
 
-def open_checkpoint(note: str, keys: PublicKey | Iterable[PublicKey], origin: str | None = None) -> Checkpoint:
+def open_checkpoint(note: str, keys: PublicKey | Iterable[PublicKey],
+                    origin: str | None = None) -> Checkpoint:
     """Verify a signed checkpoint and return it. A signature counts when its name is the
     checkpoint origin and its key id is one of `keys`' note key ids; signatures by other
     keys are ignored (as the signed-note spec requires), but one known key must verify

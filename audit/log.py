@@ -30,6 +30,7 @@ from .checkpoint import Checkpoint
 from .errors import AuditError, ChainConflictError, StoreError
 from .keys import SigningKey, rotation_details
 from .record import Record
+from .pending import Item, Waiter
 from .store import AuditStore, CheckpointEntry
 from .tree import HashTree
 
@@ -41,56 +42,6 @@ class LogConfig:
     max_batch: int = 4096
     cache_level: int = 8  # tree levels below this are re-read from the store (audit.tree)
     conflict_retries: int = 20
-
-
-class _Waiter:
-    """One event for all records of an append/append_many call: a Future per record
-    costs more than signing it once thousands are pending."""
-
-    __slots__ = ("_lock", "_done", "_pending", "error")
-
-    def __init__(self, n: int) -> None:
-        self._lock, self._done, self._pending, self.error = threading.Lock(), threading.Event(), n, None
-
-    def finish(self, error: BaseException | None) -> None:
-        with self._lock:
-            self.error = self.error or error
-            self._pending -= 1
-            if self._pending == 0:
-                self._done.set()
-
-    def wait(self) -> None:
-        self._done.wait()
-        if self.error is not None:
-            raise self.error
-
-
-@dataclass(slots=True)
-class _Item:
-    op: str
-    subject: dict[str, str]
-    details: dict[str, Any]
-    future: Future | None = None  # submit()
-    waiter: _Waiter | None = None  # append(), append_many()
-    result: Record | None = None
-    new_key: SigningKey | None = None  # a key rotation
-    checkpoint: bool = False  # a forced checkpoint
-
-    @property
-    def control(self) -> bool:
-        return self.new_key is not None or self.checkpoint
-
-    @property
-    def done(self) -> bool:
-        return self.result is not None if self.future is None else self.future.done()
-
-    def resolve(self, record: Any = None, error: BaseException | None = None) -> None:
-        if self.future is not None:
-            self.future.set_exception(error) if error is not None else self.future.set_result(record)
-            return
-        self.result = record
-        if self.waiter is not None:
-            self.waiter.finish(error)
 
 
 _STOP = object()
@@ -115,14 +66,16 @@ class AuditLog:
         self._prev, self._active_key_id = fields.ZERO_HASH, ""
         self._catch_up()
         if self._active_key_id != key.key_id:
-            raise StoreError(f"log {origin} is signed by key {self._active_key_id} now; open it with that key")
+            raise StoreError(
+                f"log {origin} is signed by key {self._active_key_id} now; open it with that key")
         self._latest, self._cp_time = store.latest_checkpoint(origin), clock()
         self._next_seq, self._next_prev = self.tree.size, self._prev  # the signer's (tentative) tail
         self._resync = threading.Event()
         self._failed: BaseException | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._commits: queue.Queue = queue.Queue(maxsize=2)
-        self._committer = threading.Thread(target=self._commit_loop, name=f"audit-commit[{origin}]", daemon=True)
+        self._committer = threading.Thread(target=self._commit_loop, name=f"audit-commit[{origin}]",
+                                           daemon=True)
         self._signer = threading.Thread(target=self._sign_loop, name=f"audit-sign[{origin}]", daemon=True)
         self._committer.start()
         self._signer.start()
@@ -145,7 +98,8 @@ class AuditLog:
     def submit(self, op: str, subject: dict[str, str] | None = None,
                details: dict[str, Any] | None = None) -> "Future[Record]":
         """Queue a record without waiting; the future resolves to it once it is durably stored."""
-        item = _Item(fields.check_op(op), fields.check_subject(subject), fields.check_details(details), Future())
+        item = Item(fields.check_op(op), fields.check_subject(subject), fields.check_details(details),
+                    Future())
         self._enqueue([item])
         return item.future
 
@@ -156,11 +110,11 @@ class AuditLog:
 
     def append_many(self, items: Iterable[tuple[str, dict | None, dict | None]]) -> list[Record]:
         """Store records in order; returns once all are durable (usually in one commit)."""
-        batch = [_Item(fields.check_op(op), fields.check_subject(subject), fields.check_details(details))
+        batch = [Item(fields.check_op(op), fields.check_subject(subject), fields.check_details(details))
                  for op, subject, details in items]
         if not batch:
             return []
-        waiter = _Waiter(len(batch))
+        waiter = Waiter(len(batch))
         for item in batch:
             item.waiter = waiter
         self._enqueue(batch)
@@ -169,13 +123,13 @@ class AuditLog:
 
     def rotate_key(self, new_key: SigningKey) -> Record:
         """The current key signs a key_rotation record naming `new_key`, which signs onward."""
-        item = _Item("key_rotation", {}, rotation_details(new_key.public_key), Future(), new_key=new_key)
+        item = Item("key_rotation", {}, rotation_details(new_key.public_key), Future(), new_key=new_key)
         self._enqueue([item])
         return item.future.result()
 
     def checkpoint(self) -> CheckpointEntry:
         """A signed checkpoint of everything stored so far (issued now if needed)."""
-        item = _Item("", {}, {}, Future(), checkpoint=True)
+        item = Item("", {}, {}, Future(), checkpoint=True)
         self._enqueue([item])
         return item.future.result()
 
@@ -200,7 +154,7 @@ class AuditLog:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _enqueue(self, items: list[_Item]) -> None:
+    def _enqueue(self, items: list[Item]) -> None:
         if self._failed is not None:
             raise StoreError(f"audit writer for {self.origin} stopped: {self._failed}")
         if not self._signer.is_alive():
@@ -227,7 +181,7 @@ class AuditLog:
                     except queue.Empty:
                         break
                     batch.extend([more] if more is _STOP else more)
-                run: list[_Item] = []
+                run: list[Item] = []
                 for item in batch:
                     if item is _STOP:
                         self._hand_over(run)
@@ -243,7 +197,7 @@ class AuditLog:
         finally:
             self._commits.put(_STOP)
 
-    def _hand_over(self, items: list[_Item]) -> None:
+    def _hand_over(self, items: list[Item]) -> None:
         if not items:
             return
         if self._resync.is_set():  # a batch was re-signed: restart from the committed tail
@@ -259,7 +213,7 @@ class AuditLog:
         self._resync.clear()
         self._next_seq, self._next_prev = self.tree.size, self._prev
 
-    def _control(self, item: _Item) -> None:
+    def _control(self, item: Item) -> None:
         if item.checkpoint:
             item.resolve(self._checkpoint(force=True))
             return
@@ -267,7 +221,7 @@ class AuditLog:
         self._commit([item], self._sign([item], self.tree.size, self._prev))
         self._next_seq, self._next_prev = self.tree.size, self._prev
 
-    def _sign(self, items: list[_Item], seq: int, prev: str) -> list[Record]:
+    def _sign(self, items: list[Item], seq: int, prev: str) -> list[Record]:
         when, key = fields.format_time(self._clock()), self._key
         records = []
         for item in items:
@@ -290,22 +244,25 @@ class AuditLog:
             finally:
                 self._commits.task_done()
 
-    def _commit(self, items: list[_Item], records: list[Record]) -> None:
+    def _commit(self, items: list[Item], records: list[Record]) -> None:
         for _ in range(self.config.conflict_retries):
             if self._active_key_id != self._key.key_id:
-                raise StoreError(f"log {self.origin} was rotated to key {self._active_key_id} by another writer")
+                raise StoreError(
+                    f"log {self.origin} was rotated to key {self._active_key_id} by another writer")
             if records[0].seq != self.tree.size or records[0].prev != self._prev:
                 records = self._sign(items, self.tree.size, self._prev)  # signed on a stale tail
                 self._resync.set()
             rotation = items[-1].new_key
-            new_key = None if rotation is None else (rotation.public_key, records[-1].seq + 1, records[-1].seq)
+            last = records[-1].seq
+            new_key = None if rotation is None else (rotation.public_key, last + 1, last)
             try:
                 self.store.append(self.origin, records, self.tree.size, new_key)
                 break
             except ChainConflictError:
                 self._catch_up()
         else:
-            raise ChainConflictError(f"log {self.origin}: gave up after {self.config.conflict_retries} conflicts")
+            raise ChainConflictError(
+                f"log {self.origin}: gave up after {self.config.conflict_retries} conflicts")
         self.tree.extend([r.leaf_hash for r in records])
         self._prev = records[-1].digest
         if rotation is not None:
@@ -343,7 +300,7 @@ class AuditLog:
         self._latest, self._cp_time = entry, now
         return entry
 
-    def _answer(self, items: list[_Item], step: Callable[..., Any], *args: Any) -> Any:
+    def _answer(self, items: list[Item], step: Callable[..., Any], *args: Any) -> Any:
         """Run one step; on failure, fail its callers and keep serving (a database outage
         or conflict is the callers' error, not the writer's death)."""
         try:

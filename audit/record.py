@@ -78,7 +78,8 @@ class Record:
             leaf = record_bytes({**self.unsigned_dict(), "sig": b64})
         else:
             cut = signing_bytes.rindex(b',"subject":{') + 1
-            leaf = b"".join((signing_bytes[:cut], b'"sig":"', b64.encode("ascii"), b'",', signing_bytes[cut:]))
+            leaf = b"".join(
+                (signing_bytes[:cut], b'"sig":"', b64.encode("ascii"), b'",', signing_bytes[cut:]))
         return Record(self.origin, self.seq, self.time, self.op, self.subject, self.details, self.prev,
                       self.key_id, b64, self.v, leaf)
 

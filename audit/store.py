@@ -1,11 +1,11 @@
-"""The audit store: engines, migrations, and every query the log, exporter and verifier run.
+"""The audit store: every query the log, exporter, pseudonymizer and verifier run.
 
-SQLite (embedded default) runs in WAL mode with synchronous=FULL, so a
-committed batch survives power loss, and writers take the database lock up front
-(BEGIN IMMEDIATE) so two writers never both read the same tail. PostgreSQL
+Writers serialize per log: SQLite writers take the database lock up front
+(BEGIN IMMEDIATE, audit.engine) so two never read the same tail; PostgreSQL
 writers lock their log's row (SELECT ... FOR UPDATE), so logs of different
 origins never wait on each other. The (origin, seq) primary key is the last
 defence: a writer that still loses a race gets ChainConflictError and reloads.
+Engines and migrations are in audit.engine (re-exported here).
 """
 
 from __future__ import annotations
@@ -14,76 +14,16 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine, create_engine, delete, event, func, insert, select
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy import Connection, Engine, delete, func, insert, select
+from sqlalchemy.exc import IntegrityError
 
+from .engine import READ_ONLY, alembic_config, check_current, downgrade, make_engine, migrate
 from .errors import ChainConflictError, StoreError
 from .fields import parse_time
 from .keys import PublicKey
 from .models import CheckpointRow, Log, LogKey, RecordRow, SubjectKey
 from .record import Record
-
-MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
-_READ = "kvguard_read"
-
-
-def make_engine(url: str, **kwargs) -> Engine:
-    engine = create_engine(url, **kwargs)
-    if engine.dialect.name == "sqlite":
-        @event.listens_for(engine, "connect")
-        def _sqlite_connect(dbapi_conn, _record):
-            dbapi_conn.isolation_level = None  # we issue BEGIN ourselves (below)
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA synchronous=FULL")  # fsync the WAL on every commit
-            cur.execute("PRAGMA foreign_keys=ON")
-            cur.execute("PRAGMA busy_timeout=30000")
-            cur.execute("PRAGMA secure_delete=ON")  # a shredded secret is overwritten, not unlinked
-            cur.close()
-
-        @event.listens_for(engine, "begin")
-        def _sqlite_begin(conn):
-            conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(_READ) else "BEGIN IMMEDIATE")
-    return engine
-
-
-def alembic_config(url: str | None = None) -> Config:
-    cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS))
-    if url:
-        cfg.attributes["url"] = url
-    return cfg
-
-
-def migrate(url: str, revision: str = "head") -> None:
-    """Upgrade the audit schema to `revision` (head by default)."""
-    command.upgrade(alembic_config(url), revision)
-
-
-def downgrade(url: str, revision: str = "base") -> None:
-    command.downgrade(alembic_config(url), revision)
-
-
-def check_current(url: str) -> None:
-    """Readiness: raises StoreError unless the database is at the newest migration."""
-    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
-    engine = make_engine(url)
-    try:
-        with engine.connect() as conn:
-            current = MigrationContext.configure(conn).get_current_revision()
-    except OperationalError as exc:
-        raise StoreError(f"audit store unreachable: {exc.orig}") from None
-    finally:
-        engine.dispose()
-    if current != head:
-        raise StoreError(f"audit store is at schema {current!r}, expected {head!r}: run audit.store.migrate")
-
 
 @dataclass(frozen=True, slots=True)
 class KeyEntry:
@@ -118,7 +58,7 @@ class AuditStore:
     @contextmanager
     def read(self) -> Iterator[Connection]:
         with self.engine.connect() as conn:
-            conn.execution_options(**{_READ: True})
+            conn.execution_options(**{READ_ONLY: True})
             with conn.begin():
                 yield conn
 
@@ -147,7 +87,8 @@ class AuditStore:
             return [KeyEntry(PublicKey.from_raw(pk), start, rot) for pk, start, rot in rows]
 
     @staticmethod
-    def _add_key(conn: Connection, origin: str, key: PublicKey, start: int, rot: int | None, now: int) -> None:
+    def _add_key(conn: Connection, origin: str, key: PublicKey, start: int, rot: int | None,
+                 now: int) -> None:
         conn.execute(
             insert(LogKey).values(
                 origin=origin, key_id=key.key_id, public_key=key.raw,
@@ -177,7 +118,8 @@ class AuditStore:
                     conn.execute(select(Log.origin).where(Log.origin == origin).with_for_update())
                 size = self.size(origin, conn)
                 if size != expected_size:
-                    raise ChainConflictError(f"log {origin} has {size} records, writer expected {expected_size}")
+                    raise ChainConflictError(
+                        f"log {origin} has {size} records, writer expected {expected_size}")
                 self._insert_records(conn, records)
                 if new_key is not None:
                     self._add_key(conn, origin, new_key[0], new_key[1], new_key[2], records[-1].time_ms)
@@ -238,7 +180,8 @@ class AuditStore:
     def iter_leaves(self, origin: str, start: int = 0, end: int | None = None,
                     batch: int = 20000) -> Iterator[tuple[int, bytes]]:
         """(seq, leaf hash) in seq order, streamed: what rebuilding a tree needs."""
-        query = select(RecordRow.seq, RecordRow.leaf_hash).where(RecordRow.origin == origin, RecordRow.seq >= start)
+        query = select(RecordRow.seq, RecordRow.leaf_hash).where(
+            RecordRow.origin == origin, RecordRow.seq >= start)
         if end is not None:
             query = query.where(RecordRow.seq < end)
         with self.read() as conn:
@@ -269,8 +212,10 @@ class AuditStore:
         except IntegrityError:
             pass
 
-    def checkpoints(self, origin: str, min_size: int = 0, max_size: int | None = None) -> list[CheckpointEntry]:
-        query = select(CheckpointRow).where(CheckpointRow.origin == origin, CheckpointRow.tree_size >= min_size)
+    def checkpoints(self, origin: str, min_size: int = 0,
+                    max_size: int | None = None) -> list[CheckpointEntry]:
+        query = select(CheckpointRow).where(
+            CheckpointRow.origin == origin, CheckpointRow.tree_size >= min_size)
         if max_size is not None:
             query = query.where(CheckpointRow.tree_size <= max_size)
         with self.read() as conn:

@@ -113,7 +113,8 @@ class LogVerifier:
             raise self.fail("origin", f"record of log {record.origin!r} in log {self.origin!r}")
         if record.seq != expected:  # (3)
             if record.seq > expected:
-                raise self.fail("sequence", f"record {self.origin}#{expected} is missing (found #{record.seq})")
+                raise self.fail("sequence",
+                                f"record {self.origin}#{expected} is missing (found #{record.seq})")
             raise self.fail("sequence", f"seq {record.seq} repeated or out of order (expected {expected})")
         if self.prev is not None and record.prev != self.prev:  # (4)
             raise self.fail("chain", "prev is not the hash of the previous record")
@@ -145,7 +146,8 @@ class LogVerifier:
         return cp
 
     def summary(self) -> Summary:
-        return Summary(self.origin, self.start, self.size, self.tree.root(), self.checkpoints, self.last_checkpoint)
+        return Summary(self.origin, self.start, self.size, self.tree.root(), self.checkpoints,
+                       self.last_checkpoint)
 
 
 def verify_records(records: Iterable[Record | bytes], public_keys: Iterable[PublicKey], *,

@@ -14,7 +14,7 @@ import os
 from alembic import context
 
 from audit.models import Base
-from audit.store import make_engine
+from audit.engine import make_engine
 
 config = context.config
 target_metadata = Base.metadata

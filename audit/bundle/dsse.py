@@ -31,7 +31,8 @@ def sign_envelope(statement: dict[str, Any], key: SigningKey) -> bytes:
     envelope = {
         "payload": base64.b64encode(body).decode("ascii"),
         "payloadType": PAYLOAD_TYPE,
-        "signatures": [{"keyid": key.key_id, "sig": base64.b64encode(key.sign(pae(PAYLOAD_TYPE, body))).decode()}],
+        "signatures": [{"keyid": key.key_id,
+                        "sig": base64.b64encode(key.sign(pae(PAYLOAD_TYPE, body))).decode("ascii")}],
     }
     return canonical(envelope) + b"\n"
 

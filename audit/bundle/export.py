@@ -70,10 +70,10 @@ def export_bundle(store: AuditStore, origin: str, out_path: str, key: SigningKey
                 {"tree_size": c.size, "note": c.note} for c in checkpoints]}) + b"\n", digests)
             _write(zf, PROOFS, canonical({
                 "tree_size": size, "range": [first, end],
-                "prefix": [h.hex() for h in tree.compact(0, first)],
-                "suffix": [h.hex() for h in tree.compact(end, size)],
-                "consistency": [{"from": c.size, "to": size, "proof": [h.hex() for h in tree.consistency_proof(
-                    c.size, size)]} for c in checkpoints if c.size < size],
+                "prefix": _hex(tree.compact(0, first)),
+                "suffix": _hex(tree.compact(end, size)),
+                "consistency": [{"from": c.size, "to": size, "proof": _hex(tree.consistency_proof(c.size, size))}
+                                for c in checkpoints if c.size < size],
             }) + b"\n", digests)
             _write(zf, KEYS, canonical(_keys_member(store, origin, keys, tree, size)) + b"\n", digests)
             receipts = [_receipt(store, origin, r, tree, keys) for r in erases]
@@ -127,6 +127,10 @@ def _resolve_range(store: AuditStore, origin: str, from_seq, to_seq, since_ms, u
     return first, last, cp
 
 
+def _hex(hashes: list[bytes]) -> list[str]:
+    return [h.hex() for h in hashes]
+
+
 def _write(zf: zipfile.ZipFile, name: str, data: bytes, digests: dict[str, str]) -> None:
     zf.writestr(_info(name), data)
     digests[name] = hashlib.sha256(data).hexdigest()
@@ -176,7 +180,7 @@ def _keys_member(store: AuditStore, origin: str, keys, tree: HashTree, size: int
         rotation = None
         if k.rotation_seq is not None:
             rotation = {"record": store.record(origin, k.rotation_seq).to_dict(),
-                        "inclusion_proof": [h.hex() for h in tree.inclusion_proof(k.rotation_seq, size)]}
+                        "inclusion_proof": _hex(tree.inclusion_proof(k.rotation_seq, size))}
         entries.append({"key_id": k.key.key_id, "public_key": k.key.to_base64(),
                         "valid_from_seq": k.valid_from_seq, "rotation": rotation})
     return {"origin": origin, "tree_size": size, "keys": entries}

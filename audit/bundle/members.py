@@ -42,7 +42,8 @@ def parse_checkpoints(doc: Any, origin: str, first: int, size: int) -> list[List
         raise _fail(CHECKPOINTS, exc.check, exc.message, origin) from None
     sizes = [c.size for c in listed]
     if not listed or sizes[-1] != size or sizes != sorted(set(sizes)) or sizes[0] < first:
-        raise _fail(CHECKPOINTS, "format", f"sizes {sizes} must ascend from >= {first} to the covering {size}", origin)
+        raise _fail(CHECKPOINTS, "format",
+                    f"sizes {sizes} must ascend from >= {first} to the covering {size}", origin)
     for c in listed:
         if c.checkpoint.size != c.size or c.checkpoint.origin != origin:
             raise _fail(CHECKPOINTS, "checkpoint_format", f"note of size {c.checkpoint.size} for "
@@ -68,7 +69,8 @@ def parse_proofs(doc: Any, origin: str, first: int, end: int, size: int) -> Proo
     except (KeyError, TypeError, ValueError) as exc:
         raise _fail(PROOFS, "format", f"malformed: {exc}", origin) from None
     if declared != (size, [first, end]):
-        raise _fail(PROOFS, "format", f"proofs are for {declared}, the manifest says {(size, [first, end])}", origin)
+        raise _fail(PROOFS, "format",
+                    f"proofs are for {declared}, the manifest says {(size, [first, end])}", origin)
     if len(prefix) != len(decompose(0, first)) or len(suffix) != len(decompose(end, size)):
         raise _fail(PROOFS, "merkle_root", "prefix or suffix has the wrong number of hashes", origin)
     if any(len(h) != 32 for h in prefix + suffix):
@@ -97,7 +99,8 @@ class KeyPlan:
                 self._check_rotation(rotation, key, start, origin, cover)
             self.keys.append((key, start))
 
-    def _check_rotation(self, rotation: Any, key: PublicKey, start: int, origin: str, cover: Checkpoint) -> None:
+    def _check_rotation(self, rotation: Any, key: PublicKey, start: int, origin: str,
+                        cover: Checkpoint) -> None:
         try:
             record = Record.parse(rotation["record"])
             proof = [bytes.fromhex(h) for h in rotation["inclusion_proof"]]

@@ -134,7 +134,8 @@ def _records(zf, manifest: _Manifest, plan: KeyPlan, proofs, listed: list[Listed
                     raise verifier.fail("format", "the last line has no newline")
                 record = verifier.add_bytes(line[:-1])
                 if record.op == "key_rotation" and schedule.active != plan.key_at(record.seq + 1):
-                    raise verifier.fail("key", "rotation names a key keys.json does not list next", record.seq)
+                    raise verifier.fail("key", "rotation names a key keys.json does not list next",
+                                        record.seq)
                 if record.op in ERASE_OPS:
                     erasures[record.seq] = record
                 if verifier.size in at_size:
@@ -169,7 +170,8 @@ def _consistency(listed: list[Listed], proofs, plan: KeyPlan, origin: str) -> No
         except VerificationError as exc:
             raise exc.with_member(CHECKPOINTS) from None
         if c.size not in proofs.consistency:
-            raise VerificationError("consistency", f"no proof from size {c.size}", origin=origin, member=PROOFS)
+            raise VerificationError("consistency", f"no proof from size {c.size}", origin=origin,
+                                    member=PROOFS)
         try:
             verify_consistency(c.size, cover.size, c.checkpoint.root, cover.root, proofs.consistency[c.size])
         except VerificationError as exc:
@@ -191,8 +193,9 @@ def _receipts(zf, manifest: _Manifest, plan: KeyPlan, erasures: dict, listed: li
         except VerificationError as exc:
             raise exc.with_member(RECEIPTS) from None
         if erasures.get(seq) != record or receipt["checkpoint"] not in notes or seq in seen:
-            raise VerificationError("receipt", "receipt is not for an erasure record of this bundle, or cites "
-                                    "an unlisted checkpoint", origin=manifest.origin, seq=seq, member=RECEIPTS)
+            raise VerificationError(
+                "receipt", "receipt is not for an erasure record of this bundle, or cites an unlisted "
+                "checkpoint", origin=manifest.origin, seq=seq, member=RECEIPTS)
         seen.add(seq)
     missing = sorted(set(erasures) - seen)
     if missing:

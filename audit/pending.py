@@ -1,0 +1,66 @@
+"""What a caller of the log waits on: one queued record and its answer.
+
+submit() answers with a Future; append() and append_many() share one Waiter per
+call, because a Future per record costs more than signing it once thousands of
+records are pending.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from .keys import SigningKey
+from .record import Record
+
+
+class Waiter:
+    """One event for all records of an append/append_many call: a Future per record
+    costs more than signing it once thousands are pending."""
+
+    __slots__ = ("_lock", "_done", "_pending", "error")
+
+    def __init__(self, n: int) -> None:
+        self._lock, self._done, self._pending, self.error = threading.Lock(), threading.Event(), n, None
+
+    def finish(self, error: BaseException | None) -> None:
+        with self._lock:
+            self.error = self.error or error
+            self._pending -= 1
+            if self._pending == 0:
+                self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+@dataclass(slots=True)
+class Item:
+    op: str
+    subject: dict[str, str]
+    details: dict[str, Any]
+    future: Future | None = None  # submit()
+    waiter: Waiter | None = None  # append(), append_many()
+    result: Record | None = None
+    new_key: SigningKey | None = None  # a key rotation
+    checkpoint: bool = False  # a forced checkpoint
+
+    @property
+    def control(self) -> bool:
+        return self.new_key is not None or self.checkpoint
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None if self.future is None else self.future.done()
+
+    def resolve(self, record: Any = None, error: BaseException | None = None) -> None:
+        if self.future is not None:
+            self.future.set_exception(error) if error is not None else self.future.set_result(record)
+            return
+        self.result = record
+        if self.waiter is not None:
+            self.waiter.finish(error)
