@@ -189,9 +189,10 @@ class ErasureService:
     def _shred(self, scope: str, tenant: str, target: str) -> int:
         p = self.sc.pseudonyms
         n = int(p.shred(scope, target, tenant=tenant))
-        if scope == "user":  # the user's sessions seen by live processes go too
-            for session in self.sc.registry.sessions_of_user(tenant, target):
-                n += int(p.shred("session", session, tenant=tenant))
+        if scope == "user":  # every session the user was seen with goes too
+            for session_idx in self.sc.ingest.sessions_of(tenant, target):
+                n += int(self.sc.store.delete_subject_secret(session_idx))
+            self.sc.ingest.forget_user(tenant, target)
         return n
 
     def _receipt(self, seq: int) -> dict:

@@ -47,3 +47,13 @@ class ErasureRequest(Base):
     receipt_json: Mapped[str | None] = mapped_column(Text, nullable=True)
     record_seq: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class SubjectLink(Base):
+    """Which sessions belong to which user, by their pseudonym index (an HMAC under the
+    index key, never a raw id), so that erasing a user shreds their sessions too."""
+
+    __tablename__ = "subject_links"
+
+    user_idx: Mapped[bytes] = mapped_column(LargeBinary(32), primary_key=True)
+    session_idx: Mapped[bytes] = mapped_column(LargeBinary(32), primary_key=True)

@@ -58,9 +58,6 @@ class Registry:
         now = time.monotonic()
         return [c for c in self.clients.values() if now - c.last_seen < LIVE_S]
 
-    def sessions_of_user(self, tenant: str, user: str) -> set[str]:
-        return {s for c in self.clients.values() for (t, u, s) in c.sessions if t == tenant and u == user}
-
     # --- commands -------------------------------------------------------------------------------
 
     def broadcast(self, scope: str, tenant: str, target: str) -> tuple[Command, list[str]]:

@@ -55,7 +55,7 @@ class Sidecar:
         self.log = AuditLog(self.store, s.origin, self.key,
                             LogConfig(checkpoint_every=s.checkpoint_every, checkpoint_interval_ms=s.checkpoint_ms))
         self.pseudonyms = Pseudonymizer(self.store, index_key)
-        self.ingest = Ingestor(self.log, self.pseudonyms)
+        self.ingest = Ingestor(self.log, self.pseudonyms, self.sessions)
         self.registry = Registry()
         self.metrics = Metrics(self)
         log.info("sidecar ready", origin=s.origin, key_id=self.key.key_id, database=self.engine.url.get_backend_name())

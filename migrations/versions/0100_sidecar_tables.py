@@ -1,4 +1,4 @@
-"""Sidecar tables: admin API tokens (hashed) and erasure requests.
+"""Sidecar tables: admin API tokens (hashed), erasure requests, user-session links.
 
 Revision ID: 0100
 Revises: 0002
@@ -49,6 +49,14 @@ def upgrade() -> None:
     )
 
 
+    op.create_table(
+        "subject_links",
+        sa.Column("user_idx", sa.LargeBinary(32), primary_key=True),
+        sa.Column("session_idx", sa.LargeBinary(32), primary_key=True),
+    )
+
+
 def downgrade() -> None:
+    op.drop_table("subject_links")
     op.drop_table("erasure_requests")
     op.drop_table("api_tokens")

@@ -91,6 +91,9 @@ def test_malformed_input_never_gets_a_500(fuzz_server, mode):
             fuzzed += 1
         except Unsatisfiable:  # an operation without inputs has no malformed variant
             assert mode == GenerationMode.NEGATIVE
+        except Exception as e:  # show what the server logged about it
+            tail = (fuzz_server.data_dir.parent / "serve.log").read_text()[-4000:]
+            raise AssertionError(f"{op.label}: {e}\n--- serve.log ---\n{tail}") from e
     assert fuzzed >= 8
 
 
