@@ -39,7 +39,8 @@ from .tree import HashTree
 class LogConfig:
     checkpoint_every: int = 1000
     checkpoint_interval_ms: int = 1000
-    max_batch: int = 4096
+    max_batch: int = 4096  # records per transaction, at most
+    sign_slice: int = 512  # records signed before the committer may start on them
     cache_level: int = 8  # tree levels below this are re-read from the store (audit.tree)
     conflict_retries: int = 20
 
@@ -73,7 +74,7 @@ class AuditLog:
         self._resync = threading.Event()
         self._failed: BaseException | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._commits: queue.Queue = queue.Queue(maxsize=2)
+        self._commits: queue.Queue = queue.Queue(maxsize=64)
         self._committer = threading.Thread(target=self._commit_loop, name=f"audit-commit[{origin}]",
                                            daemon=True)
         self._signer = threading.Thread(target=self._sign_loop, name=f"audit-sign[{origin}]", daemon=True)
@@ -198,14 +199,16 @@ class AuditLog:
             self._commits.put(_STOP)
 
     def _hand_over(self, items: list[Item]) -> None:
-        if not items:
-            return
-        if self._resync.is_set():  # a batch was re-signed: restart from the committed tail
-            self._settle()
-        records = self._answer(items, self._sign, items, self._next_seq, self._next_prev)
-        if records:
-            self._next_seq, self._next_prev = records[-1].seq + 1, records[-1].digest
-            self._commits.put((items, records))
+        # In slices, so the committer starts on the first while the rest is signed; it
+        # merges whatever slices queue up meanwhile into one transaction (group commit).
+        for start in range(0, len(items), self.config.sign_slice):
+            part = items[start:start + self.config.sign_slice]
+            if self._resync.is_set():  # a batch was re-signed: restart from the committed tail
+                self._settle()
+            records = self._answer(part, self._sign, part, self._next_seq, self._next_prev)
+            if records:
+                self._next_seq, self._next_prev = records[-1].seq + 1, records[-1].digest
+                self._commits.put((part, records))
 
     def _settle(self) -> None:
         """Wait until every handed-over batch is committed; then the signer's tail is the log's."""
@@ -225,9 +228,7 @@ class AuditLog:
         when, key = fields.format_time(self._clock()), self._key
         records = []
         for item in items:
-            r = Record(self.origin, seq, when, item.op, item.subject, item.details, prev, key.key_id)
-            data = r.signing_bytes()
-            r = r.with_signature(key.sign(data), data)
+            r = Record.sign_new(key, self.origin, seq, when, item.op, item.subject, item.details, prev)
             records.append(r)
             prev, seq = r.digest, seq + 1
         return records
@@ -235,14 +236,23 @@ class AuditLog:
     # -- committer thread ----------------------------------------------------------
 
     def _commit_loop(self) -> None:
-        while True:
-            job = self._commits.get()
+        stop = False
+        while not stop:
+            jobs = [self._commits.get()]
+            while jobs[-1] is not _STOP and len(jobs) * self.config.sign_slice < self.config.max_batch:
+                try:
+                    jobs.append(self._commits.get_nowait())
+                except queue.Empty:
+                    break
+            stop = jobs[-1] is _STOP
+            work = [job for job in jobs if job is not _STOP]
             try:
-                if job is _STOP:
-                    return
-                self._answer(job[0], self._commit, *job)
+                if work:
+                    items = [item for part, _ in work for item in part]
+                    self._answer(items, self._commit, items, [r for _, records in work for r in records])
             finally:
-                self._commits.task_done()
+                for _ in jobs:
+                    self._commits.task_done()
 
     def _commit(self, items: list[Item], records: list[Record]) -> None:
         for _ in range(self.config.conflict_retries):
