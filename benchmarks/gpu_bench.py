@@ -1,7 +1,7 @@
 """GPU benchmark of kvguard's kernels: correctness on the GPU (fp8 included), the machine's
 ceilings, and decode-step times against their memory floors and PyTorch SDPA.
 
-    PYTHONPATH=. python3 benchmarks/gpu_bench.py [--sweep] [--quick] [--out DIR]
+    PYTHONPATH=. python3 benchmarks/gpu_bench.py [--sweep] [--grid full|quick|long|none] [--out DIR]
     PYTHONPATH=. python3 benchmarks/gpu_bench.py --smoke      # CPU, Triton interpreter, tiny shapes
 
 Every time is one layer's decode step, measured by replaying a CUDA graph of R calls over R
@@ -36,6 +36,8 @@ if SMOKE and not torch.cuda.is_available():
     _interp._patch_lang_tensor = _patched
 
 import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from kernels import quantize as ref  # noqa: E402
 from kernels.compact import compact_pages, compact_pages_ref  # noqa: E402
@@ -92,17 +94,27 @@ def time_calls(calls, min_total_s=0.04, max_reps=200) -> float:
 
 def ceilings() -> dict:
     if not GPU:
-        return {"copy_GBps": 100.0, "bf16_TFLOPs": 1.0}
+        return {"copy_GBps": 100.0, "read_GBps": 100.0, "bf16_TFLOPs": 1.0}
     n = 2 * 1024**3 // 2  # 2 GiB each way
     src = torch.randn(n, device=DEV, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     t = time_calls([lambda: dst.copy_(src)], min_total_s=0.2)
     copy = 2 * n * 2 / t / GB
-    del src, dst
+    part = torch.empty(n // 8192, device=DEV, dtype=torch.float32)
+    t = time_calls([lambda: _read_kernel[(n // 8192,)](src, part, BLOCK=8192, num_warps=8)], min_total_s=0.2)
+    read = n * 2 / t / GB
+    del src, dst, part
     a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     t = time_calls([lambda: a @ b], min_total_s=0.2)
-    return {"copy_GBps": copy, "bf16_TFLOPs": 2 * 8192**3 / t / 1e12}
+    return {"copy_GBps": copy, "read_GBps": read, "bf16_TFLOPs": 2 * 8192**3 / t / 1e12}
+
+
+@triton.jit
+def _read_kernel(x, out, BLOCK: tl.constexpr):
+    # the read-only ceiling: each program sums BLOCK elements, 16-byte loads
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out + tl.program_id(0), tl.sum(tl.load(x + i).to(tl.float32), 0))
 
 
 # --- data ----------------------------------------------------------------------------------------
@@ -264,7 +276,8 @@ def bench_decode(model, length, batch, copy_bw, configs=None, with_baselines=Tru
 
 def sweep(copy_bw) -> list[str]:
     """Tile configs at a long and a mid context; prints each codec's times per config."""
-    tiles = [(pg, w, st, 4) for pg in (4, 8) for w in (4, 8) for st in (2, 4)] + [(4, 4, 3, 2), (4, 4, 3, 8)]
+    tiles = [(pg, w, st, 4) for pg in (2, 4, 8) for w in (2, 4, 8) for st in (2, 3)] + \
+        [(4, 4, 3, 8), (4, 4, 3, 16), (2, 4, 3, 8), (2, 4, 3, 16)]
     grid = {f" p{pg}w{w}s{st}x{pps}": {c: {"pages": pg, "num_warps": w, "num_stages": st, "programs_per_sm": pps}
                                        for c in ("16bit",) + CODECS} for pg, w, st, pps in tiles}
     lines = []
@@ -279,7 +292,7 @@ def sweep(copy_bw) -> list[str]:
     return lines
 
 
-def bench_quantize(copy_bw) -> list[str]:
+def bench_quantize(copy_bw, warps=(None,)) -> list[str]:
     h, d, n = 8, 128, (16384 if GPU else 8)
     k, v = outlier((n, h, S, d)), outlier((n, h, S, d))
     lines = []
@@ -287,10 +300,12 @@ def bench_quantize(copy_bw) -> list[str]:
         pages = quantized_pool({"k": k[:1], "v": v[:1]}, codec)
         pages = {f: torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=DEV) for f, t in pages.items()}
         dst = torch.randperm(n, device=DEV).to(torch.int32)
-        t = time_calls([lambda: quantize_scatter(k, v, dst, pages)], min_total_s=0.1)
-        nbytes = pool_bytes("bf16", n * S, h, d) + pool_bytes(codec, n * S, h, d)
-        lines.append(f"quantize_scatter {codec:5s} {n} pages x 8 heads x 16 x 128: {t * 1e6:8.1f} us "
-                     f"{nbytes / t / GB:7.0f} GB/s = {nbytes / t / GB / copy_bw:.0%} of copy")
+        for w in warps:
+            kw = {} if w is None else {"num_warps": w}
+            t = time_calls([lambda: quantize_scatter(k, v, dst, pages, **kw)], min_total_s=0.1)
+            nbytes = pool_bytes("bf16", n * S, h, d) + pool_bytes(codec, n * S, h, d)
+            lines.append(f"quantize_scatter {codec:5s}{'' if w is None else f' w{w}'} {n} pages x 8 heads x 16 x 128: "
+                         f"{t * 1e6:8.1f} us {nbytes / t / GB:7.0f} GB/s = {nbytes / t / GB / copy_bw:.0%} of copy")
     return lines
 
 
@@ -310,31 +325,31 @@ def table(rows) -> list[str]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="time tile configs first")
-    ap.add_argument("--quick", action="store_true", help="a smaller grid")
+    ap.add_argument("--grid", default="full", choices=("full", "quick", "long", "none"), help="decode shapes to time")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes: checks the script runs")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    info = {"device": torch.cuda.get_device_name() if GPU else "cpu", "torch": torch.__version__}
-    import triton
-
-    info["triton"] = triton.__version__
+    info = {"device": torch.cuda.get_device_name() if GPU else "cpu", "torch": torch.__version__,
+            "triton": triton.__version__}
     print(json.dumps(info), flush=True)
     for line in check_all():
         print(line, flush=True)
     ceil = ceilings()
-    print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s (read+write), bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s",
-          flush=True)
+    print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s (read+write), read-only {ceil['read_GBps']:.0f} GB/s, "
+          f"bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     extra = []
     if args.sweep:
         extra += sweep(ceil["copy_GBps"])
         print("\n".join(extra), flush=True)
-    quant = bench_quantize(ceil["copy_GBps"])
+    quant = bench_quantize(ceil["copy_GBps"], (1, 2, 4) if args.sweep else (None,))
     print("\n".join(quant), flush=True)
     if args.smoke:
         grid = [("smollm2-135m", 256, 1), ("llama3-8b", 256, 2)]
     else:
-        lengths = (1024, 16384, 131072) if args.quick else (1024, 4096, 16384, 32768, 131072)
-        grid = [(m, length, b) for m in MODELS for length in lengths for b in (1, 8, 64)
+        lengths = {"full": (1024, 4096, 16384, 32768, 131072), "quick": (1024, 16384, 131072),
+                   "long": (16384, 131072), "none": ()}[args.grid]
+        models = ("llama3-8b",) if args.grid == "long" else MODELS
+        grid = [(m, length, b) for m in models for length in lengths for b in (1, 8, 64)
                 if pool_bytes("bf16", length * b, MODELS[m][1], MODELS[m][2]) <= 40e9]
     rows = []
     for m, length, b in grid:

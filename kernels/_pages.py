@@ -9,9 +9,51 @@ Offsets are int64: a 40 GB pool has more elements than int32 can count.
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 FP16_MIN_NORMAL = tl.constexpr(2.0**-14)
 FP16_MAX = tl.constexpr(65504.0)
+
+# ON_GPU (a constexpr every kernel takes) selects PTX fast paths that compute the same values
+# as the portable code beside them, which the interpreter runs: inline assembly and libdevice
+# do not exist there.
+
+
+@triton.jit
+def i8_to_f16(c):
+    """int8 codes -> fp16, exactly, four per instruction group: c ^ 0x80 becomes the low byte
+    of 0x64xx, the fp16 number 1152 + c, and one packed subtraction leaves c."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t, k;\n"
+        "xor.b32 t, $2, 0x80808080;\n"
+        "mov.b32 k, 0x64806480;\n"
+        "prmt.b32 $0, t, 0x64646464, 0x4140;\n"
+        "prmt.b32 $1, t, 0x64646464, 0x4342;\n"
+        "sub.f16x2 $0, $0, k;\n"
+        "sub.f16x2 $1, $1, k; }",
+        "=r,=r,r", [c], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def u4_to_f16(b):
+    """bytes -> (low nibbles, high nibbles) as fp16, exactly, four bytes per instruction group:
+    each nibble becomes the low bits of 0x6400 (fp16 1024 + c), then 1024 is subtracted."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 a, c, k;\n"
+        "mov.b32 k, 0x64006400;\n"
+        "prmt.b32 a, $4, 0, 0x4140;\n"
+        "prmt.b32 c, $4, 0, 0x4342;\n"
+        "lop3.b32 $0, a, 0x000f000f, k, 0xea;\n"
+        "lop3.b32 $1, c, 0x000f000f, k, 0xea;\n"
+        "shr.b32 a, a, 4;\n"
+        "shr.b32 c, c, 4;\n"
+        "lop3.b32 $2, a, 0x000f000f, k, 0xea;\n"
+        "lop3.b32 $3, c, 0x000f000f, k, 0xea;\n"
+        "sub.f16x2 $0, $0, k;\n"
+        "sub.f16x2 $1, $1, k;\n"
+        "sub.f16x2 $2, $2, k;\n"
+        "sub.f16x2 $3, $3, k; }",
+        "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
 @triton.jit
@@ -25,7 +67,7 @@ def codes_to_f16(c, BIAS: tl.constexpr):
 @triton.jit
 def load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, ok, h,
                    H: tl.constexpr, S: tl.constexpr, D: tl.constexpr, PAGES: tl.constexpr,
-                   KIND: tl.constexpr, GROUP: tl.constexpr):
+                   KIND: tl.constexpr, GROUP: tl.constexpr, ON_GPU: tl.constexpr):
     """page [PAGES] int64 page ids, ok [PAGES, S] which tokens exist -> k, v [PAGES*S, D] fp16
     and vs [PAGES*S] fp32, the per-token V scale still to apply (int8/fp8; ones otherwise).
 
@@ -52,9 +94,13 @@ def load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, ok, h,
     elif KIND == 1:
         kc = tl.load(kp + rows[:, :, None] * D + d[None, None, :], mask=m3, other=0.0)  # [PAGES, S, D]
         vc = tl.load(vp + rows[:, :, None] * D + d[None, None, :], mask=m3, other=0.0)
-        if kp.dtype.element_ty == tl.int8:  # c + 128 as a byte is c ^ 0x80
-            kc = codes_to_f16(kc.to(tl.uint8, bitcast=True) ^ 0x80, 128.0)
-            vc = codes_to_f16(vc.to(tl.uint8, bitcast=True) ^ 0x80, 128.0)
+        if kp.dtype.element_ty == tl.int8:
+            if ON_GPU:
+                kc = i8_to_f16(kc)
+                vc = i8_to_f16(vc)
+            else:  # c + 128 as a byte is c ^ 0x80
+                kc = codes_to_f16(kc.to(tl.uint8, bitcast=True) ^ 0x80, 128.0)
+                vc = codes_to_f16(vc.to(tl.uint8, bitcast=True) ^ 0x80, 128.0)
         ks = tl.load(ksp + ph[:, None, None] * D + d[None, None, :])  # [PAGES, 1, D]
         k = kc.to(tl.float16) * ks
         v = vc.to(tl.float16)
@@ -64,12 +110,18 @@ def load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, ok, h,
         NG: tl.constexpr = D // GROUP
         c = tl.arange(0, D2)
         kb = tl.load(kp + rows[:, :, None] * D2 + c[None, None, :], mask=m3, other=0)  # [PAGES, S, D/2] u8
-        kc = codes_to_f16(tl.join(kb & 15, kb >> 4).reshape(PAGES, S, D), 0.0)  # low nibble = even channel
+        vb = tl.load(vp + rows[:, :, None] * D2 + c[None, None, :], mask=m3, other=0)
+        if ON_GPU:
+            klo, khi = u4_to_f16(kb)
+            vlo, vhi = u4_to_f16(vb)
+        else:
+            klo, khi = codes_to_f16(kb & 15, 0.0), codes_to_f16(kb >> 4, 0.0)
+            vlo, vhi = codes_to_f16(vb & 15, 0.0), codes_to_f16(vb >> 4, 0.0)
+        kc = tl.join(klo, khi).reshape(PAGES, S, D)  # low nibble = even channel
         ks = tl.load(ksp + ph[:, None, None] * D + d[None, None, :])  # [PAGES, 1, D]
         kz = tl.load(kzp + ph[:, None, None] * D + d[None, None, :])
         k = kc * ks + kz
-        vb = tl.load(vp + rows[:, :, None] * D2 + c[None, None, :], mask=m3, other=0)
-        vc = codes_to_f16(tl.join(vb & 15, vb >> 4).reshape(PAGES, S, NG, GROUP), 0.0)
+        vc = tl.join(vlo, vhi).reshape(PAGES, S, NG, GROUP)
         g = tl.arange(0, NG)
         gi = rows[:, :, None, None] * NG + g[None, None, :, None]  # [PAGES, S, NG, 1]
         vsc = tl.load(vsp + gi, mask=ok[:, :, None, None], other=0.0)
@@ -130,6 +182,27 @@ def round_half_even(y):
 
 
 @triton.jit
+def rint(y, ON_GPU: tl.constexpr):
+    if ON_GPU:
+        return libdevice.rint(y)  # cvt.rni: nearest, ties to even
+    else:
+        return round_half_even(y)
+
+
+@triton.jit
+def divide(x, s, ON_GPU: tl.constexpr):
+    """x / s rounded to nearest, as torch divides. On the GPU without div.rn's per-element
+    slow-path check: q0 = x * RN(1/s), then one exact-residual correction step, which gives
+    the correctly rounded quotient (Markstein) for the normal-range operands seen here."""
+    if ON_GPU:
+        r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        q0 = x * r
+        return tl.fma(tl.fma(-q0, s, x), r, q0)
+    else:
+        return tl.math.div_rn(x, s)
+
+
+@triton.jit
 def fp16_scale(amax, qmax: tl.constexpr):
     """quantize._scale: fp32 division rounded to nearest (div_rn, not the approximate '/'),
     clamped to fp16's normal range, rounded to fp16. Returns the fp16 scale."""
@@ -138,24 +211,24 @@ def fp16_scale(amax, qmax: tl.constexpr):
 
 
 @triton.jit
-def quant_sym(x, AXIS: tl.constexpr, QMAX: tl.constexpr, ROUND: tl.constexpr):
+def quant_sym(x, AXIS: tl.constexpr, QMAX: tl.constexpr, ROUND: tl.constexpr, ON_GPU: tl.constexpr):
     """x fp32 -> (codes fp32, fp16 scale reduced over AXIS). ROUND for int8; fp8 codes are
     clamped here and rounded by the caller's cast."""
     scale = fp16_scale(tl.max(tl.abs(x), AXIS), QMAX)
-    y = tl.math.div_rn(x, tl.expand_dims(scale.to(tl.float32), AXIS))
+    y = divide(x, tl.expand_dims(scale.to(tl.float32), AXIS), ON_GPU)
     if ROUND:
-        y = round_half_even(y)
+        y = rint(y, ON_GPU)
     return tl.minimum(tl.maximum(y, -QMAX), QMAX), scale
 
 
 @triton.jit
-def quant_asym4(x, AXIS: tl.constexpr):
+def quant_asym4(x, AXIS: tl.constexpr, ON_GPU: tl.constexpr):
     """x fp32 -> (codes fp32 in 0..15, fp16 scale, fp16 zero), min/max over AXIS."""
     lo = tl.min(x, AXIS)
     scale = fp16_scale(tl.max(x, AXIS) - lo, 15.0)
     zero = tl.minimum(tl.maximum(lo, -FP16_MAX), FP16_MAX).to(tl.float16)
-    y = tl.math.div_rn(x - tl.expand_dims(zero.to(tl.float32), AXIS), tl.expand_dims(scale.to(tl.float32), AXIS))
-    return tl.minimum(tl.maximum(round_half_even(y), 0.0), 15.0), scale, zero
+    y = divide(x - tl.expand_dims(zero.to(tl.float32), AXIS), tl.expand_dims(scale.to(tl.float32), AXIS), ON_GPU)
+    return tl.minimum(tl.maximum(rint(y, ON_GPU), 0.0), 15.0), scale, zero
 
 
 @triton.jit
@@ -168,13 +241,13 @@ def pack4(codes, S: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def store_page(kq, ksp, kzp, vq, vsp, vzp, ph, xk, xv,
                S: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr, QMAX: tl.constexpr,
-               ROUND: tl.constexpr, GROUP: tl.constexpr):
+               ROUND: tl.constexpr, GROUP: tl.constexpr, ON_GPU: tl.constexpr):
     """Quantize one page-head, xk, xv [S, D] fp32, into row ph = page * H + head of the fields."""
     s = tl.arange(0, S)
     d = tl.arange(0, D)
     if KIND == 1:
-        kc, ks = quant_sym(xk, 0, QMAX, ROUND)  # per channel over the page: ks [D]
-        vc, vs = quant_sym(xv, 1, QMAX, ROUND)  # per token: vs [S]
+        kc, ks = quant_sym(xk, 0, QMAX, ROUND, ON_GPU)  # per channel over the page: ks [D]
+        vc, vs = quant_sym(xv, 1, QMAX, ROUND, ON_GPU)  # per token: vs [S]
         tok = (ph * S + s)[:, None] * D + d[None, :]
         tl.store(kq + tok, kc.to(kq.dtype.element_ty))
         tl.store(vq + tok, vc.to(vq.dtype.element_ty))
@@ -182,8 +255,8 @@ def store_page(kq, ksp, kzp, vq, vsp, vzp, ph, xk, xv,
         tl.store(vsp + ph * S + s, vs)
     else:
         NG: tl.constexpr = D // GROUP
-        kc, ks, kz = quant_asym4(xk, 0)  # ks, kz [D]
-        vc, vs, vz = quant_asym4(xv.reshape(S, NG, GROUP), 2)  # vs, vz [S, NG]
+        kc, ks, kz = quant_asym4(xk, 0, ON_GPU)  # ks, kz [D]
+        vc, vs, vz = quant_asym4(xv.reshape(S, NG, GROUP), 2, ON_GPU)  # vs, vz [S, NG]
         c = tl.arange(0, D // 2)
         tok = (ph * S + s)[:, None] * (D // 2) + c[None, :]
         tl.store(kq + tok, pack4(kc, S, D))

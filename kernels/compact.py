@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from . import quantize as ref
-from ._checks import INDEX_DTYPES, KIND, SIXTEEN_BIT, KernelArgError, check, check_device, check_pages, field_args
+from ._checks import (INDEX_DTYPES, KIND, SIXTEEN_BIT, KernelArgError, check, check_device, check_pages, field_args,
+                      interpreting)
 from ._pages import load_tokens_f32, store_page
 
 
@@ -74,7 +75,7 @@ def compact_tokens(pages: dict[str, torch.Tensor], src_slots: torch.Tensor, dst_
 @triton.jit
 def _requantize_kernel(kp, ksp, kzp, vp, vsp, vzp, src, dst,
                        H: tl.constexpr, S: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr,
-                       QMAX: tl.constexpr, ROUND: tl.constexpr, GROUP: tl.constexpr):
+                       QMAX: tl.constexpr, ROUND: tl.constexpr, GROUP: tl.constexpr, ON_GPU: tl.constexpr):
     # grid (N, H): tokens src[i*S : (i+1)*S] -> page dst[i], head program_id(1)
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -82,7 +83,7 @@ def _requantize_kernel(kp, ksp, kzp, vp, vsp, vzp, src, dst,
     k, v = load_tokens_f32(kp, ksp, kzp, vp, vsp, vzp, slot // S, slot % S, slot >= 0, h,
                            H, S, D, S, KIND, GROUP)
     dp = tl.load(dst + i).to(tl.int64)
-    store_page(kp, ksp, kzp, vp, vsp, vzp, dp * H + h, k, v, S, D, KIND, QMAX, ROUND, GROUP)
+    store_page(kp, ksp, kzp, vp, vsp, vzp, dp * H + h, k, v, S, D, KIND, QMAX, ROUND, GROUP, ON_GPU)
 
 
 def compact_pages(pages: dict[str, torch.Tensor], src_slots: torch.Tensor, dst_pages: torch.Tensor) -> None:
@@ -107,7 +108,8 @@ def compact_pages(pages: dict[str, torch.Tensor], src_slots: torch.Tensor, dst_p
     if n:
         qmax = ref.FP8_MAX if codec == "fp8" else 127.0
         _requantize_kernel[(n, h)](*field_args(pages), src_slots, dst_pages, H=h, S=s, D=d, KIND=KIND[codec],
-                                   QMAX=qmax, ROUND=codec == "int8", GROUP=ref.INT4_GROUP, num_warps=4)
+                                   QMAX=qmax, ROUND=codec == "int8", GROUP=ref.INT4_GROUP, ON_GPU=not interpreting(),
+                                   num_warps=4)
 
 
 @triton.jit

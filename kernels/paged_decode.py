@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from . import quantize as ref
-from ._checks import INDEX_DTYPES, KIND, SIXTEEN_BIT, KernelArgError, check, check_device, check_pages, field_args
+from ._checks import (INDEX_DTYPES, KIND, SIXTEEN_BIT, KernelArgError, check, check_device, check_pages, field_args,
+                      interpreting)
 from ._pages import attend_block, load_pages_f16
 
 LOG2E = 1.4426950408889634
@@ -39,7 +40,7 @@ def _decode_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, ls
                    qk_scale, bt_stride, split_tokens, max_len,
                    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
                    KIND: tl.constexpr, GROUP: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
-                   MASS: tl.constexpr):
+                   MASS: tl.constexpr, ON_GPU: tl.constexpr):
     # q [B, Hq, D]; block_table [B, *]; out [B, Hq, D] (or [B, Hq, NS, D] fp32 if SPLIT);
     # lse [B, Hq] natural log (or [B, Hq, NS] base 2 if SPLIT); logits [B, Hq, max_len] if MASS
     b = tl.program_id(0)
@@ -69,7 +70,7 @@ def _decode_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, ls
         tok_ok = n < hi
         page = tl.load(bt + pi, mask=pi * S < hi, other=0).to(tl.int64)
         k, v, vs = load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, tok_ok.reshape(PAGES, S), h,
-                              H, S, D, PAGES, KIND, GROUP)
+                              H, S, D, PAGES, KIND, GROUP, ON_GPU)
         acc, m, l, s = attend_block(acc, m, l, qh, k, v, vs, tok_ok[None, :], qk_scale, KIND == 1)
         if MASS:
             tl.store(logits + qrow[:, None].to(tl.int64) * max_len + n[None, :], s,
@@ -194,7 +195,7 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
     _decode_kernel[(b, h, ns)](q, *field_args(pages), block_table, seq_lens, p_out, p_lse, logits,
                                scale * LOG2E, block_table.stride(0), step, max_len,
                                H=h, G=g, GP=gp, S=s, D=d, KIND=KIND[codec], GROUP=ref.INT4_GROUP,
-                               PAGES=cfg["pages"], SPLIT=split, MASS=return_mass,
+                               PAGES=cfg["pages"], SPLIT=split, MASS=return_mass, ON_GPU=not interpreting(),
                                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split:
         _combine_kernel[(b * hq,)](p_out, p_lse, out, lse, ns, D=d, NSP=max(2, triton.next_power_of_2(ns)),

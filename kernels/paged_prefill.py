@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from . import quantize as ref
-from ._checks import INDEX_DTYPES, KIND, SIXTEEN_BIT, KernelArgError, check, check_device, check_pages, field_args
+from ._checks import (INDEX_DTYPES, KIND, SIXTEEN_BIT, KernelArgError, check, check_device, check_pages, field_args,
+                      interpreting)
 from ._pages import attend_block, load_pages_f16
 from .paged_decode import LOG2E
 
@@ -24,7 +25,7 @@ from .paged_decode import LOG2E
 @triton.jit
 def _prefill_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, out, lse, qk_scale, T, L,
                     H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr,
-                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PAGES: tl.constexpr):
+                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PAGES: tl.constexpr, ON_GPU: tl.constexpr):
     # grid (cdiv(T * G, BLOCK_M), H); q, out [T, Hq, D]; lse [T, Hq]; block_table [max_pages]
     h = tl.program_id(1)
     f = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # flat (token, group head) index
@@ -46,7 +47,7 @@ def _prefill_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, out, lse, qk_sca
         tok_ok = n < hi
         page = tl.load(block_table + pi, mask=pi * S < hi, other=0).to(tl.int64)
         k, v, vs = load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, tok_ok.reshape(PAGES, S), h,
-                              H, S, D, PAGES, KIND, GROUP)
+                              H, S, D, PAGES, KIND, GROUP, ON_GPU)
         acc, m, l, s = attend_block(acc, m, l, qh, k, v, vs, n[None, :] < lim[:, None], qk_scale, KIND == 1)
 
     tl.store(out + qrow[:, None] * D + d[None, :], (acc / l[:, None]).to(out.dtype.element_ty),
@@ -87,7 +88,8 @@ def paged_prefill(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: 
     grid = (triton.cdiv(t * g, cfg["block_m"]), h)
     _prefill_kernel[grid](q, *field_args(pages), block_table, out, lse, scale * LOG2E, t, seq_len,
                           H=h, G=g, S=s, D=d, KIND=KIND[codec], GROUP=ref.INT4_GROUP, BLOCK_M=cfg["block_m"],
-                          PAGES=cfg["pages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                          PAGES=cfg["pages"], ON_GPU=not interpreting(), num_warps=cfg["num_warps"],
+                          num_stages=cfg["num_stages"])
     return out, lse
 
 

@@ -15,14 +15,15 @@ import triton
 import triton.language as tl
 
 from . import quantize as ref
-from ._checks import INDEX_DTYPES, KIND, SIXTEEN_BIT, KernelArgError, check, check_device, check_pages, field_args
+from ._checks import (INDEX_DTYPES, KIND, SIXTEEN_BIT, KernelArgError, check, check_device, check_pages, field_args,
+                      interpreting)
 from ._pages import store_page
 
 
 @triton.jit
 def _quantize_scatter_kernel(k, v, src, dst, kq, ksp, kzp, vq, vsp, vzp,
                              H: tl.constexpr, S: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr,
-                             QMAX: tl.constexpr, ROUND: tl.constexpr, GROUP: tl.constexpr):
+                             QMAX: tl.constexpr, ROUND: tl.constexpr, GROUP: tl.constexpr, ON_GPU: tl.constexpr):
     # grid (N, H): one page-head per program
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -33,17 +34,21 @@ def _quantize_scatter_kernel(k, v, src, dst, kq, ksp, kzp, vq, vsp, vzp,
     off = ((sp * H + h) * S + s)[:, None] * D + d[None, :]
     xk = tl.load(k + off).to(tl.float32)  # [S, D]
     xv = tl.load(v + off).to(tl.float32)
-    store_page(kq, ksp, kzp, vq, vsp, vzp, dp * H + h, xk, xv, S, D, KIND, QMAX, ROUND, GROUP)
+    store_page(kq, ksp, kzp, vq, vsp, vzp, dp * H + h, xk, xv, S, D, KIND, QMAX, ROUND, GROUP, ON_GPU)
+
+
+QUANT_WARPS = 4
 
 
 def quantize_scatter(k: torch.Tensor, v: torch.Tensor, dst_pages: torch.Tensor, pages: dict[str, torch.Tensor],
-                     src_pages: torch.Tensor | None = None) -> None:
+                     src_pages: torch.Tensor | None = None, num_warps: int = QUANT_WARPS) -> None:
     """Quantize full pages of 16-bit K/V into `pages` (int8, fp8 or int4 fields, in place).
 
     k, v       [N, H, S, D] fp16/bf16: N full pages, or a 16-bit staging pool when src_pages is given
     dst_pages  [M] int32/int64: destination page of each page written
     pages      the codec's fields (layout of kernels/__init__.py); the codec follows pages['k'].dtype
     src_pages  [M] int32/int64 or None (= arange(N)): which page of k, v goes to dst_pages[i]
+    num_warps  per page-head program (tuning)
     Destination pages must be distinct (two writers of one page race).
     """
     codec, _, h, s, d = check_pages(pages)
@@ -64,7 +69,7 @@ def quantize_scatter(k: torch.Tensor, v: torch.Tensor, dst_pages: torch.Tensor, 
     qmax = ref.FP8_MAX if codec == "fp8" else 127.0
     _quantize_scatter_kernel[(n, h)](k, v, src_pages, dst_pages, *field_args(pages),
                                      H=h, S=s, D=d, KIND=KIND[codec], QMAX=qmax, ROUND=codec == "int8",
-                                     GROUP=ref.INT4_GROUP, num_warps=4)
+                                     GROUP=ref.INT4_GROUP, ON_GPU=not interpreting(), num_warps=num_warps)
 
 
 def quantize_scatter_ref(k, v, dst_pages, pages, src_pages=None) -> None:
