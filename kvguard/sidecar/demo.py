@@ -101,8 +101,7 @@ def _drive(url: str, admin: str, ingest: str, data: Path, root: Path) -> int:
                     k, v = (torch.randn(t, 3, 64, generator=g).half() for _ in "kv")
                     cache.append(seq, layer, k, v)
                     outputs[user].append(cache.attend(seq, layer, torch.randn(t, 9, 64, generator=g).half()))
-            if step == 10:
-                cache.offload(users["alice"], "disk", max_pages=4)
+        cache.offload(users["alice"], "disk", max_pages=4)  # alice's oldest pages go to the disk tier
         client.flush(30)
         st = cache.stats()
         print(f"held {st.tokens_held} tokens in {sum(st.pages_used.values())} pages, evicted "
@@ -144,9 +143,17 @@ def _drive(url: str, admin: str, ingest: str, data: Path, root: Path) -> int:
     verify_receipt(json.loads(receipt_file.read_text()), PublicKey.load(key_file))
     rec = body["receipt"]["record"]
     print(f"receipt verified: record #{rec['seq']} op={rec['op']} subject={rec['subject']} signed by key "
-          f"{rec['key_id'][:16]}…, included in the signed checkpoint of size "
-          f"{body['receipt'].get('checkpoint', '').splitlines()[1] if isinstance(body['receipt'].get('checkpoint'), str) else '?'}")
-    print("\nDone. The sidecar kept the signed log in SQLite; 'kvguard audit export' seals it into a bundle.")
+          f"{rec['key_id'][:16]}…, included in the signed checkpoint of size {body['receipt']['tree_size']}")
+    print(f"checkpoint:\n  " + body["receipt"]["checkpoint"].replace("\n", "\n  ").rstrip())
+
+    _step("seal the whole log into an audit bundle and verify it as an auditor would")
+    env = {**os.environ, "KVGUARD_DATABASE_URL": f"sqlite:///{data / 'audit.db'}"}
+    bundle = root / "audit-bundle.kvg"
+    _kvguard(["audit", "export", "--origin", "demo.kvguard/sidecar-0", "--key", str(data / "signing.key"),
+              "-o", str(bundle), "--no-progress"], env)
+    print(f"exported {bundle.name} ({bundle.stat().st_size:,} bytes)")
+    print(_kvguard(["audit", "verify", str(bundle), "--public-key", str(key_file)], env))
+    print("\nDone: every cache operation above is a signed record in the log, and the erasure has a receipt.")
     return 0
 
 
