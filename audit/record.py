@@ -163,3 +163,10 @@ class Record:
         if record.leaf_bytes != data:
             raise RecordFormatError("record bytes are not canonical RFC 8785 JSON")
         return record
+
+    def signing_bytes_from_leaf(self) -> bytes:
+        """The signing bytes cut out of the (canonical) leaf bytes: the exact inverse of the
+        splice in with_signature, and one JSON encoding cheaper than signing_bytes()."""
+        member = b'"sig":"' + self.sig.encode("ascii") + b'",'
+        cut = self.leaf_bytes.rindex(b',"sig":"') + 1
+        return self.leaf_bytes[:cut] + self.leaf_bytes[cut + len(member):]

@@ -27,6 +27,7 @@ from .fields import ZERO_HASH
 from .keys import PublicKey
 from .merkle import CompactRange, verify_consistency
 from .record import Record
+from .sigcheck import SignatureChecks
 
 
 class KeySchedule:
@@ -85,12 +86,13 @@ class LogVerifier:
     schedule in force at `start`; `prev` may then be None (the Merkle root binds it)."""
 
     def __init__(self, origin: str, keys: KeySchedule | Iterable[PublicKey], *, start: int = 0,
-                 prefix: Iterable[bytes] = (), prev: str | None = ZERO_HASH) -> None:
+                 prefix: Iterable[bytes] = (), prev: str | None = ZERO_HASH, workers: int | None = None) -> None:
         self.origin = origin
         self.keys = keys if isinstance(keys, KeySchedule) else KeySchedule(keys)
         self.tree = CompactRange(start, prefix)
         self.start, self.prev = start, prev
         self.checkpoints, self.last_checkpoint = 0, None
+        self.signatures = SignatureChecks(workers)  # (6) runs on worker threads; see finish()
 
     @property
     def size(self) -> int:
@@ -103,11 +105,23 @@ class LogVerifier:
         try:
             record = Record.from_leaf_bytes(data)  # (1)
         except RecordFormatError as exc:
-            raise self.fail("format", str(exc)) from None
+            raise self.earliest(self.fail("format", str(exc))) from None
         self.add(record)
         return record
 
     def add(self, record: Record) -> None:
+        try:
+            key = self._check(record)
+        except VerificationError as exc:
+            raise self.earliest(exc) from None
+        failure = self.signatures.check(record.seq, key, record.signature, record.signing_bytes_from_leaf())
+        if failure is not None:  # (6), reported as soon as a worker finds it
+            raise self.earliest(self.fail("signature", failure[1], failure[0]))
+        self.tree.append_leaf(record.leaf_hash)  # (7)
+        self.prev = record.digest
+        self.keys.observe(record)
+
+    def _check(self, record: Record) -> PublicKey:
         expected = self.size
         if record.origin != self.origin:  # (2)
             raise self.fail("origin", f"record of log {record.origin!r} in log {self.origin!r}")
@@ -118,14 +132,15 @@ class LogVerifier:
             raise self.fail("sequence", f"seq {record.seq} repeated or out of order (expected {expected})")
         if self.prev is not None and record.prev != self.prev:  # (4)
             raise self.fail("chain", "prev is not the hash of the previous record")
-        key = self.keys.key_for(record)  # (5)
-        try:
-            key.verify(record.signature, record.signing_bytes())  # (6)
-        except VerificationError as exc:
-            raise self.fail("signature", exc.message) from None
-        self.tree.append_leaf(record.leaf_hash)  # (7)
-        self.prev = record.digest
-        self.keys.observe(record)
+        return self.keys.key_for(record)  # (5)
+
+    def earliest(self, error: VerificationError) -> VerificationError:
+        """`error`, unless a signature check still running failed on an earlier record."""
+        failure = self.signatures.drain()
+        self.signatures.close()
+        if failure is not None and (error.seq is None or failure[0] <= error.seq):
+            return self.fail("signature", failure[1], failure[0])
+        return error
 
     def check_checkpoint(self, note: str) -> Checkpoint:
         """Verify a checkpoint of the current tree size: signed by the key in force at this
@@ -135,17 +150,26 @@ class LogVerifier:
         try:
             cp = open_checkpoint(note, candidates, self.origin)
         except VerificationError as exc:
-            raise self.fail(exc.check, exc.message, seq=max(self.size - 1, 0)) from None
+            raise self.earliest(self.fail(exc.check, exc.message, seq=max(self.size - 1, 0))) from None
         if cp.size != self.size:
-            raise self.fail("checkpoint_format", f"checkpoint size {cp.size} checked at size {self.size}")
+            raise self.earliest(self.fail("checkpoint_format",
+                                          f"checkpoint size {cp.size} checked at size {self.size}"))
         if cp.root != self.tree.root():
-            raise self.fail("merkle_root", f"records 0..{self.size - 1} do not hash to the root of "
-                            f"checkpoint {self.origin}@{cp.size}", seq=self.size - 1)
+            raise self.earliest(self.fail("merkle_root", f"records 0..{self.size - 1} do not hash to the root "
+                                          f"of checkpoint {self.origin}@{cp.size}", seq=self.size - 1))
         self.checkpoints += 1
         self.last_checkpoint = cp.size
         return cp
 
+    def finish(self) -> None:
+        """Wait for the outstanding signature checks; raises the earliest failure."""
+        failure = self.signatures.drain()
+        self.signatures.close()
+        if failure is not None:
+            raise self.fail("signature", failure[1], failure[0])
+
     def summary(self) -> Summary:
+        self.finish()
         return Summary(self.origin, self.start, self.size, self.tree.root(), self.checkpoints,
                        self.last_checkpoint)
 
@@ -156,29 +180,36 @@ def verify_records(records: Iterable[Record | bytes], public_keys: Iterable[Publ
     plus signed checkpoint notes, each checked when the stream reaches its size."""
     keys = list(public_keys)
     pending = sorted(((_note_size(n), n) for n in checkpoints), key=lambda p: p[0])
-    verifier: LogVerifier | None = None
-    i = 0
-    for item in records:
-        if verifier is None:
-            first = item if isinstance(item, Record) else _peek_origin(item, origin)
-            verifier = LogVerifier(origin or first.origin, keys)
-            while i < len(pending) and pending[i][0] == 0:
-                verifier.check_checkpoint(pending[i][1])
-                i += 1
-        verifier.add(item) if isinstance(item, Record) else verifier.add_bytes(item)
-        while i < len(pending) and pending[i][0] == verifier.size:
-            verifier.check_checkpoint(pending[i][1])
-            i += 1
-    if verifier is None:
+    stream = iter(records)
+    item = next(stream, None)
+    if item is None:
         if origin is None:
             raise VerificationError("sequence", "no records to verify")
         verifier = LogVerifier(origin, keys)
-    if i < len(pending):
-        size = pending[i][0]
-        raise VerificationError(
-            "truncation", f"checkpoint {verifier.origin}@{size} covers records up to #{size - 1} "
-            f"but the log ends at #{verifier.size - 1}", origin=verifier.origin, seq=verifier.size)
-    return verifier.summary()
+    else:
+        first = item if isinstance(item, Record) else _peek_origin(item, origin)
+        verifier = LogVerifier(origin or first.origin, keys)
+    i = 0
+    try:
+        while i < len(pending) and pending[i][0] == 0:
+            verifier.check_checkpoint(pending[i][1])
+            i += 1
+        while item is not None:
+            verifier.add(item) if isinstance(item, Record) else verifier.add_bytes(item)
+            while i < len(pending) and pending[i][0] == verifier.size:
+                verifier.check_checkpoint(pending[i][1])
+                i += 1
+            item = next(stream, None)
+        if i < len(pending):
+            size = pending[i][0]
+            raise VerificationError(
+                "truncation", f"checkpoint {verifier.origin}@{size} covers records up to #{size - 1} "
+                f"but the log ends at #{verifier.size - 1}", origin=verifier.origin, seq=verifier.size)
+        return verifier.summary()
+    except VerificationError as exc:  # e.g. from the store's column check: report the earliest
+        raise verifier.earliest(exc) from None
+    finally:
+        verifier.signatures.close()
 
 
 def verify_store(url_or_store, origin: str, public_keys: Iterable[PublicKey]) -> Summary:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zipfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,8 +141,13 @@ def _records(zf, manifest: _Manifest, plan: KeyPlan, proofs, listed: list[Listed
                     erasures[record.seq] = record
                 if verifier.size in at_size:
                     verifier.check_checkpoint(at_size[verifier.size])
+        verifier.finish()
     except VerificationError as exc:
-        raise exc.with_member(RECORDS) from None
+        raise verifier.earliest(exc).with_member(RECORDS) from None
+    except (OSError, zipfile.BadZipFile) as exc:  # e.g. a CRC mismatch while streaming
+        raise VerificationError("container", f"cannot read member: {exc}", member=RECORDS) from None
+    finally:
+        verifier.signatures.close()
     if verifier.size != end:
         raise VerificationError("sequence", f"the range ends at #{end - 1} but the records stop before",
                                 origin=origin, seq=verifier.size, member=RECORDS)
