@@ -1,0 +1,21 @@
+"""kvguard inside Hugging Face transformers (>= 5.0): a KV cache and an attention
+implementation that put a Llama-family model's K/V in kvguard's pages.
+
+    from kvguard.hf import KVGuardCache, load_smollm2
+    model, tok = load_smollm2()                      # attn_implementation="kvguard"
+    cache = KVGuardCache(model.config, Subject("acme", "alice", "s-1"), codec="int8", fp_sink=4)
+    out = model.generate(**tok(prompt, return_tensors="pt"), past_key_values=cache, max_new_tokens=32)
+    cache.events.take_events()                       # quantize / evict / ... events
+    cache.free()
+
+Importing this module registers the "kvguard" attention implementation.
+"""
+
+from .attention import kvguard_attention, kvguard_mask, register
+from .cache import ATTN_IMPLEMENTATION, CacheFullError, KVGuardCache, KVGuardLayer
+from .model import load_smollm2, smollm2_gguf
+
+register()
+
+__all__ = ["ATTN_IMPLEMENTATION", "CacheFullError", "KVGuardCache", "KVGuardLayer", "kvguard_attention",
+           "kvguard_mask", "load_smollm2", "register", "smollm2_gguf"]

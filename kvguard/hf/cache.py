@@ -1,0 +1,211 @@
+"""kvguard as the KV cache of a transformers 5.x model.
+
+`KVGuardCache` is a `transformers.Cache` built on the layered API: one
+`KVGuardLayer` per decoder layer, none of which holds a tensor. Each batch row is
+one sequence of a kvguard `CacheManager`, owned by the subject given when the
+cache is made. The "kvguard" attention function (attention.py) hands each
+layer's new K/V and queries to `KVGuardCache.attend`, which writes the K/V of the
+row's real (non-padding) tokens into its pages and attends over what the pages
+hold through `CacheManager.attend`: codecs, evictors, tiers and events all apply
+to what the model reads.
+
+Positions are the model's business: `get_seq_length` counts every token fed
+(as `DynamicCache` does), not the tokens held, so RoPE positions keep counting
+after an evictor has dropped tokens. Keys are stored after RoPE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..cache import CacheConfig, CacheManager, CacheStats, EventQueue
+from ..errors import ConfigError, InputError, KVGuardError
+from ..policy import ModelShape
+from ..types import SeqId, Subject
+
+ATTN_IMPLEMENTATION = "kvguard"
+TAG = "_kvguard_pending"  # attribute set on the key tensor that `update` hands to the attention function
+
+
+class CacheFullError(KVGuardError, MemoryError):
+    """The page pool has no free page for the new tokens."""
+
+
+class KVGuardLayer(CacheLayerMixin):
+    """One decoder layer's view of a KVGuardCache: counts tokens, holds no K/V."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: KVGuardCache, layer_idx: int):
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.seen = 0  # tokens fed to this layer, padding included
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Hand the new K/V [B, H, T, D] on to the attention function, which writes them."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cache._prepare(self.layer_idx, key_states)
+        self.seen += key_states.shape[-2]
+        setattr(key_states, TAG, (self.cache, self.layer_idx))
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query) -> tuple[int, int]:
+        # transformers >= 5.17 passes the query length, 5.0 the cache positions
+        q = query if isinstance(query, int) else int(query.shape[-1])
+        return self.seen + q, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    get_max_cache_shape = get_max_length  # the name in transformers < 5.16
+
+    def reset(self) -> None:
+        self.seen = 0
+
+    def _unsupported(self, *_args, **_kwargs):
+        raise InputError("a KVGuardCache cannot be cropped, reordered or copied across rows: "
+                         "generate with num_beams=1, num_return_sequences=1 and no assistant model")
+
+    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
+
+
+class KVGuardCache(Cache):
+    """The KV cache of one `generate` call (or one forward loop): a sequence per batch row.
+
+    config: the model's `PretrainedConfig` (for the shape and the attention check).
+    subject: who the rows belong to: one Subject for every row, or one per row.
+    manager: a CacheManager to open the sequences in (shared with other requests,
+        and the sidecar); its shape must match the model. Without it, the cache
+        makes its own from `options` (CacheConfig fields: codec, evictor, dtype,
+        num_pages, ...), on the model's device and dtype unless they say otherwise.
+    events: the queue the cache's own manager emits into (default: a new one).
+    """
+
+    attn_implementation = ATTN_IMPLEMENTATION
+
+    def __init__(self, config, subject: Subject | Sequence[Subject], *, manager: CacheManager | None = None,
+                 events: EventQueue | None = None, **options):
+        self.shape = ModelShape.from_hf_config(config)
+        super().__init__(layers=[KVGuardLayer(self, i) for i in range(self.shape.num_layers)])
+        self.model_config = config
+        self.subjects = [subject] if isinstance(subject, Subject) else list(subject)
+        if not self.subjects or not all(isinstance(s, Subject) for s in self.subjects):
+            raise InputError("subject must be a kvguard.types.Subject or a non-empty list of them, one per row")
+        if manager is not None:
+            if options or events is not None:
+                raise InputError("pass either a manager or cache options, not both")
+            self._check_manager(manager)
+            self.events = manager.events
+        else:
+            CacheConfig(**self.shape.as_config_fields(), **options)  # validate now, build at the first forward
+            self.events = events if events is not None else EventQueue()
+        self._manager = manager
+        self._options = options
+        self.seqs: list[SeqId] = []
+
+    @classmethod
+    def from_policy(cls, config, subject, policy, **overrides) -> KVGuardCache:
+        """A cache configured by a kvguard Policy (see kvguard.policy)."""
+        return cls(config, subject, **(policy.cache_options() | overrides))
+
+    # --- the manager and its sequences ---------------------------------------------------------
+
+    @property
+    def manager(self) -> CacheManager:
+        if self._manager is None:
+            raise InputError("the cache makes its manager at the first forward; run the model first "
+                             "or pass manager= to share one")
+        return self._manager
+
+    def _check_manager(self, manager: CacheManager) -> None:
+        c, s = manager.cfg, self.shape
+        got = (c.num_layers, c.num_kv_heads, c.head_dim, c.num_query_heads)
+        want = (s.num_layers, s.num_kv_heads, s.head_dim, s.num_query_heads)
+        if got != want:
+            raise ConfigError(f"the manager holds (layers, kv heads, head_dim, query heads) = {got}; "
+                              f"the model has {want}")
+
+    def _prepare(self, layer_idx: int, key_states: torch.Tensor) -> None:
+        """Checks and lazy set-up before a layer's first write of a forward pass."""
+        impl = getattr(self.model_config, "_attn_implementation", None)
+        if impl != self.attn_implementation:
+            raise ConfigError(f"KVGuardCache needs the model's attn_implementation to be "
+                              f"{self.attn_implementation!r}, not {impl!r}: load it with "
+                              f"attn_implementation={self.attn_implementation!r} or call "
+                              f"model.set_attn_implementation({self.attn_implementation!r})")
+        if self._manager is None:
+            opts = {"device": key_states.device, "dtype": key_states.dtype} | self._options
+            self._manager = CacheManager(CacheConfig(**self.shape.as_config_fields(), **opts), events=self.events)
+        batch = key_states.shape[0]
+        if not self.seqs:
+            subjects = self.subjects * batch if len(self.subjects) == 1 else self.subjects
+            if len(subjects) != batch:
+                raise InputError(f"{len(self.subjects)} subjects for a batch of {batch} rows")
+            self.seqs = [self._manager.open(s) for s in subjects]
+        elif batch != len(self.seqs):
+            raise InputError(f"this cache holds {len(self.seqs)} rows; a forward pass brought {batch}")
+
+    def free(self) -> None:
+        """End every row's sequence: pages are overwritten and freed (one `free` event each)."""
+        for seq in self.seqs:
+            self._manager.free(seq)
+        self.seqs = []
+        for layer in self.layers:
+            layer.reset()
+
+    def reset(self) -> None:
+        self.free()
+
+    def __enter__(self) -> KVGuardCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._manager is not None:
+            self.free()
+
+    def stats(self) -> CacheStats:
+        return self.manager.stats()
+
+    # --- attention ----------------------------------------------------------------------------
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               padding: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+        """Write the new K/V of each row's real tokens and attend over the row's pages.
+
+        query [B, Hq, T, D]; key, value [B, H, T, D] (the T new tokens); padding: the
+        model's 2D attention mask [B, >= T] (1 = real token) or None.
+        Returns [B, T, Hq, D]; padding positions get zeros."""
+        batch, _, t, _ = query.shape
+        out = query.new_zeros(batch, t, query.shape[1], query.shape[3])
+        real = None if padding is None else padding[:, -t:].to(torch.bool)
+        dtype = self._manager.cfg.dtype
+        for b, seq in enumerate(self.seqs):
+            idx = slice(None) if real is None or bool(real[b].all()) else real[b].nonzero().squeeze(1)
+            q = query[b, :, idx].transpose(0, 1)  # [t, Hq, D]
+            if q.shape[0] == 0:
+                continue
+            k = key[b, :, idx].transpose(0, 1).to(dtype).contiguous()  # [t, H, D]
+            v = value[b, :, idx].transpose(0, 1).to(dtype).contiguous()
+            if not self._manager.append(seq, layer, k, v):
+                raise CacheFullError(f"no free page for {k.shape[0]} tokens of row {b} at layer {layer}: "
+                                     "raise num_pages or configure an evictor with a budget")
+            out[b, idx] = self._attend_row(seq, layer, q, scale).to(out.dtype)
+        return out
+
+    def _attend_row(self, seq: SeqId, layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """Attention of one row's q [t, Hq, D] (its last t positions) over what it holds."""
+        return self._manager.attend(seq, layer, q, scale=scale)

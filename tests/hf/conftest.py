@@ -1,0 +1,48 @@
+"""SmolLM2-135M (float32 on the CPU, loaded once per process) and real text: the
+standard library's own sources."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+
+import pytest
+import torch
+
+from kvguard.hf import load_smollm2
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return load_smollm2()
+
+
+@pytest.fixture(scope="session")
+def model(smollm2):
+    return smollm2[0]
+
+
+@pytest.fixture(scope="session")
+def tok(smollm2):
+    return smollm2[1]
+
+
+def stdlib_text(*modules: str) -> str:
+    return "\n\n".join(inspect.getsource(importlib.import_module(m)) for m in modules)
+
+
+@pytest.fixture(scope="session")
+def code_ids(tok) -> torch.Tensor:
+    """[1, 400] token ids of real Python source."""
+    return tok(stdlib_text("json.decoder", "textwrap"), return_tensors="pt").input_ids[:, :400]
+
+
+@contextlib.contextmanager
+def attn(model, name: str):
+    """Run with another attention implementation, then switch back to kvguard."""
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation("kvguard")
