@@ -72,8 +72,9 @@ def export_bundle(store: AuditStore, origin: str, out_path: str, key: SigningKey
                 "tree_size": size, "range": [first, end],
                 "prefix": _hex(tree.compact(0, first)),
                 "suffix": _hex(tree.compact(end, size)),
-                "consistency": [{"from": c.size, "to": size, "proof": _hex(tree.consistency_proof(c.size, size))}
-                                for c in checkpoints if c.size < size],
+                "consistency": [
+                    {"from": c.size, "to": size, "proof": _hex(tree.consistency_proof(c.size, size))}
+                    for c in checkpoints if c.size < size],
             }) + b"\n", digests)
             _write(zf, KEYS, canonical(_keys_member(store, origin, keys, tree, size)) + b"\n", digests)
             receipts = [_receipt(store, origin, r, tree, keys) for r in erases]
