@@ -31,6 +31,8 @@ class CacheConfig:
     evictor: str | None = None
     evictor_options: dict = field(default_factory=dict)
     auto_compact: bool = True
+    # Triton kernels for quantize-on-write and decode attention: None = when on CUDA with 16-bit K/V.
+    use_kernels: bool | None = None
     # Server-side secret that salts prefix hashes per tenant; random per process unless given.
     prefix_secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
 
@@ -55,3 +57,7 @@ class CacheConfig:
         if self.fp_sink < 0 or self.fp_window < 0:
             raise ConfigError("fp_sink and fp_window must be >= 0")
         self.device = torch.device(self.device)
+        if self.use_kernels is None:
+            self.use_kernels = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
+        elif self.use_kernels and self.dtype == torch.float32:
+            raise ConfigError("the Triton kernels take fp16 or bf16 K/V; use the reference path for float32")

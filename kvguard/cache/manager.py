@@ -25,6 +25,7 @@ from ..compress.evictors import make_evictor
 from ..errors import ConfigError, InputError, OutOfPages, UnknownSequence
 from ..types import PageId, SeqId, Subject
 from . import events as ev
+from . import paged
 from .attention import dense_attention
 from .config import CacheConfig
 from .pool import PagePool
@@ -247,9 +248,13 @@ class CacheManager:
         if new is None:  # no room in the codec pool: the pages stay 16-bit
             return
         old = [PageId(int(seq.pages[i].page)) for i in todo]
+        src = [PageId(int(seq.pages[i].page)) for i in fresh]
         for layer in range(self.cfg.num_layers):
-            if fresh:
-                src = [PageId(int(seq.pages[i].page)) for i in fresh]
+            if not fresh:
+                break
+            if self.cfg.use_kernels:
+                paged.quantize_pages(hot.fields[layer], main.fields[layer], src, new)
+            else:
                 k, v = hot.decode(layer, src, self.cfg.dtype)
                 main.write(layer, new, self.codec.encode(k, v))
         for i, p in zip(fresh, new):
@@ -315,14 +320,34 @@ class CacheManager:
             raise InputError(f"q must have shape [T, {c.num_query_heads}, {c.head_dim}], got {shape}")
         if q.shape[0] > seq.lengths[layer]:
             raise InputError(f"{q.shape[0]} queries but the sequence holds {seq.lengths[layer]} positions")
-        k, v = self.kv(seq_id, layer, dtype=torch.float32)
         mass_q = 0
         if self.evictor is not None and self.evictor.needs_mass:
             observe = getattr(self.evictor, "observe", None)
             mass_q = q.shape[0] if observe is None else (min(observe, q.shape[0]) if q.shape[0] > 1 else 0)
+        if c.use_kernels and q.shape[0] == 1:
+            return self._attend_paged(seq, layer, q, scale, mass_q > 0)
+        k, v = self.kv(seq_id, layer, dtype=torch.float32)
         out, mass = dense_attention(q, k, v, causal=causal, mass_queries=mass_q, scale=scale)
         if mass is not None:
             seq.mass[: mass.numel()] += mass.cpu()
+        return out
+
+    def _attend_paged(self, seq: Sequence, layer: int, q: torch.Tensor, scale: float | None, with_mass: bool):
+        """Decode through the Triton kernels, one call per pool, merged by log-sum-exp."""
+        self._fetch_all(seq)
+        s, n = self.cfg.page_size, seq.lengths[layer]
+        parts, where = [], []
+        for name, pool in self.pools.items():
+            idx = [i for i, r in enumerate(seq.pages) if r.where == name and i * s < n]
+            if idx:
+                tokens = sum(min(s, n - i * s) for i in idx)  # only the last page may be partial
+                parts.append((pool.fields[layer], [int(seq.pages[i].page) for i in idx], tokens))
+                where.append(idx)
+        out, masses = paged.decode(q, parts, scale, with_mass)  # q [1, Hq, D] is a batch of one
+        for idx, m in zip(where, masses):
+            pos = (torch.tensor(idx).unsqueeze(1) * s + torch.arange(s)).flatten()
+            keep = pos < n
+            seq.mass[pos[keep]] += m.cpu()[: len(pos)][keep]
         return out
 
     # --- evict ----------------------------------------------------------------------------------

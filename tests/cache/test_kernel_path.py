@@ -1,0 +1,61 @@
+"""The cache's kernel path (quantize-on-write, paged decode) against its reference path,
+run under Triton's interpreter in a fresh interpreter (it must be set before triton loads)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = r"""
+import tests.kernels.conftest  # sets TRITON_INTERPRET and mends the interpreter for this numpy
+import torch
+from kvguard.cache import CacheConfig, CacheManager
+from kvguard.types import Subject
+from tests.conftest import outlier_kv
+
+codec, evictor = "{codec}", {evictor!r}
+def run(use_kernels):
+    cfg = CacheConfig(num_layers=2, num_kv_heads=2, num_query_heads=8, head_dim=64, num_pages=32, codec=codec,
+                      fp_sink=4, fp_window=16, use_kernels=use_kernels, evictor=evictor,
+                      evictor_options={{"budget": 48, "sink": 4, "window": 16}} if evictor else {{}})
+    m = CacheManager(cfg)
+    seq = m.open(Subject("t", "u", "s"))
+    k, v = outlier_kv(70, 2, 64, seed=3)
+    q = torch.randn(70, 8, 64, generator=torch.Generator().manual_seed(4)).half()
+    outs = []
+    for lo, hi in [(0, 50)] + [(i, i + 1) for i in range(50, 70)]:
+        for layer in range(2):
+            m.append(seq, layer, k[lo:hi], v[lo:hi])
+            outs.append(m.attend(seq, layer, q[lo:hi]).float())
+    fields = {{n: [t.clone() for t in p.fields[1].values()] for n, p in m.pools.items()}}
+    return torch.cat([o.flatten() for o in outs]), fields, m._seq(seq).mass.clone(), m.length(seq)
+
+ref_out, ref_fields, ref_mass, ref_len = run(False)
+out, fields, mass, length = run(True)
+rel = ((out - ref_out).norm() / ref_out.norm()).item()
+assert rel < 2e-3, rel
+assert length == ref_len
+for name in ref_fields:
+    for a, b in zip(ref_fields[name], fields[name]):
+        if a.dtype in (torch.int8, torch.uint8):
+            assert (a.to(torch.int16) - b.to(torch.int16)).abs().max() <= 1  # ties may round either way
+        else:
+            assert torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-3)
+if evictor:
+    assert ((mass - ref_mass).norm() / ref_mass.norm()).item() < 0.05
+print("ok", rel)
+"""
+
+
+@pytest.mark.parametrize("codec, evictor", [("fp16", None), ("int8", None), ("int4", None), ("int8", "h2o")])
+def test_kernel_path_matches_reference_path(codec, evictor):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", SCRIPT.format(codec=codec, evictor=evictor)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
