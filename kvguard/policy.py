@@ -1,11 +1,34 @@
-"""Cache policies: one YAML file per serving scenario.
+"""Cache policies: one YAML file per serving scenario (policies/*.yaml).
 
-(ModelShape only for now; the schema follows.)
+A policy chooses the compression layers (codec with its 16-bit sinks and window,
+evictor and budget), the tiers a sequence may be offloaded to, the prefix-sharing
+scope, the retention of subject data, and the fidelity bound the choice must
+keep. `load_policy` validates a file and names file, line and field on every
+error; `Policy.cache_config` sizes a CacheConfig for a model; `calibrate` checks
+measured fidelity against the bound and accepts, downgrades or refuses the
+policy, as an auditable `PolicyDecision` event.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .cache.config import CacheConfig
+from .cache.events import CacheEvent, EventQueue
+from .errors import ConfigError
+from .types import Subject
+
+SCENARIOS = ("chat", "long-document", "code", "rag", "reasoning", "offline-batch")
+NO_H2O = ("rag", "reasoning")  # the seeds' matrix: evicting by past attention breaks retrieval and chains of thought
+TIERS = ("device", "cpu", "disk", "redis")
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 @dataclass(frozen=True)
@@ -26,3 +49,288 @@ class ModelShape:
     def as_config_fields(self) -> dict:
         return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
                 "num_query_heads": self.num_query_heads}
+
+
+class PolicyError(ConfigError):
+    """A policy file is invalid: the message names file, line and field."""
+
+
+# --- schema -------------------------------------------------------------------------------------
+
+Count = Annotated[int, Field(ge=0, strict=True)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Codec(_Strict):
+    name: Literal["fp16", "int8", "int4", "fp8"]
+    fp_sink: Count = 0  # first tokens kept 16-bit (whole pages)
+    fp_window: Count = 0  # last tokens kept 16-bit (whole pages)
+    options: dict = Field(default_factory=dict)  # e.g. int4's value group size: {group: 32}
+
+
+class Evictor(_Strict):
+    name: Literal["streamingllm", "h2o", "snapkv"]
+    budget: Annotated[int, Field(gt=0, strict=True)]
+    sink: Count = 4
+    window: Count = 64  # streamingllm: ignored, the window is budget - sink
+    observe: Annotated[int, Field(gt=0, strict=True)] | None = None  # snapkv only
+    pool: Annotated[int, Field(gt=0, strict=True)] | None = None  # snapkv only
+
+    @model_validator(mode="after")
+    def _fits(self):
+        if self.name == "streamingllm" and self.budget <= self.sink:
+            raise ValueError(f"budget {self.budget} leaves no room for a window after sink {self.sink}")
+        if self.name != "streamingllm" and self.budget < self.sink + self.window:
+            raise ValueError(f"budget {self.budget} is smaller than sink {self.sink} + window {self.window}")
+        if self.name != "snapkv" and (self.observe is not None or self.pool is not None):
+            raise ValueError("observe and pool are snapkv's options")
+        return self
+
+    def options(self) -> dict:
+        if self.name == "streamingllm":  # its window is whatever the sinks leave of the budget
+            return {"budget": self.budget, "sink": self.sink, "window": self.budget - self.sink}
+        extra = {k: v for k, v in (("observe", self.observe), ("pool", self.pool)) if v is not None}
+        return {"budget": self.budget, "sink": self.sink, "window": self.window} | extra
+
+
+class Layers(_Strict):
+    """One configuration of the compression layers: what a downgrade step replaces."""
+
+    codec: Codec
+    evictor: Evictor | None = None
+
+    @property
+    def key(self) -> str:
+        """A short name: int8(sink 4)+h2o@1024."""
+        c = self.codec
+        extra = ", ".join(f"{n} {v}" for n, v in (("sink", c.fp_sink), ("window", c.fp_window)) if v)
+        name = c.name + (f"({extra})" if extra else "")
+        return name + (f"+{self.evictor.name}@{self.evictor.budget}" if self.evictor else "")
+
+    def cache_options(self) -> dict:
+        e = self.evictor
+        return {"codec": self.codec.name, "codec_options": dict(self.codec.options), "fp_sink": self.codec.fp_sink,
+                "fp_window": self.codec.fp_window, "evictor": e.name if e else None,
+                "evictor_options": e.options() if e else {}}
+
+
+class Retention(_Strict):
+    max_age: str  # "30d", "12h", "90m", "3600s", "2w"
+
+    @field_validator("max_age")
+    @classmethod
+    def _duration(cls, v: str) -> str:
+        if not re.fullmatch(r"[1-9][0-9]*[smhdw]", v):
+            raise ValueError(f"max_age must be a positive duration like 30d, 12h, 90m, 3600s or 2w, got {v!r}")
+        return v
+
+    @property
+    def seconds(self) -> int:
+        return int(self.max_age[:-1]) * UNITS[self.max_age[-1]]
+
+
+class Fidelity(_Strict):
+    max_attention_deviation: Annotated[float, Field(gt=0, lt=1)] = 0.01
+    max_ppl_increase: Annotated[float, Field(gt=0)] = 0.5
+
+
+class Policy(Layers):
+    name: str
+    scenario: Literal[SCENARIOS]
+    description: str = ""
+    page_size: Annotated[int, Field(gt=0, strict=True)] = 16
+    tiers: list[Literal[TIERS]] = Field(default_factory=lambda: ["device"])
+    prefix_sharing: Literal["none", "tenant"] = "none"
+    retention: Retention
+    fidelity: Fidelity = Field(default_factory=Fidelity)
+    on_violation: Literal["refuse", "downgrade"]
+    downgrade: list[Layers] = Field(default_factory=list)
+
+    @field_validator("tiers")
+    @classmethod
+    def _tiers(cls, v: list[str]) -> list[str]:
+        if not v or v[0] != "device" or len(set(v)) != len(v):
+            raise ValueError(f"tiers must start with device and name each tier once, fastest first, got {v}")
+        return v
+
+    def steps(self) -> list[Layers]:
+        """The configuration as written, then each downgrade step in order."""
+        return [Layers(codec=self.codec, evictor=self.evictor), *self.downgrade]
+
+    def at(self, step: int) -> Policy:
+        """This policy with step `step` of `steps()` as its compression layers."""
+        layers = self.steps()[step]
+        return self.model_copy(update={"codec": layers.codec, "evictor": layers.evictor})
+
+    def cache_options(self) -> dict:
+        return super().cache_options() | {"page_size": self.page_size}
+
+    def cache_config(self, shape: ModelShape, **overrides) -> CacheConfig:
+        """A CacheConfig for a model of this shape (overrides: dtype, device, num_pages, ...)."""
+        return CacheConfig(**shape.as_config_fields(), **(self.cache_options() | overrides))
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+
+def _lines(node: yaml.Node, path: tuple = (), out: dict | None = None) -> dict[tuple, int]:
+    """Line (1-based) of every mapping key and sequence item in a composed YAML tree."""
+    out = {} if out is None else out
+    out.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            out[(*path, k.value)] = k.start_mark.line + 1
+            _lines(v, (*path, k.value), out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _lines(v, (*path, i), out)
+    return out
+
+
+def _where(lines: dict[tuple, int], loc: tuple) -> tuple[int, str]:
+    loc = tuple(p for p in loc if not (isinstance(p, str) and p in ("function-after", "literal")))
+    field = ".".join(str(p) if isinstance(p, str) else f"[{p}]" for p in loc).replace(".[", "[") or "(top level)"
+    while loc and loc not in lines:
+        loc = loc[:-1]
+    return lines.get(loc, 1), field
+
+
+def parse_policy(text: str, source: str = "<string>") -> Policy:
+    """Validate a policy's YAML text; errors name source, line and field."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        line = e.problem_mark.line + 1 if e.problem_mark else 1
+        raise PolicyError(f"{source}:{line}: not valid YAML: {e.problem}") from None
+    if not isinstance(data, dict):
+        raise PolicyError(f"{source}:1: a policy is a mapping of fields (name, scenario, codec, ...)")
+    lines = _lines(node)
+    try:
+        policy = Policy.model_validate(data)
+    except ValidationError as e:
+        msgs = []
+        for err in e.errors():
+            line, field = _where(lines, err["loc"])
+            msgs.append(f"{source}:{line}: {field}: {err['msg'].removeprefix('Value error, ')}")
+        raise PolicyError("\n".join(msgs)) from None
+    _check_rules(policy, lines, source)
+    return policy
+
+
+def _check_rules(policy: Policy, lines: dict[tuple, int], source: str) -> None:
+    """Rules across fields, each reported at the field that breaks it."""
+    def fail(loc: tuple, msg: str):
+        line, field = _where(lines, loc)
+        raise PolicyError(f"{source}:{line}: {field}: {msg}")
+
+    if policy.on_violation == "downgrade" and not policy.downgrade:
+        fail(("on_violation",), "downgrade needs a non-empty downgrade list of safer configurations")
+    for i, step in enumerate(policy.steps()):
+        if policy.scenario in NO_H2O and step.evictor and step.evictor.name == "h2o":
+            fail(("evictor", "name") if i == 0 else ("downgrade", i - 1, "evictor", "name"),
+                 f"the {policy.scenario} scenario never uses h2o (it drops context that later questions "
+                 "or reasoning steps need); use streamingllm or no evictor")
+
+
+def load_policy(path: str | Path) -> Policy:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise PolicyError(f"{p}: cannot read the policy: {e.strerror}") from None
+    return parse_policy(text, str(p))
+
+
+def load_policies(folder: str | Path) -> dict[str, Policy]:
+    """Every *.yaml policy in a folder, by policy name."""
+    out: dict[str, Policy] = {}
+    for p in sorted(Path(folder).glob("*.yaml")):
+        policy = load_policy(p)
+        if policy.name in out:
+            raise PolicyError(f"{p}:1: name: {policy.name!r} is already the name of another policy in {folder}")
+        out[policy.name] = policy
+    return out
+
+
+# --- calibration --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Fidelity measured for one configuration (see docs/fidelity.md for the protocol)."""
+
+    deviation: float  # attention-output relative deviation, mean over layers
+    ppl_delta: float  # perplexity change against the uncompressed cache
+
+    def within(self, bound: Fidelity) -> bool:
+        return self.deviation < bound.max_attention_deviation and self.ppl_delta < bound.max_ppl_increase
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyDecision(CacheEvent):
+    """The outcome of calibrating a policy: accept, downgrade or refuse, with the
+    numbers it was decided on. An event like the cache's, so the sidecar records it."""
+
+    op = "policy"
+    policy: str = ""
+    outcome: str = ""  # "accept" | "downgrade" | "refuse"
+    step: int = -1  # index into Policy.steps() in force; -1 when refused
+    config: str = ""  # Layers.key of the configuration in force ("" when refused)
+    deviation: float = 0.0  # measured for the configuration as written
+    ppl_delta: float = 0.0
+    max_attention_deviation: float = 0.0
+    max_ppl_increase: float = 0.0
+
+    @property
+    def refused(self) -> bool:
+        return self.outcome == "refuse"
+
+
+Measure = Measurement | Mapping[str, Measurement] | Callable[[Layers], Measurement]
+
+
+def calibrate(policy: Policy, measured: Measure, *, tenant: str = "*",
+              events: EventQueue | None = None) -> PolicyDecision:
+    """Decide on a policy from measured fidelity.
+
+    `measured` is the measurement of the configuration as written, or a mapping
+    (by `Layers.key`) or function giving one per configuration, so downgrade steps
+    are checked too. Within the bound: accept. Beyond it: refuse, or (on_violation:
+    downgrade) take the first downgrade step that is within the bound, or the first
+    step at all when only the written configuration was measured; refuse when no
+    measured step is within it. The decision is emitted into `events` when given."""
+    def measure(step: Layers) -> Measurement | None:
+        if isinstance(measured, Measurement):
+            return measured if step.key == policy.steps()[0].key else None
+        if isinstance(measured, Mapping):
+            return measured.get(step.key)
+        return measured(step)
+
+    steps = policy.steps()
+    first = measure(steps[0])
+    if first is None:
+        raise ConfigError(f"no measurement for policy {policy.name!r} as written ({steps[0].key})")
+    outcome, step = "refuse", -1
+    if first.within(policy.fidelity):
+        outcome, step = "accept", 0
+    elif policy.on_violation == "downgrade":
+        for i, s in enumerate(steps[1:], start=1):
+            m = measure(s)
+            if m is None and isinstance(measured, Measurement):
+                outcome, step = "downgrade", i  # unmeasured: trust the policy's own order of safety
+                break
+            if m is not None and m.within(policy.fidelity):
+                outcome, step = "downgrade", i
+                break
+    decision = PolicyDecision(
+        seq=None, subject=Subject(tenant, "*", "*"), pages=(), n_tokens=0, bytes=0, policy=policy.name,
+        outcome=outcome, step=step, config=steps[step].key if step >= 0 else "", deviation=first.deviation,
+        ppl_delta=first.ppl_delta, max_attention_deviation=policy.fidelity.max_attention_deviation,
+        max_ppl_increase=policy.fidelity.max_ppl_increase)
+    if events is not None:
+        events.emit(decision)
+    return decision

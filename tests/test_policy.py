@@ -1,0 +1,134 @@
+"""Policies: every shipped file loads and sizes a cache; bad files fail with file,
+line and field; calibration accepts, downgrades or refuses, as an event."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvguard.cache import CacheManager, EventQueue
+from kvguard.policy import (SCENARIOS, Measurement, ModelShape, PolicyError, calibrate, load_policies, load_policy,
+                            parse_policy)
+
+POLICIES = Path(__file__).resolve().parents[1] / "policies"
+SHIPPED = sorted(POLICIES.glob("*.yaml"))
+SMOLLM2 = ModelShape(num_layers=30, num_kv_heads=3, head_dim=64, num_query_heads=9)
+CHAT = (POLICIES / "chat.yaml").read_text()
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_shipped_policy_loads_and_makes_a_cache(path):
+    policy = load_policy(path)
+    assert policy.name == path.stem
+    for step in range(len(policy.steps())):
+        cfg = policy.at(step).cache_config(SMOLLM2, num_pages=8)
+        CacheManager(cfg)  # codec and evictor options are accepted by the core
+    assert policy.retention.seconds > 0
+
+
+def test_one_policy_per_scenario_and_no_h2o_for_rag_or_reasoning():
+    policies = load_policies(POLICIES)
+    assert sorted(p.scenario for p in policies.values()) == sorted(SCENARIOS)
+    for p in policies.values():
+        if p.scenario in ("rag", "reasoning"):
+            assert all(s.evictor is None or s.evictor.name != "h2o" for s in p.steps())
+
+
+def test_cache_config_follows_the_policy():
+    p = load_policy(POLICIES / "offline-batch.yaml")
+    cfg = p.cache_config(SMOLLM2, num_pages=8)
+    assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.num_query_heads) == (30, 3, 64, 9)
+    assert (cfg.codec, cfg.fp_sink, cfg.fp_window, cfg.evictor) == ("int4", 4, 128, "h2o")
+    assert cfg.evictor_options == {"budget": 1024, "sink": 4, "window": 128}
+    chat = load_policy(POLICIES / "chat.yaml").cache_config(SMOLLM2)
+    assert chat.evictor_options == {"budget": 4096, "sink": 4, "window": 4092}
+
+
+def line_of(text: str, needle: str) -> int:
+    return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+BAD = [
+    # (what changes, the line it is on, the field named, words of the message)
+    (("name: int8\n  fp_sink: 4\nevictor", "name: int3\n  fp_sink: 4\nevictor"), "name: int3", "codec.name", "'int8'"),
+    (("prefix_sharing: tenant", "prefix_share: tenant"), "prefix_share", "prefix_share", "not permitted"),
+    (("budget: 4096", "budget: -5"), "budget: -5", "evictor.budget", "greater than 0"),
+    (("budget: 4096", "budget: '4096'"), "budget: '4096'", "evictor.budget", "integer"),
+    (("max_age: 1d", "max_age: 1 month"), "max_age", "retention.max_age", "duration"),
+    (("max_attention_deviation: 0.01", "max_attention_deviation: 2"), "max_attention_deviation",
+     "fidelity.max_attention_deviation", "less than 1"),
+    (("tiers: [device, cpu]", "tiers: [cpu, device]"), "tiers:", "tiers", "start with device"),
+    (("  - codec: {name: fp16}", "  - codec: {name: fp32}"), "name: fp32", "downgrade[1].codec.name", "'fp16'"),
+    (("downgrade:\n  - codec: {name: int8, fp_sink: 4}\n  - codec: {name: fp16}\n", ""), "on_violation",
+     "on_violation", "downgrade list"),
+    (("  sink: 4\ntiers", "  sink: 4\n  window: 32\n  observe: 8\ntiers"), "name: streamingllm", "evictor",
+     "snapkv's options"),
+]
+
+
+@pytest.mark.parametrize("change, needle, field, words", BAD, ids=[b[2] for b in BAD])
+def test_bad_policy_names_file_line_and_field(change, needle, field, words):
+    text = CHAT.replace(*change)
+    assert text != CHAT
+    with pytest.raises(PolicyError) as e:
+        parse_policy(text, "policies/bad.yaml")
+    msg = str(e.value)
+    line = line_of(text, needle) if needle != "name: streamingllm" else line_of(text, "evictor:")
+    assert msg.startswith(f"policies/bad.yaml:{line}: {field}: "), msg
+    assert words in msg
+
+
+def test_h2o_in_a_rag_policy_is_refused_at_its_line(tmp_path):
+    text = (POLICIES / "rag.yaml").read_text()
+    text += "  - codec: {name: int8}\n    evictor: {name: h2o, budget: 512}\n"
+    path = tmp_path / "rag.yaml"
+    path.write_text(text)
+    with pytest.raises(PolicyError, match=rf"^{path}:{line_of(text, 'h2o, budget')}: "
+                                          r"downgrade\[2\]\.evictor\.name: the rag scenario never uses h2o"):
+        load_policy(path)
+
+
+def test_invalid_yaml_and_missing_fields(tmp_path):
+    with pytest.raises(PolicyError, match=r"^policies/x.yaml:\d+: not valid YAML"):
+        parse_policy(CHAT.replace("tiers: [device, cpu]", "tiers: [device, cpu"), "policies/x.yaml")
+    with pytest.raises(PolicyError, match=r"^policies/x.yaml:1: a policy is a mapping"):
+        parse_policy("- just\n- a list\n", "policies/x.yaml")
+    with pytest.raises(PolicyError, match=r"on_violation: Field required"):
+        parse_policy(CHAT.replace("on_violation: downgrade\n", "").replace("downgrade:", "downgrade_:"), "x")
+    with pytest.raises(PolicyError, match=r"cannot read"):
+        load_policy(tmp_path / "absent.yaml")
+
+
+def test_calibrate_accepts_within_the_bound():
+    p = load_policy(POLICIES / "chat.yaml")
+    events = EventQueue()
+    d = calibrate(p, Measurement(deviation=0.004, ppl_delta=0.01), tenant="acme", events=events)
+    assert (d.outcome, d.step, d.config) == ("accept", 0, "int8(sink 4)+streamingllm@4096")
+    assert events.take_events() == [d]
+
+
+def test_calibrate_downgrades_to_the_first_step_within_the_bound():
+    p = load_policy(POLICIES / "long-document.yaml")
+    measured = {
+        "int8(sink 4)+h2o@2048": Measurement(0.05, 0.3),
+        "int8(sink 4)+h2o@4096": Measurement(0.02, 0.1),  # still beyond 1 %
+        "int8(sink 4)": Measurement(0.003, 0.004),
+    }
+    d = calibrate(p, measured, tenant="acme")
+    assert (d.outcome, d.step, d.config) == ("downgrade", 2, "int8(sink 4)")
+    assert p.at(d.step).evictor is None
+    assert (d.deviation, d.ppl_delta) == (0.05, 0.3)
+    record = d.details()
+    assert record["policy"] == "long-document" and "subject" not in record
+    assert d.op == "policy" and d.subject.tenant == "acme"
+
+
+def test_calibrate_refuses():
+    reasoning = load_policy(POLICIES / "reasoning.yaml")
+    d = calibrate(reasoning, Measurement(0.011, 0.0))
+    assert d.refused and d.step == -1 and d.config == ""
+    chat = load_policy(POLICIES / "chat.yaml")
+    bad = Measurement(0.5, 2.0)
+    assert calibrate(chat, lambda step: bad).refused  # no downgrade step passes either
+    assert calibrate(chat, Measurement(0.001, 0.7)).outcome == "downgrade"  # perplexity counts too
