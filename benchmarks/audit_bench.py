@@ -1,0 +1,129 @@
+"""Audit log throughput, as ratios against raw Ed25519 in the same process.
+
+    .venv/bin/python benchmarks/audit_bench.py [--records 50000] [--no-postgres]
+
+Measures (1) raw Ed25519 sign and verify of a record-sized message, one thread;
+(2) records/s signed and durably stored end to end through AuditLog with group
+commit, on SQLite (WAL, synchronous=FULL) and PostgreSQL (a scratch database,
+dropped afterwards), callers handing over 1,000 records per append_many call,
+and one record per submit(); (3) verify_store over the SQLite log just written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from audit.keys import SigningKey  # noqa: E402
+from audit.log import AuditLog, LogConfig  # noqa: E402
+from audit.record import Record  # noqa: E402
+from audit.store import AuditStore, migrate  # noqa: E402
+from audit.verify import verify_store  # noqa: E402
+
+PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+SUBJECT = {"tenant": "0f" * 16, "user": "a1" * 16, "session": "5e" * 16}
+
+
+def details(i: int) -> dict:
+    return {"pages": [i, i + 1, i + 2, i + 3], "codec": "int8", "bytes": 65536, "layers": 30,
+            "digest": f"{i:064x}"}
+
+
+def raw_rates(n: int) -> tuple[float, float, int]:
+    key = SigningKey.generate()
+    r = Record("bench.kvguard.example/raw", 123456, "2025-01-31T12:00:00.123Z", "quantize", SUBJECT,
+               details(1), "0" * 64, key.key_id)
+    msg = r.signing_bytes()
+    t = time.perf_counter()
+    for _ in range(n):
+        sig = key.sign(msg)
+    sign = n / (time.perf_counter() - t)
+    pub = key.public_key
+    t = time.perf_counter()
+    for _ in range(n):
+        pub.verify(sig, msg)
+    return sign, n / (time.perf_counter() - t), len(r.with_signature(sig, msg).leaf_bytes)
+
+
+def end_to_end(url: str, n: int, mode: str) -> float:
+    store = AuditStore(url)
+    log = AuditLog(store, f"bench.kvguard.example/{uuid.uuid4().hex[:8]}", SigningKey.generate(), LogConfig())
+    log.append("policy", {}, {"warmup": True})
+    t = time.perf_counter()
+    if mode == "append_many":
+        for start in range(0, n, 1000):
+            log.append_many([("quantize", SUBJECT, details(i)) for i in range(start, start + 1000)])
+    else:
+        futures = [log.submit("quantize", SUBJECT, details(i)) for i in range(n)]
+        for f in futures:
+            f.result()
+    rate = n / (time.perf_counter() - t)
+    log.close()
+    store.dispose()
+    return rate
+
+
+def verify_rate(url: str) -> tuple[float, int]:
+    store = AuditStore(url)
+    origin = [o for o in store.origins()][0]
+    keys = [k.key for k in store.keys(origin)]
+    t = time.perf_counter()
+    summary = verify_store(store, origin, keys)
+    rate = summary.size / (time.perf_counter() - t)
+    store.dispose()
+    return rate, summary.size
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--records", type=int, default=50_000)
+    ap.add_argument("--no-postgres", action="store_true")
+    args = ap.parse_args()
+    n = args.records
+    print(f"# {platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    sign, verify, size = raw_rates(20_000)
+    rows = [("raw Ed25519 sign (1 thread)", sign, ""), ("raw Ed25519 verify (1 thread)", verify, "")]
+    with tempfile.TemporaryDirectory() as tmp:
+        sqlite = f"sqlite:///{tmp}/bench.db"
+        migrate(sqlite)
+        targets = [("SQLite", sqlite)]
+        if not args.no_postgres:
+            from sqlalchemy import create_engine, text
+
+            name = f"kvguard_bench_{uuid.uuid4().hex[:8]}"
+            admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+            with admin.connect() as c:
+                c.execute(text(f"CREATE DATABASE {name}"))
+            pg = PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+            migrate(pg)
+            targets.append(("PostgreSQL", pg))
+        try:
+            for label, url in targets:
+                for mode in ("append_many", "submit"):
+                    rate = end_to_end(url, n, mode)
+                    rows.append((f"end to end, {label}, {mode}", rate, f"{rate / sign:.2f} x raw sign"))
+            vrate, vn = verify_rate(sqlite)
+            rows.append((f"verify_store, SQLite ({vn} records)", vrate, f"{vrate / verify:.2f} x raw verify"))
+        finally:
+            if not args.no_postgres:
+                with admin.connect() as c:
+                    c.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                admin.dispose()
+    print(f"# {n} records per end-to-end run, ~{size}-byte records\n")
+    print(f"| {'measurement':<44} | {'records/s':>10} | ratio |")
+    print(f"|{'-' * 46}|{'-' * 12}|-------|")
+    for label, rate, ratio in rows:
+        print(f"| {label:<44} | {rate:>10,.0f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

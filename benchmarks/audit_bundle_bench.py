@@ -1,0 +1,134 @@
+"""Export and verify rates of a million-record log, beside raw Ed25519 in the same process.
+
+    .venv/bin/python benchmarks/audit_bundle_bench.py [--records 1000000] [--no-postgres]
+
+Generates the log fast: records are signed in this process (a real chain, one
+key) and bulk-inserted 10,000 at a time into SQLite and, unless --no-postgres,
+a scratch PostgreSQL database (dropped afterwards), with a checkpoint every
+10,000 records and an erasure every 100,000. Then times a whole-log export
+from each store and the offline verification of the bundle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from audit.bundle.export import export_bundle  # noqa: E402
+from audit.bundle.verify import verify_bundle  # noqa: E402
+from audit.checkpoint import Checkpoint  # noqa: E402
+from audit.fields import ZERO_HASH, format_time  # noqa: E402
+from audit.keys import SigningKey  # noqa: E402
+from audit.record import Record  # noqa: E402
+from audit.store import AuditStore, CheckpointEntry, migrate  # noqa: E402
+from audit.tree import HashTree  # noqa: E402
+
+PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+ORIGIN = "bench.kvguard.example/million"
+SUBJECT = {"tenant": "0f" * 16, "user": "a1" * 16, "session": "5e" * 16}
+CHUNK = 10_000
+
+
+def raw_verify_rate(key: SigningKey, n: int = 5000) -> float:
+    msg = b"x" * 600
+    sig = key.sign(msg)
+    t = time.perf_counter()
+    for _ in range(n):
+        key.public_key.verify(sig, msg)
+    return n / (time.perf_counter() - t)
+
+
+def generate(stores: list[AuditStore], key: SigningKey, n: int) -> float:
+    for store in stores:
+        store.create_log(ORIGIN, key.public_key, 1_700_000_000_000)
+    tree, prev, seq = HashTree(), ZERO_HASH, 0
+    t = time.perf_counter()
+    while seq < n:
+        when = format_time(1_700_000_000_000 + seq)
+        chunk = []
+        for i in range(seq, min(seq + CHUNK, n)):
+            if i % 100_000 == 99_999:
+                op, details = "erase", {"scope": "user", "pages": 12, "bytes": 786432}
+            else:
+                op, details = "quantize", {"pages": [i, i + 1], "codec": "int8", "bytes": 65536,
+                                           "digest": f"{i:064x}"}
+            r = Record.sign_new(key, ORIGIN, i, when, op, SUBJECT, details, prev)
+            chunk.append(r)
+            prev = r.digest
+        for store in stores:
+            store.append(ORIGIN, chunk, seq)
+        tree.extend(r.leaf_hash for r in chunk)
+        seq += len(chunk)
+        note = Checkpoint(ORIGIN, seq, tree.root()).sign(key)
+        for store in stores:
+            store.add_checkpoint(CheckpointEntry(ORIGIN, seq, tree.root(), 0, key.key_id, note))
+        print(f"\rgenerated {seq:,}/{n:,}", end="", file=sys.stderr)
+    print(file=sys.stderr)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--records", type=int, default=1_000_000)
+    ap.add_argument("--no-postgres", action="store_true")
+    args = ap.parse_args()
+    n = args.records
+    print(f"# {platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    key = SigningKey.generate()
+    rows = []
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        urls = {"SQLite": f"sqlite:///{tmp}/million.db"}
+        if not args.no_postgres:
+            from sqlalchemy import create_engine, text
+
+            name = f"kvguard_bench_{uuid.uuid4().hex[:8]}"
+            admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+            with admin.connect() as c:
+                c.execute(text(f"CREATE DATABASE {name}"))
+            urls["PostgreSQL"] = PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+        try:
+            stores = {}
+            for label, url in urls.items():
+                migrate(url)
+                stores[label] = AuditStore(url)
+            seconds = generate(list(stores.values()), key, n)
+            rows.append((f"generate: sign + insert into {len(stores)} store(s)", n / seconds, seconds, ""))
+            bundle = f"{tmp}/million.zip"
+            for label, store in stores.items():
+                summary = export_bundle(store, ORIGIN, bundle, key, progress=False)
+                rows.append((f"export whole log from {label}", n / summary.seconds, summary.seconds,
+                             f"{os.path.getsize(bundle) / 2**20:.0f} MiB bundle"))
+            raw_before = raw_verify_rate(key)
+            t = time.perf_counter()
+            result = verify_bundle(bundle, [key.public_key])
+            seconds = time.perf_counter() - t
+            raw = (raw_before + raw_verify_rate(key)) / 2
+            assert result.records == n
+            rows.append(("raw Ed25519 verify (1 thread)", raw, None, ""))
+            rows.append(("verify bundle offline", n / seconds, seconds, f"{n / seconds / raw:.2f} x raw verify"))
+            for store in stores.values():
+                store.dispose()
+        finally:
+            if not args.no_postgres:
+                with admin.connect() as c:
+                    c.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                admin.dispose()
+    print(f"# {n:,} records\n")
+    print(f"| {'measurement':<40} | {'records/s':>10} | {'seconds':>7} | note |")
+    print(f"|{'-' * 42}|{'-' * 12}|{'-' * 9}|------|")
+    for label, rate, seconds, note in rows:
+        secs = f"{seconds:7.1f}" if seconds is not None else " " * 7
+        print(f"| {label:<40} | {rate:>10,.0f} | {secs} | {note} |")
+
+
+if __name__ == "__main__":
+    main()
