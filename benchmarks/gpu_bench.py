@@ -201,20 +201,29 @@ def check_all() -> list[str]:
 
 
 def _fields_close(a, b) -> bool:
+    """Scales equal, codes equal but for a rare ±1 (ties); prints what differs otherwise."""
     if a.dtype in (torch.float16, torch.float32):
-        return torch.equal(a, b)
-    if a.dtype == torch.float8_e4m3fn and not GPU:
+        diff = (a.float() - b.float()).abs()
+        ok = torch.equal(a, b)
+    elif a.dtype == torch.float8_e4m3fn and not GPU:
         return True  # the interpreter converts float8 itself
-    x = ref.unpack4(a).int() if a.dtype == torch.uint8 else a.view(torch.uint8).int() if a.dtype != torch.int8 else a.int()
-    y = ref.unpack4(b).int() if b.dtype == torch.uint8 else b.view(torch.uint8).int() if b.dtype != torch.int8 else b.int()
-    diff = (x - y).abs()
-    return diff.max().item() <= 1 and (diff > 0).float().mean().item() < 1e-3
+    else:
+        def ints(t):
+            return ref.unpack4(t).int() if t.dtype == torch.uint8 else t.view(torch.uint8).int() \
+                if t.dtype != torch.int8 else t.int()
+        diff = (ints(a) - ints(b)).abs()
+        ok = diff.max().item() <= 1 and (diff > 0).float().mean().item() < 1e-3
+    if not ok:
+        bad = (diff > 0).nonzero()
+        print(f"   {a.dtype}: {len(bad)} of {diff.numel()} differ, max {diff.max().item()}, first at "
+              f"{bad[:3].tolist()}: {a[tuple(bad[0])].float().item()} vs {b[tuple(bad[0])].float().item()}")
+    return ok
 
 
 # --- decode benchmark ------------------------------------------------------------------------------
 
 
-def bench_decode(model, length, batch, copy_bw, configs=None, with_baselines=True) -> dict:
+def bench_decode(model, length, batch, copy_bw, configs=None, with_baselines=True, read_bw=None) -> dict:
     hq, h, d = MODELS[model]
     kv16 = pool_bytes("bf16", length * batch, h, d)
     reps = max(1, min(64, math.ceil((512e6 if GPU else 1) / kv16)))
@@ -268,6 +277,8 @@ def bench_decode(model, length, batch, copy_bw, configs=None, with_baselines=Tru
         del pages
     for name in ("16bit",) + CODECS:
         row[f"floor_{name}"] = pool_bytes(name, length * batch, h, d) / (copy_bw * GB)
+        if read_bw:
+            row[f"read_floor_{name}"] = pool_bytes(name, length * batch, h, d) / (read_bw * GB)
     del pool
     if GPU:
         torch.cuda.empty_cache()
@@ -276,8 +287,7 @@ def bench_decode(model, length, batch, copy_bw, configs=None, with_baselines=Tru
 
 def sweep(copy_bw) -> list[str]:
     """Tile configs at a long and a mid context; prints each codec's times per config."""
-    tiles = [(pg, w, st, 4) for pg in (2, 4, 8) for w in (2, 4, 8) for st in (2, 3)] + \
-        [(4, 4, 3, 8), (4, 4, 3, 16), (2, 4, 3, 8), (2, 4, 3, 16)]
+    tiles = [(4, 2, 3, 4), (4, 2, 3, 8), (4, 2, 3, 16), (4, 4, 3, 8), (4, 2, 2, 8), (8, 2, 3, 8)]
     grid = {f" p{pg}w{w}s{st}x{pps}": {c: {"pages": pg, "num_warps": w, "num_stages": st, "programs_per_sm": pps}
                                        for c in ("16bit",) + CODECS} for pg, w, st, pps in tiles}
     lines = []
@@ -353,7 +363,7 @@ def main():
                 if pool_bytes("bf16", length * b, MODELS[m][1], MODELS[m][2]) <= 40e9]
     rows = []
     for m, length, b in grid:
-        rows.append(bench_decode(m, length, b, ceil["copy_GBps"]))
+        rows.append(bench_decode(m, length, b, ceil["copy_GBps"], read_bw=ceil["read_GBps"]))
         print(table(rows[-1:])[-1], flush=True)
     lines = table(rows)
     print("\n" + "\n".join(lines))

@@ -122,8 +122,12 @@ def _mass_kernel(logits, lse, seq_lens, mass, max_len, G: tl.constexpr, GP: tl.c
     tl.store(mass + (b * H + h).to(tl.int64) * max_len + n, tl.sum(p, 0), mask=n < max_len)
 
 
-# Tile shapes: PAGES pages per loop step, warps per program, software-pipeline depth.
-DEFAULT_CONFIG = {"pages": 4, "num_warps": 4, "num_stages": 3, "programs_per_sm": 4}
+# Tile shapes: pages per loop step, warps per program, software-pipeline depth, and how many
+# programs per SM the context split aims for. Chosen by benchmarks/gpu_bench.py --sweep on an H200.
+DEFAULT_CONFIG = {
+    "16bit": {"pages": 4, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8},
+    "quantized": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8},
+}
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -158,7 +162,7 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
     seq_lens     [B] int32: tokens of each sequence (may be 0), at most max_pages * S
     sm_scale     default 1/sqrt(D)
     max_seq_len  an upper bound of seq_lens known on the host; sizes the splits (default max_pages * S)
-    config       override of DEFAULT_CONFIG and of the split choice ('splits') for tuning
+    config       override of DEFAULT_CONFIG[...] and of the split choice ('splits'), for tuning
     Returns out [B, Hq, D] in q's dtype, lse [B, Hq] fp32 (natural log of the sum of exp of the
     scaled logits; -inf for an empty sequence), and with return_mass, mass [B, H, max_pages * S]
     fp32: each key's probability summed over the group's query heads, 0 past seq_len.
@@ -173,7 +177,7 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
         raise KernelArgError("block_table rows must be contiguous (stride 1 along pages)")
     check(seq_lens, "seq_lens", dtype=INDEX_DTYPES, shape=(b,))
     dev = check_device(q, block_table, seq_lens, pages["k"])
-    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    cfg = {**DEFAULT_CONFIG["16bit" if codec == "16bit" else "quantized"], **(config or {})}
     g = hq // h
     gp = max(16, triton.next_power_of_2(g))
     bn = cfg["pages"] * s
