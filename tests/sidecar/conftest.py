@@ -81,7 +81,7 @@ def start_server(tmp: Path, db_url: str, *, tokens: dict | None = None, extra_en
         tokens = {}
         for scope in ("admin", "ingest", "erasure:write", "erasure:read", "audit:read"):
             tokens[scope] = kvguard(["token", "create", "--scope", scope, "--name", scope.replace(":", "-")], env)
-    port = free_port()
+    port = int((extra_env or {}).get("KVGUARD_PORT") or free_port())
     env["KVGUARD_PORT"] = str(port)
     log = open(tmp / "serve.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "kvguard", "serve"], env=env, cwd=ROOT, stdout=log, stderr=log)

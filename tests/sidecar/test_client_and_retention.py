@@ -1,0 +1,83 @@
+"""The inference-side client never drops an event; retention erases expired sessions."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvguard.cache import CacheConfig, CacheManager
+from kvguard.sidecar.client import SidecarClient, SidecarUnavailable
+from kvguard.types import Subject
+from tests.sidecar.conftest import free_port, start_server
+
+
+def small_cache():
+    return CacheManager(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=32, num_pages=64, page_size=4,
+                                    codec="int8"))
+
+
+def fill(cache, seq, n=40):
+    k = torch.randn(n, 1, 32).half()
+    assert cache.append(seq, 0, k, k)  # full pages get quantized: one event
+
+
+def count_records(server, op):
+    n, after = 0, -1
+    with server.client("audit:read") as c:
+        while after is not None:
+            page = c.get("/v1/audit/records", params={"op": op, "after": after, "limit": 1000}).json()
+            n += len(page["records"])
+            after = page["next_after"]
+    return n
+
+
+def test_unreachable_sidecar_refuses_new_sequences_and_loses_nothing(tmp_path, db_url):
+    port = free_port()
+    cache = small_cache()
+    ingest_token = "kvg_" + "x" * 43  # replaced once the server exists
+    client = SidecarClient(cache, url=f"http://127.0.0.1:{port}", token=ingest_token, max_pending=3,
+                           on_full="refuse", interval_s=0.02).start()
+    try:
+        for i in range(5):
+            fill(cache, client.open(Subject("t", f"u{i}", f"s{i}")))
+        time.sleep(0.3)
+        assert client.pending == 5 and not client.connected
+        with pytest.raises(SidecarUnavailable, match="refusing new sequences"):
+            client.open(Subject("t", "late", "s"))
+        server = start_server(tmp_path, db_url, extra_env={"KVGUARD_PORT": str(port)})
+        try:
+            client._http.headers["Authorization"] = f"Bearer {server.tokens['ingest']}"
+            assert client.flush(30)
+            assert client.pending == 0 and client.connected
+            assert count_records(server, "quantize") == 5  # every event, once
+            client.open(Subject("t", "late", "s"))  # admitted again
+        finally:
+            client.close()
+            server.stop()
+    finally:
+        client._stop.set()
+
+
+def test_retention_erases_expired_sessions_each_with_its_own_record(tmp_path, db_url):
+    server = start_server(tmp_path, db_url, extra_env={"KVGUARD_RETENTION_MAX_AGE_S": "1",
+                                                       "KVGUARD_RETENTION_CHECK_S": "0.5"})
+    cache = small_cache()
+    try:
+        with SidecarClient(cache, socket=server.socket, token=server.tokens["ingest"], interval_s=0.05) as client:
+            for i in range(3):
+                fill(cache, client.open(Subject("bank", f"user-{i}", f"session-{i}")))
+            assert client.flush(20)
+            deadline = time.monotonic() + 60
+            while cache.sequences() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert cache.sequences() == []
+            assert len(client.erasures) == 3 and all(e["sequences"] == 1 for e in client.erasures)
+            deadline = time.monotonic() + 30
+            while count_records(server, "erase") < 6 and time.monotonic() < deadline:
+                time.sleep(0.2)
+        # per session: the process's own erase event and the request's signed erase record
+        assert count_records(server, "erase") == 6
+    finally:
+        server.stop()
