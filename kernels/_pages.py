@@ -197,7 +197,8 @@ def divide(x, s, ON_GPU: tl.constexpr):
     if ON_GPU:
         r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
         q0 = x * r
-        return tl.fma(tl.fma(-q0, s, x), r, q0)
+        q = tl.fma(tl.fma(-q0, s, x), r, q0)
+        return tl.where(q0 == 0.0, q0, q)  # the correction turns -0 into +0; fp8 stores the sign
     else:
         return tl.math.div_rn(x, s)
 
