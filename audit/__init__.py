@@ -5,8 +5,9 @@ Data path: record (audit.record) -> sign (audit.keys) -> store and tree
 (audit.bundle) -> verification (audit.verify, audit.bundle.verify).
 
 Imports neither torch nor kvguard. The offline verifier needs only
-`cryptography` and `rfc8785`: SQLAlchemy is imported by audit.store, audit.log
-and audit.bundle.export alone, so keep this module free of such imports.
+`cryptography` and `rfc8785`: SQLAlchemy and Alembic are imported only by
+audit.engine, audit.models, audit.store, audit.log and audit.bundle.export, so
+keep this module and the verification path free of such imports.
 """
 
 from .errors import (

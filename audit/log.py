@@ -29,8 +29,8 @@ from . import fields
 from .checkpoint import Checkpoint
 from .errors import AuditError, ChainConflictError, StoreError
 from .keys import SigningKey, rotation_details
-from .record import Record
 from .pending import Item, Waiter
+from .record import Record
 from .store import AuditStore, CheckpointEntry
 from .tree import HashTree
 
@@ -73,6 +73,7 @@ class AuditLog:
         self._next_seq, self._next_prev = self.tree.size, self._prev  # the signer's (tentative) tail
         self._resync = threading.Event()
         self._failed: BaseException | None = None
+        self._gate, self._closed = threading.Lock(), False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._commits: queue.Queue = queue.Queue(maxsize=64)
         self._committer = threading.Thread(target=self._commit_loop, name=f"audit-commit[{origin}]",
@@ -156,11 +157,12 @@ class AuditLog:
         self.close()
 
     def _enqueue(self, items: list[Item]) -> None:
-        if self._failed is not None:
-            raise StoreError(f"audit writer for {self.origin} stopped: {self._failed}")
-        if not self._signer.is_alive():
-            raise StoreError(f"audit log {self.origin} is closed")
-        self._queue.put(items)  # one queue entry per call, so a call's records share a commit
+        with self._gate:  # against _refuse: an item is either drained or refused, never stranded
+            if self._failed is not None:
+                raise StoreError(f"audit writer for {self.origin} stopped: {self._failed}")
+            if self._closed:
+                raise StoreError(f"audit log {self.origin} is closed")
+            self._queue.put(items)  # one queue entry per call, so a call's records share a commit
 
     # -- signer thread -------------------------------------------------------------
 
@@ -183,9 +185,10 @@ class AuditLog:
                         break
                     batch.extend([more] if more is _STOP else more)
                 run: list[Item] = []
-                for item in batch:
+                for i, item in enumerate(batch):
                     if item is _STOP:
                         self._hand_over(run)
+                        self._refuse(batch[i + 1:])
                         return
                     if not item.control:
                         run.append(item)
@@ -197,6 +200,21 @@ class AuditLog:
                 self._hand_over(run)
         finally:
             self._commits.put(_STOP)
+            self._refuse([])
+
+    def _refuse(self, items: list) -> None:
+        """Fail whatever was queued after close() or a fatal error, so no caller waits forever."""
+        with self._gate:
+            self._closed = True
+        while True:
+            try:
+                more = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            items.extend([] if more is _STOP else more)
+        for item in items:
+            if item is not _STOP and not item.done:
+                item.resolve(error=StoreError(f"audit log {self.origin} is closed"))
 
     def _hand_over(self, items: list[Item]) -> None:
         # In slices, so the committer starts on the first while the rest is signed; it

@@ -48,16 +48,17 @@ class Item:
     result: Record | None = None
     new_key: SigningKey | None = None  # a key rotation
     checkpoint: bool = False  # a forced checkpoint
+    done: bool = False  # answered
 
     @property
     def control(self) -> bool:
         return self.new_key is not None or self.checkpoint
 
-    @property
-    def done(self) -> bool:
-        return self.result is not None if self.future is None else self.future.done()
-
     def resolve(self, record: Any = None, error: BaseException | None = None) -> None:
+        """Answer the caller, once."""
+        if self.done:
+            return
+        self.done = True
         if self.future is not None:
             self.future.set_exception(error) if error is not None else self.future.set_result(record)
             return

@@ -86,7 +86,8 @@ class LogVerifier:
     schedule in force at `start`; `prev` may then be None (the Merkle root binds it)."""
 
     def __init__(self, origin: str, keys: KeySchedule | Iterable[PublicKey], *, start: int = 0,
-                 prefix: Iterable[bytes] = (), prev: str | None = ZERO_HASH, workers: int | None = None) -> None:
+                 prefix: Iterable[bytes] = (), prev: str | None = ZERO_HASH,
+                 workers: int | None = None) -> None:
         self.origin = origin
         self.keys = keys if isinstance(keys, KeySchedule) else KeySchedule(keys)
         self.tree = CompactRange(start, prefix)
@@ -155,8 +156,9 @@ class LogVerifier:
             raise self.earliest(self.fail("checkpoint_format",
                                           f"checkpoint size {cp.size} checked at size {self.size}"))
         if cp.root != self.tree.root():
-            raise self.earliest(self.fail("merkle_root", f"records 0..{self.size - 1} do not hash to the root "
-                                          f"of checkpoint {self.origin}@{cp.size}", seq=self.size - 1))
+            raise self.earliest(self.fail(
+                "merkle_root", f"records 0..{self.size - 1} do not hash to the root of checkpoint "
+                f"{self.origin}@{cp.size}", seq=self.size - 1))
         self.checkpoints += 1
         self.last_checkpoint = cp.size
         return cp

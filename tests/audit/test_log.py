@@ -124,3 +124,15 @@ def test_records_are_canonical_in_the_store(audit_log, store, origin):
     for seq, body, sig, leaf in store.iter_bodies(origin):
         record = Record.from_leaf_bytes(body.encode())
         assert (record.seq, record.sig, record.leaf_hash) == (seq, sig, leaf)
+
+
+def test_nothing_queued_behind_close_waits_forever(audit_log):
+    from audit import log as log_module
+
+    audit_log._queue.put(log_module._STOP)  # a close() racing with a submit()
+    try:
+        future = audit_log.submit("evict")
+    except StoreError:
+        return  # the writer had already stopped: refused at the call
+    with pytest.raises(StoreError, match="closed"):
+        future.result(timeout=10)
