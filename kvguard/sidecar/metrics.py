@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from sqlalchemy import func, select
 
-from .models import ErasureRequest
+from sqlalchemy.orm import Session
 
-if TYPE_CHECKING:
-    from .service import Sidecar
+from .models import ErasureRequest
+from .registry import Registry
 
 
 class Metrics:
-    def __init__(self, sidecar: "Sidecar") -> None:
-        self.sc = sidecar
+    def __init__(self, db: Callable[[], Session], registry: Registry, origin: str) -> None:
+        self._db, self._clients, self._origin = db, registry, origin
         r = self.registry = CollectorRegistry()
         self.records = Counter("kvguard_audit_records_written", "Audit records signed and stored", ["op"],
                                registry=r)
@@ -36,8 +36,8 @@ class Metrics:
                                registry=r)
 
     def render(self) -> bytes:
-        origin = self.sc.settings.origin
-        with self.sc.db() as db:
+        origin = self._origin
+        with self._db() as db:
             counts = dict(db.execute(select(ErasureRequest.state, func.count()).where(
                 ErasureRequest.origin == origin).group_by(ErasureRequest.state)).all())
             overdue = db.scalar(select(func.count()).select_from(ErasureRequest).where(
@@ -47,7 +47,7 @@ class Metrics:
             self.by_state.labels(state).set(counts.get(state, 0))
         self.overdue.set(overdue or 0)
         self.pages.clear()
-        live = self.sc.registry.live()
+        live = self._clients.live()
         self.processes.set(len(live))
         totals: dict[tuple[str, str], int] = {}
         for c in live:
