@@ -27,9 +27,9 @@ class _UsageError(Exception):
     pass
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="kvguard-audit", description="Export and verify kvguard's sealed audit bundles.",
+        prog=prog, description="Export and verify kvguard's sealed audit bundles.",
         epilog="exit status: 0 ok, 1 not verified / export refused, 2 usage error or unreadable file")
     sub = p.add_subparsers(dest="command", required=True, metavar="{export,verify}")
 
@@ -60,19 +60,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "kvguard-audit") -> int:
+    """Run the CLI on `argv` (default sys.argv[1:]); returns the exit status. `prog` names
+    the command in usage and messages (e.g. "kvguard audit" when called from kvguard)."""
     try:
-        args = _parser().parse_args(argv)
+        args = _parser(prog).parse_args(argv)
     except SystemExit as exc:  # argparse exits on --help (0) and on usage errors (2)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
-        return _export(args) if args.command == "export" else _verify(args)
+        return _export(args, prog) if args.command == "export" else _verify(args)
     except (_UsageError, KeyFileError) as exc:
-        print(f"kvguard-audit: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
 
-def _export(args: argparse.Namespace) -> int:
+def _export(args: argparse.Namespace, prog: str) -> int:
     if not args.database_url:
         raise _UsageError("--database-url (or KVGUARD_DATABASE_URL) is required")
     if (args.since or args.until) and (args.from_seq is not None or args.to_seq is not None):
@@ -90,10 +92,10 @@ def _export(args: argparse.Namespace) -> int:
                                 to_seq=args.to_seq, since_ms=since, until_ms=until,
                                 progress=not args.no_progress)
     except AuditError as exc:
-        print(f"kvguard-audit: export refused: {exc}", file=sys.stderr)
+        print(f"{prog}: export refused: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except Exception as exc:  # the database itself: unreachable, no schema
-        print(f"kvguard-audit: export failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"{prog}: export failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
     finally:
         store.dispose()

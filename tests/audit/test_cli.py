@@ -130,3 +130,8 @@ def test_python_dash_m_audit(setup):
     proc = subprocess.run([sys.executable, "-m", "audit", "verify", "--help"], capture_output=True, text=True,
                           cwd=REPO)
     assert proc.returncode == 0 and "--previous" in proc.stdout
+
+
+def test_prog_names_the_command_when_embedded(capsys):
+    assert main(["verify"], prog="kvguard audit") == 2
+    assert "usage: kvguard audit verify" in capsys.readouterr().err
