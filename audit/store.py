@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
 
 from sqlalchemy import Connection, Engine, delete, func, insert, select
 from sqlalchemy.exc import IntegrityError
@@ -24,6 +23,7 @@ from .fields import parse_time
 from .keys import PublicKey
 from .models import CheckpointRow, Log, LogKey, RecordRow, SubjectKey
 from .record import Record
+
 
 @dataclass(frozen=True, slots=True)
 class KeyEntry:
@@ -123,7 +123,9 @@ class AuditStore:
                 self._insert_records(conn, records)
                 if new_key is not None:
                     self._add_key(conn, origin, new_key[0], new_key[1], new_key[2], records[-1].time_ms)
-        except IntegrityError as exc:
+        except (IntegrityError, self.engine.dialect.loaded_dbapi.IntegrityError) as exc:
+            # the primary key (origin, seq) caught a race the lock did not (COPY raises the
+            # driver's own IntegrityError, not SQLAlchemy's)
             raise ChainConflictError(f"log {origin}: concurrent append at seq {expected_size}") from exc
 
     def _insert_records(self, conn: Connection, records: Sequence[Record]) -> None:
@@ -286,13 +288,12 @@ _COLUMNS = (
     "origin", "seq", "time_ms", "op", "tenant_pseudonym", "user_pseudonym", "session_pseudonym",
     "key_id", "prev", "leaf_hash", "sig", "body",
 )
-_time_ms = lru_cache(maxsize=1024)(parse_time)  # a batch shares one timestamp
 
 
 def _row(r: Record) -> tuple:
     subject = r.subject
     return (
-        r.origin, r.seq, _time_ms(r.time), r.op, subject.get("tenant"), subject.get("user"),
+        r.origin, r.seq, parse_time(r.time), r.op, subject.get("tenant"), subject.get("user"),
         subject.get("session"), r.key_id, r.prev, r.leaf_hash, r.sig, r.leaf_bytes.decode("utf-8"),
     )
 

@@ -139,3 +139,16 @@ def test_a_stale_writer_reloads_the_tail_and_re_signs(db_url, signing_key, origi
     verify_store(stores[0], origin, [signing_key.public_key])
     for s in stores:
         s.dispose()
+
+
+def test_primary_key_is_the_last_defence(store, origin, signing_key, monkeypatch):
+    from audit.errors import ChainConflictError
+
+    with open_log(store, origin, signing_key) as log:
+        records = fill(log, 3)
+    monkeypatch.setattr(store, "size", lambda origin, conn=None: 2)  # a writer that missed the lock
+    with pytest.raises(ChainConflictError, match="concurrent append at seq 2"):
+        store.append(origin, [records[2]], 2)
+    monkeypatch.undo()
+    assert store.size(origin) == 3
+    verify_store(store, origin, [signing_key.public_key])
