@@ -96,6 +96,16 @@ class Evictor(_Strict):
         return {"budget": self.budget, "sink": self.sink, "window": self.window} | extra
 
 
+def config_key(options: dict) -> str:
+    """A short name of a configuration given as CacheConfig options: int8(sink 4)+h2o@1024."""
+    extra = ", ".join(f"{n} {options[f]}" for n, f in (("sink", "fp_sink"), ("window", "fp_window"))
+                      if options.get(f))
+    name = options.get("codec") or "fp16"
+    name += f"({extra})" if extra else ""
+    evictor = options.get("evictor")
+    return name + (f"+{evictor}@{options['evictor_options']['budget']}" if evictor else "")
+
+
 class Layers(_Strict):
     """One configuration of the compression layers: what a downgrade step replaces."""
 
@@ -104,11 +114,7 @@ class Layers(_Strict):
 
     @property
     def key(self) -> str:
-        """A short name: int8(sink 4)+h2o@1024."""
-        c = self.codec
-        extra = ", ".join(f"{n} {v}" for n, v in (("sink", c.fp_sink), ("window", c.fp_window)) if v)
-        name = c.name + (f"({extra})" if extra else "")
-        return name + (f"+{self.evictor.name}@{self.evictor.budget}" if self.evictor else "")
+        return config_key(self.cache_options())
 
     def cache_options(self) -> dict:
         e = self.evictor

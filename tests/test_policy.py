@@ -111,8 +111,8 @@ def test_calibrate_accepts_within_the_bound():
 def test_calibrate_downgrades_to_the_first_step_within_the_bound():
     p = load_policy(POLICIES / "long-document.yaml")
     measured = {
-        "int8(sink 4)+h2o@2048": Measurement(0.05, 0.3),
-        "int8(sink 4)+h2o@4096": Measurement(0.02, 0.1),  # still beyond 1 %
+        "int8(sink 4)+h2o@1024": Measurement(0.05, 0.3),
+        "int8(sink 4)+h2o@1536": Measurement(0.02, 0.1),  # still beyond 1 %
         "int8(sink 4)": Measurement(0.003, 0.004),
     }
     d = calibrate(p, measured, tenant="acme")

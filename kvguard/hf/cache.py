@@ -16,6 +16,7 @@ after an evictor has dropped tokens. Keys are stored after RoPE.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +29,12 @@ from ..types import SeqId, Subject
 
 ATTN_IMPLEMENTATION = "kvguard"
 TAG = "_kvguard_pending"  # attribute set on the key tensor that `update` hands to the attention function
+
+
+def cache_kwarg(model) -> str:
+    """The name a model's forward takes its cache by: `cache` from transformers 5.2x,
+    `past_key_values` before (still accepted, with a deprecation warning)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 class CacheFullError(KVGuardError, MemoryError):

@@ -1,0 +1,68 @@
+"""The configurations the harness measures: built-in methods and policies.
+
+A method is a set of CacheConfig options, plus, for "sparse", a read-time page
+budget. The eviction methods and "sparse" share one token budget, so they are
+compared at equal memory (evictors) or equal reads (sparse).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+from ..policy import Policy, config_key
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    kind: str  # "baseline" | "codec" | "evictor" | "sparse" | "policy"
+    options: dict = field(default_factory=dict)  # CacheConfig fields
+    sparse_pages: int | None = None  # Quest-style: attend only the top-k pages of each query
+    description: str = ""
+
+    @property
+    def key(self) -> str:
+        """What the configuration is, whatever it is called (see kvguard.policy.config_key)."""
+        return config_key(self.options) + (f"+sparse@{self.sparse_pages}p" if self.sparse_pages else "")
+
+
+def builtin_methods(budget: int = 256, page_size: int = 16) -> dict[str, Method]:
+    """none, int8, int4, fp8, h2o, streamingllm, snapkv, sparse. `budget`: tokens kept
+    by each evictor, and read by sparse (budget // page_size pages)."""
+    half = budget // 2
+    methods = [
+        Method("none", "baseline", {"codec": "fp16"}, description="16-bit pages, nothing dropped"),
+        Method("int8", "codec", {"codec": "int8", "fp_sink": 4},
+               description="INT8, keys per channel over a page, values per token; 16-bit sink page"),
+        Method("int4", "codec", {"codec": "int4", "fp_sink": 4, "fp_window": 128},
+               description="INT4 KIVI-style (value groups of 32); 16-bit sink page and 128-token window"),
+        Method("fp8", "codec", {"codec": "fp8", "fp_sink": 4},
+               description="FP8 e4m3 in INT8's layout; 16-bit sink page"),
+        Method("h2o", "evictor", {"evictor": "h2o", "evictor_options": {"budget": budget, "sink": 4, "window": half}},
+               description=f"H2O: 4 sinks + heavy hitters + {half} recent (the paper's half/half), {budget} tokens"),
+        Method("streamingllm", "evictor",
+               {"evictor": "streamingllm", "evictor_options": {"budget": budget, "sink": 4, "window": budget - 4}},
+               description=f"StreamingLLM: 4 sinks + the most recent tokens, {budget} tokens"),
+        Method("snapkv", "evictor",
+               {"evictor": "snapkv", "evictor_options": {"budget": budget, "sink": 4, "window": min(32, half), "observe": 32}},
+               description=f"SnapKV: 4 sinks + the observation window (32 queries) + keys they vote for "
+                           f"(max-pooled over 7), {budget} tokens"),
+        Method("sparse", "sparse", {"codec": "fp16"}, sparse_pages=max(1, budget // page_size),
+               description=f"Quest-style: each query reads its top {budget // page_size} pages by a key bound"),
+    ]
+    return {m.name: m for m in methods}
+
+
+def policy_method(policy: Policy, step: int = 0) -> Method:
+    p = policy.at(step)
+    name = policy.name if step == 0 else f"{policy.name}~{step}"
+    return Method(name, "policy", p.cache_options(), description=f"policy {policy.name}, step {step}: "
+                  f"{p.steps()[0].key}")
+
+
+def select(names: list[str], available: dict[str, Method]) -> list[Method]:
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise ConfigError(f"unknown method(s) {unknown}; choose from {sorted(available)}")
+    return [available[n] for n in names]
