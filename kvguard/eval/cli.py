@@ -13,7 +13,7 @@ DESCRIPTION = """\
 Measure what kvguard's codecs, evictors and policies do to a real model's attention.
 For each text and configuration: the first --prefix tokens are written into the
 configured cache, the next --score tokens are scored against it (teacher-forced, in
-chunks of --chunk), and --generate greedy tokens are generated after the prefix.
+chunks of --chunk), then --generate greedy tokens are generated after the text.
 Reported per configuration: KV bytes held (and read, for sparse) against 16-bit, the
 attention-output relative deviation ||O'-O||/||O|| per layer against the same K/V
 uncompressed, perplexity and its change, greedy agreement with the uncompressed cache,
@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix", type=int, default=d.prefix, help=f"tokens written before scoring (default {d.prefix})")
     p.add_argument("--score", type=int, default=d.score, help=f"tokens scored (default {d.score})")
     p.add_argument("--chunk", type=int, default=d.chunk, help=f"scored tokens per forward pass (default {d.chunk})")
-    p.add_argument("--generate", type=int, default=d.generate, help=f"greedy tokens (default {d.generate})")
+    p.add_argument("--generate", type=int, default=d.generate, help=f"greedy tokens after the scored text (default {d.generate})")
     p.add_argument("--budget", type=int, default=d.budget,
                    help=f"tokens kept by h2o/streamingllm/snapkv and read by sparse (default {d.budget})")
     p.add_argument("--page-size", type=int, default=d.page_size, help=f"tokens per page (default {d.page_size})")

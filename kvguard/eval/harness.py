@@ -1,13 +1,15 @@
 """The fidelity protocol of docs/fidelity.md, for each text and configuration.
 
-1. Score: the first `prefix` tokens are prefilled into the configured cache;
-   the next `score` tokens are fed in chunks of `chunk`, teacher-forced. Each
-   scored chunk's attention output is compared with the output over the same
-   K/V uncompressed (ProbeCache), and each next token's log-probability summed
-   into a perplexity.
-2. Generate: the prefix again into a fresh cache, then `generate` greedy tokens:
-   time to first token, decode tokens per second, and the tokens themselves.
-3. Compare: perplexity change and greedy agreement against "none", the 16-bit
+1. Prefix: the first `prefix` tokens are prefilled into the configured cache
+   (timed: time to first token).
+2. Score: the next `score` tokens are fed in chunks of `chunk` (one page by
+   default, so each query sees its own page 16-bit and every older page as
+   stored, as in decode), teacher-forced. Each chunk's attention output is
+   compared with the output over the same K/V uncompressed (ProbeCache), and
+   each next token's log-probability goes into a perplexity.
+3. Generate: `generate` greedy tokens after the whole text, each decode step
+   timed (decode tokens/s of the median step).
+4. Compare: perplexity change and greedy agreement against "none", the 16-bit
    cache that drops nothing, on the same text.
 """
 
@@ -88,60 +90,49 @@ def token_ids(tokenizer, text: str, n: int) -> torch.Tensor:
     return ids
 
 
-def _cache(model, method: Method, s: Settings, total: int, measure: bool) -> ProbeCache:
+def _cache(model, method: Method, s: Settings, total: int) -> ProbeCache:
     pages = math.ceil(total / s.page_size) + 8
     options = {"page_size": s.page_size, "dtype": s.dtype} | method.options
-    return ProbeCache(model.config, SUBJECT, sparse_pages=method.sparse_pages, measure=measure, num_pages=pages,
+    return ProbeCache(model.config, SUBJECT, sparse_pages=method.sparse_pages, num_pages=pages,
                       num_hot_pages=pages, **options)
 
 
 @torch.no_grad()
-def score(model, ids: torch.Tensor, method: Method, s: Settings) -> tuple[list[float], float, float, float, int]:
-    """(deviation per layer, perplexity, held ratio, read ratio, tokens evicted) of one text."""
+def run(model, ids: torch.Tensor, text: str, method: Method, s: Settings) -> TextResult:
+    """One text through one configuration: prefix, scored continuation, greedy tokens."""
     n, end = s.prefix, s.prefix + s.score
-    cache = _cache(model, method, s, end, measure=True)
+    cache = _cache(model, method, s, end + s.generate)
+    kw = {cache_kwarg(model): cache}
     try:
-        kw = cache_kwarg(model)
-        last = model(ids[:, :n], logits_to_keep=1, **{kw: cache}).logits[0, -1]
+        # (1) the prefix: time to first token
+        t0 = time.perf_counter()
+        last = model(ids[:, :n], logits_to_keep=1, **kw).logits[0, -1]
+        ttft = time.perf_counter() - t0
+        # (2) the continuation, teacher-forced, each chunk's attention measured
         nll = [F.cross_entropy(last.float()[None], ids[0, n : n + 1])]
         cache.scoring = True
         for start in range(n, end - 1, s.chunk):
             stop = min(start + s.chunk, end - 1)
-            logits = model(ids[:, start:stop], **{kw: cache}).logits[0].float()
+            logits = model(ids[:, start:stop], **kw).logits[0].float()
             nll.append(F.cross_entropy(logits, ids[0, start + 1 : stop + 1], reduction="none"))
+        cache.scoring = cache.measure = False
         stats = cache.stats()
         read = sum(cache.read) / len(cache.read) if cache.read else 1.0
-        ppl = math.exp(torch.cat([x.reshape(-1) for x in nll]).mean().item())
-        return cache.deviation(), ppl, stats.bytes_held / stats.bytes_16bit_equivalent, read, stats.tokens_evicted
-    finally:
-        cache.free()
-
-
-@torch.no_grad()
-def generate(model, ids: torch.Tensor, method: Method, s: Settings) -> tuple[list[int], float, float]:
-    """(greedy tokens, time to first token s, decode tokens/s of the median step) after the prefix."""
-    cache = _cache(model, method, s, s.prefix + s.generate, measure=False)
-    try:
-        kw = cache_kwarg(model)
-        t0 = time.perf_counter()
-        logits = model(ids[:, : s.prefix], logits_to_keep=1, **{kw: cache}).logits[0, -1]
-        tokens = [int(logits.argmax())]
-        ttft, steps = time.perf_counter() - t0, []
-        for _ in range(s.generate - 1):
-            t1 = time.perf_counter()
-            logits = model(torch.tensor([[tokens[-1]]]), **{kw: cache}).logits[0, -1]
+        # (3) greedy tokens after the whole text, each decode step timed
+        tokens, steps = [], []
+        logits = model(ids[:, end - 1 : end], **kw).logits[0, -1]
+        for _ in range(s.generate):
             tokens.append(int(logits.argmax()))
+            t1 = time.perf_counter()
+            logits = model(torch.tensor([tokens[-1:]]), **kw).logits[0, -1]
             steps.append(time.perf_counter() - t1)
-        # the median step: robust to other processes taking the CPU for a while
-        return tokens, ttft, 1.0 / statistics.median(steps) if steps else math.nan
     finally:
         cache.free()
-
-
-def run(model, ids: torch.Tensor, text: str, method: Method, s: Settings) -> TextResult:
-    dev, ppl, held, read, evicted = score(model, ids, method, s)
-    tokens, ttft, tps = generate(model, ids, method, s)
-    return TextResult(method.name, method.kind, method.key, text, dev, ppl, held, read, evicted, tokens, ttft, tps)
+    ppl = math.exp(torch.cat([x.reshape(-1) for x in nll]).mean().item())
+    # the median step: robust to other processes taking the CPU for a while
+    tps = 1.0 / statistics.median(steps) if steps else math.nan
+    return TextResult(method.name, method.kind, method.key, text, cache.deviation(), ppl,
+                      stats.bytes_held / stats.bytes_16bit_equivalent, read, stats.tokens_evicted, tokens, ttft, tps)
 
 
 def compare(result: TextResult, reference: TextResult) -> None:

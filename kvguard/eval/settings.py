@@ -9,8 +9,8 @@ from dataclasses import dataclass
 class Settings:
     prefix: int = 1024  # tokens written before scoring
     score: int = 1024  # tokens scored
-    chunk: int = 64  # scored tokens per forward pass
-    generate: int = 32  # greedy tokens after the prefix
+    chunk: int = 16  # scored tokens per forward pass (one page: decode-like)
+    generate: int = 32  # greedy tokens after the scored text
     budget: int = 256  # tokens kept by evictors / read by sparse
     page_size: int = 16
     dtype: str = "float16"  # the cache's dtype; the model runs in its own
