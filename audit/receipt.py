@@ -36,6 +36,16 @@ def build_receipt(record: Record, checkpoint_note: str, tree_size: int, proof: l
     }
 
 
+def receipt_parts(store, record: Record, max_size: int | None = None):
+    """The record's public key and the first checkpoint that covers the record and is signed
+    by that same key (None if there is none yet)."""
+    key = next((k.key for k in store.keys(record.origin) if k.key.key_id == record.key_id), None)
+    if key is None:
+        raise ReceiptError(f"key {record.key_id} of record {record.ref} is not registered")
+    cps = store.checkpoints(record.origin, min_size=record.seq + 1, max_size=max_size)
+    return key, next((c for c in cps if c.key_id == record.key_id), None)
+
+
 def make_receipt(log, erase_record_seq: int) -> dict[str, Any]:
     """The receipt of record `erase_record_seq` of an open AuditLog, against the first
     checkpoint that covers it and is signed by the record's own key (issuing one now if
@@ -43,11 +53,7 @@ def make_receipt(log, erase_record_seq: int) -> dict[str, Any]:
     record = log.store.record(log.origin, erase_record_seq)
     if record.op not in ERASE_OPS:
         raise ReceiptError(f"record {record.ref} is a {record.op!r} record, not an erasure")
-    key = next((k.key for k in log.store.keys(log.origin) if k.key.key_id == record.key_id), None)
-    if key is None:
-        raise ReceiptError(f"key {record.key_id} of record {record.ref} is not registered")
-    cp = next((c for c in log.store.checkpoints(log.origin, min_size=record.seq + 1)
-               if c.key_id == record.key_id), None)
+    key, cp = receipt_parts(log.store, record)
     if cp is None:
         cp = log.checkpoint()
         if cp.key_id != record.key_id:  # cannot happen: a rotation checkpoints first

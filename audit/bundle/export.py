@@ -19,8 +19,8 @@ from typing import Any
 from ..canonical import canonical
 from ..errors import BundleError
 from ..fields import format_time
-from ..keys import PublicKey, SigningKey
-from ..receipt import ERASE_OPS, build_receipt
+from ..keys import SigningKey
+from ..receipt import ERASE_OPS, build_receipt, receipt_parts
 from ..record import Record
 from ..store import AuditStore, CheckpointEntry
 from ..tree import HashTree
@@ -77,7 +77,7 @@ def export_bundle(store: AuditStore, origin: str, out_path: str, key: SigningKey
                     for c in checkpoints if c.size < size],
             }) + b"\n", digests)
             _write(zf, KEYS, canonical(_keys_member(store, origin, keys, tree, size)) + b"\n", digests)
-            receipts = [_receipt(store, origin, r, tree, keys) for r in erases]
+            receipts = [_receipt(store, r, tree) for r in erases]
             _write(zf, RECEIPTS, b"".join(canonical(r) + b"\n" for r in receipts), digests)
             statement = {
                 "_type": STATEMENT_TYPE,
@@ -187,9 +187,8 @@ def _keys_member(store: AuditStore, origin: str, keys, tree: HashTree, size: int
     return {"origin": origin, "tree_size": size, "keys": entries}
 
 
-def _receipt(store: AuditStore, origin: str, record: Record, tree: HashTree, keys) -> dict[str, Any]:
-    """Against the first checkpoint covering the record signed by the record's own key."""
-    cps = store.checkpoints(origin, min_size=record.seq + 1, max_size=tree.size)
-    cp = next(c for c in cps if c.key_id == record.key_id)  # exists: rotations checkpoint first
-    key: PublicKey = next(k.key for k in keys if k.key.key_id == record.key_id)
+def _receipt(store: AuditStore, record: Record, tree: HashTree) -> dict[str, Any]:
+    key, cp = receipt_parts(store, record, max_size=tree.size)
+    if cp is None:  # cannot happen: the covering checkpoint, or the one before a rotation, qualifies
+        raise BundleError(f"no checkpoint signed by the key of record {record.ref}")
     return build_receipt(record, cp.note, cp.size, tree.inclusion_proof(record.seq, cp.size), key)
