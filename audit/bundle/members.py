@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint import Checkpoint, split_note
-from ..errors import RecordFormatError, VerificationError
-from ..keys import KeyFileError, PublicKey
+from ..errors import KeyFileError, RecordFormatError, VerificationError
+from ..keys import PublicKey
 from ..merkle import decompose, verify_inclusion
 from ..record import Record
 from .layout import CHECKPOINTS, KEYS, PROOFS

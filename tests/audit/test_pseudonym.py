@@ -12,7 +12,6 @@ import pytest
 from sqlalchemy import select
 
 from audit.errors import RecordFormatError
-from audit.keys import SigningKey
 from audit.models import SubjectKey
 from audit.pseudonym import Pseudonymizer, generate_index_key, load_index_key, pseudonym_of, subject_data
 
