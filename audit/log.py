@@ -29,7 +29,7 @@ from . import fields
 from .checkpoint import Checkpoint
 from .errors import AuditError, ChainConflictError, StoreError
 from .keys import SigningKey, rotation_details
-from .pending import Item, Waiter
+from .pending import Item, Waiter, resolve_all
 from .record import Record
 from .store import AuditStore, CheckpointEntry
 from .tree import HashTree
@@ -295,8 +295,7 @@ class AuditLog:
         self._prev = records[-1].digest
         if rotation is not None:
             self._key, self._active_key_id = rotation, rotation.key_id
-        for item, record in zip(items, records):
-            item.resolve(record)
+        resolve_all(items, records)
         self._checkpoint()
 
     def _catch_up(self) -> None:

@@ -25,10 +25,10 @@ class Waiter:
     def __init__(self, n: int) -> None:
         self._lock, self._done, self._pending, self.error = threading.Lock(), threading.Event(), n, None
 
-    def finish(self, error: BaseException | None) -> None:
+    def finish(self, error: BaseException | None, count: int = 1) -> None:
         with self._lock:
             self.error = self.error or error
-            self._pending -= 1
+            self._pending -= count
             if self._pending == 0:
                 self._done.set()
 
@@ -65,3 +65,16 @@ class Item:
         self.result = record
         if self.waiter is not None:
             self.waiter.finish(error)
+
+
+def resolve_all(items: list[Item], records: list[Record]) -> None:
+    """Answer a committed batch: each waiter once for all its records, not once per record."""
+    counts: dict[Waiter, int] = {}
+    for item, record in zip(items, records):
+        if item.future is not None or item.waiter is None:
+            item.resolve(record)
+        elif not item.done:
+            item.done, item.result = True, record
+            counts[item.waiter] = counts.get(item.waiter, 0) + 1
+    for waiter, count in counts.items():
+        waiter.finish(None, count)

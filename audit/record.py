@@ -86,13 +86,18 @@ class Record:
     @classmethod
     def sign_new(cls, key, origin: str, seq: int, time: str, op: str, subject: dict[str, str],
                  details: dict[str, Any], prev: str) -> "Record":
-        """Build and sign a record from validated parts in one go (the writer's hot path)."""
-        data = record_bytes({"v": f.FORMAT_VERSION, "origin": origin, "seq": seq, "time": time, "op": op,
-                             "subject": subject, "details": details, "prev": prev, "key_id": key.key_id})
-        b64 = base64.b64encode(key.sign(data)).decode("ascii")
-        cut = data.rindex(b',"subject":{') + 1  # see with_signature
-        leaf = b"".join((data[:cut], b'"sig":"', b64.encode("ascii"), b'",', data[cut:]))
-        return cls(origin, seq, time, op, subject, details, prev, key.key_id, b64, f.FORMAT_VERSION, leaf)
+        """Build and sign a record from validated parts in one go (the writer's hot path).
+
+        The canonical bytes are assembled around the two encoded objects: in RFC 8785 key
+        order the members are details, key_id, op, origin, prev, seq, [sig,] subject, time,
+        v, and the validated origin, op, hex ids and time contain nothing JSON escapes."""
+        head = b'{"details":%b,"key_id":"%b","op":"%b","origin":"%b","prev":"%b","seq":%d,' % (
+            record_bytes(details), key.key_id.encode(), op.encode(), origin.encode(), prev.encode(), seq)
+        tail = b'"subject":%b,"time":"%b","v":%d}' % (record_bytes(subject), time.encode(), f.FORMAT_VERSION)
+        b64 = base64.b64encode(key.sign(head + tail))
+        leaf = b'%b"sig":"%b",%b' % (head, b64, tail)
+        return cls(origin, seq, time, op, subject, details, prev, key.key_id, b64.decode("ascii"),
+                   f.FORMAT_VERSION, leaf)
 
     @property
     def signature(self) -> bytes:

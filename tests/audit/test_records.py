@@ -43,13 +43,25 @@ values = st.recursive(scalars, lambda inner: st.one_of(
 details_st = st.dictionaries(keys, values, max_size=5).filter(_ok)
 
 
+origins = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._~:/-]{0,40}", fullmatch=True)
+subjects = st.dictionaries(st.sampled_from(["tenant", "user", "session"]),
+                           st.from_regex(r"[0-9a-f]{32}", fullmatch=True))
+
+
 @settings(max_examples=300, deadline=None)
-@given(details=details_st, seq=st.integers(0, MAX_SAFE_INTEGER))
-def test_fast_encoder_matches_rfc8785(details, seq):
-    r = make(seq, details, {"user": "ab" * 16})
+@given(details=details_st, seq=st.integers(0, MAX_SAFE_INTEGER), origin=origins, subject=subjects,
+       op=st.from_regex(r"[a-z_]{1,32}", fullmatch=True))
+def test_fast_encoders_match_rfc8785(details, seq, origin, subject, op):
+    r = make(seq, details, subject, op)
     assert r.signing_bytes() == rfc8785.dumps(r.unsigned_dict())
     assert r.leaf_bytes == rfc8785.dumps(r.to_dict())
     assert Record.from_leaf_bytes(r.leaf_bytes) == r
+    # the writer's path: assembled around the encoded objects
+    w = Record.sign_new(KEY, origin, seq, "2025-01-31T12:00:00.123Z", op, subject, details, "f" * 64)
+    assert w.signing_bytes() == rfc8785.dumps(w.unsigned_dict())
+    assert w.leaf_bytes == rfc8785.dumps(w.to_dict())
+    assert w.signing_bytes_from_leaf() == w.signing_bytes()
+    KEY.public_key.verify(w.signature, w.signing_bytes())
 
 
 def test_escapes_and_unicode_match_rfc8785():
