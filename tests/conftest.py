@@ -1,9 +1,19 @@
-"""Shared fixtures: small cache shapes and random K/V with outlier channels."""
+"""Shared fixtures: small cache shapes and random K/V with outlier channels.
+
+Without a GPU every Triton kernel runs under Triton's interpreter. The switch is
+read when a kernel is defined, so it is set here, before any test imports one.
+"""
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
 
 from kvguard.types import Subject
 
