@@ -135,3 +135,12 @@ def test_python_dash_m_audit(setup):
 def test_prog_names_the_command_when_embedded(capsys):
     assert main(["verify"], prog="kvguard audit") == 2
     assert "usage: kvguard audit verify" in capsys.readouterr().err
+
+
+def test_export_shows_progress_on_stderr(setup, capsys):
+    url, origin, d = setup
+    assert main(["export", "--database-url", url, "--origin", origin, "--key", str(d / "log.key"),
+                 "-o", str(d / "b.zip")]) == 0
+    captured = capsys.readouterr()
+    assert f"export {origin}" in captured.err and "100%" in captured.err  # tqdm's bar
+    assert "wrote" in captured.out and "export" not in captured.out.split("wrote")[0]
