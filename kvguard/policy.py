@@ -97,13 +97,18 @@ class Evictor(_Strict):
 
 
 def config_key(options: dict) -> str:
-    """A short name of a configuration given as CacheConfig options: int8(sink 4)+h2o@1024."""
+    """A short name of a configuration given as CacheConfig options: int8(sink 4)+h2o@1024/s4/w256
+    (evictor budget, sinks, recent window)."""
     extra = ", ".join(f"{n} {options[f]}" for n, f in (("sink", "fp_sink"), ("window", "fp_window"))
                       if options.get(f))
     name = options.get("codec") or "fp16"
     name += f"({extra})" if extra else ""
     evictor = options.get("evictor")
-    return name + (f"+{evictor}@{options['evictor_options']['budget']}" if evictor else "")
+    if not evictor:
+        return name
+    e = options["evictor_options"]
+    shape = f"/s{e.get('sink', 4)}" + ("" if evictor == "streamingllm" else f"/w{e.get('window', 64)}")
+    return f"{name}+{evictor}@{e['budget']}{shape}"
 
 
 class Layers(_Strict):

@@ -104,15 +104,15 @@ def test_calibrate_accepts_within_the_bound():
     p = load_policy(POLICIES / "chat.yaml")
     events = EventQueue()
     d = calibrate(p, Measurement(deviation=0.004, ppl_delta=0.01), tenant="acme", events=events)
-    assert (d.outcome, d.step, d.config) == ("accept", 0, "int8(sink 4)+streamingllm@4096")
+    assert (d.outcome, d.step, d.config) == ("accept", 0, "int8(sink 4)+streamingllm@4096/s4")
     assert events.take_events() == [d]
 
 
 def test_calibrate_downgrades_to_the_first_step_within_the_bound():
     p = load_policy(POLICIES / "long-document.yaml")
     measured = {
-        "int8(sink 4)+h2o@1024": Measurement(0.05, 0.3),
-        "int8(sink 4)+h2o@1536": Measurement(0.02, 0.1),  # still beyond 1 %
+        "int8(sink 4)+h2o@1024/s4/w256": Measurement(0.05, 0.3),
+        "int8(sink 4)+h2o@1536/s4/w384": Measurement(0.02, 0.1),  # still beyond 1 %
         "int8(sink 4)": Measurement(0.003, 0.004),
     }
     d = calibrate(p, measured, tenant="acme")

@@ -53,14 +53,18 @@ def evaluate(model, tokenizer, texts: dict[str, str], methods: list[Method], set
     refs: dict[str, TextResult] = {}
     summaries: dict[str, Summary] = {}
 
+    measured_as: dict[str, str] = {}  # effective configuration -> the method measured for it
+
     def measure(method: Method) -> Summary:
         if method.name in summaries:
             return summaries[method.name]
-        same = next((x for x in summaries.values() if x.key == method.key), None)
-        if same is not None:  # one configuration under two names: measured once
+        effective = method.effective_key(s.prefix + s.score + s.generate)
+        if effective in measured_as:  # the same computation under another name: measured once
             bar.update(len(ids))
-            summaries[method.name] = replace(same, method=method.name, kind=method.kind,
-                                             description=f"{method.description} (measured as {same.method})")
+            same = summaries[measured_as[effective]]
+            why = "" if effective == method.key else "; its evictor never fires at this length"
+            summaries[method.name] = replace(same, method=method.name, kind=method.kind, key=method.key,
+                                             description=f"{method.description} (measured as {same.method}{why})")
             return summaries[method.name]
         results = []
         for name, x in ids.items():
@@ -72,6 +76,7 @@ def evaluate(model, tokenizer, texts: dict[str, str], methods: list[Method], set
             results.append(r)
             bar.update()
         summaries[method.name] = summarize(method, results, bound.max_attention_deviation, bound.max_ppl_increase)
+        measured_as[effective] = method.name
         return summaries[method.name]
 
     for m in plan[: len(plan) - len(policies)]:

@@ -7,7 +7,7 @@ compared at equal memory (evictors) or equal reads (sparse).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import ConfigError
 from ..policy import Policy, config_key
@@ -25,6 +25,15 @@ class Method:
     def key(self) -> str:
         """What the configuration is, whatever it is called (see kvguard.policy.config_key)."""
         return config_key(self.options) + (f"+sparse@{self.sparse_pages}p" if self.sparse_pages else "")
+
+
+    def effective_key(self, total: int) -> str:
+        """The key of what actually runs over `total` tokens: an evictor whose budget is
+        never reached (compaction needs budget + one page) is no evictor at all."""
+        o = self.options
+        if o.get("evictor") and o["evictor_options"]["budget"] + o.get("page_size", 16) > total:
+            return replace(self, options={k: v for k, v in o.items() if k not in ("evictor", "evictor_options")}).key
+        return self.key
 
 
 def builtin_methods(budget: int = 256, page_size: int = 16) -> dict[str, Method]:
