@@ -1,0 +1,56 @@
+"""The probe's deviation against an independent computation of ||O' - O|| / ||O||."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvguard.cache.attention import dense_attention
+from kvguard.eval.probe import ProbeCache
+
+from ..conftest import outlier_kv
+
+CONFIG = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=256,
+                         num_hidden_layers=2, _attn_implementation="kvguard")
+
+
+def step(cache, layer, q, k, v):
+    """One layer's call as the attention function makes it: [1, H, T, D] tensors."""
+    key, value = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    cache.layers[layer].update(key, value)
+    return cache.attend(layer, q.transpose(0, 1)[None], key, value, None, None)[0]
+
+
+def test_deviation_is_the_relative_error_of_the_attention_output(alice):
+    # 64 prefix tokens fill pages 0-3, quantized once the last layer has them; the 8
+    # scored tokens stay in the partly filled 16-bit page 4, as a decode step's own page does
+    k, v = outlier_kv(72, 2, 64, seed=1, dtype=torch.float32)
+    q = torch.randn(72, 4, 64, generator=torch.Generator().manual_seed(2))
+    cache = ProbeCache(CONFIG, alice, codec="int8", num_pages=16, dtype=torch.float16)
+    for layer in range(2):
+        step(cache, layer, q[:64], k[:64], v[:64])  # the prefix: not scored
+    cache.scoring = True
+    outs = [step(cache, layer, q[64:], k[64:] * (layer + 1), v[64:]) for layer in range(2)]
+
+    for layer, out in enumerate(outs):
+        kk = torch.cat([k[:64], k[64:] * (layer + 1)]).half().transpose(0, 1)  # [H, L, D]
+        vv = v.half().transpose(0, 1)
+        want_ref, _ = dense_attention(q[64:], kk, vv)
+        pk, pv = cache.manager.kv(cache.seqs[0], layer, dtype=torch.float32)  # what int8 pages hold
+        want_out, _ = dense_attention(q[64:], pk, pv)
+        torch.testing.assert_close(out, want_out)
+        want = ((want_out - want_ref).norm() / want_ref.norm()).item()
+        assert cache.deviation()[layer] == pytest.approx(want, rel=1e-6)
+        assert 1e-4 < want < 0.05  # int8 is close, and not exact
+
+
+def test_uncompressed_pages_deviate_by_exactly_zero(alice):
+    k, v = outlier_kv(48, 2, 64, seed=3, dtype=torch.float32)
+    q = torch.randn(48, 4, 64)
+    cache = ProbeCache(CONFIG, alice, codec="fp16", num_pages=8, dtype=torch.float16)
+    cache.scoring = True
+    for layer in range(2):
+        step(cache, layer, q, k, v)
+    assert cache.deviation() == [0.0, 0.0]
