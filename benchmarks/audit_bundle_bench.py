@@ -6,9 +6,9 @@ Generates the log fast: records are signed in this process (a real chain, one
 key) and bulk-inserted 10,000 at a time into SQLite and, unless --no-postgres,
 a scratch PostgreSQL database (dropped afterwards), with a checkpoint every
 10,000 records and an erasure every 100,000. Then times a whole-log export
-from each store through `python -m audit export` (peak RSS of that process:
-the export streams, so it stays flat in the log size) and the offline
-verification of the bundle in this process.
+from each store through `python -m audit export` (with the peak RSS of that
+process: the export streams, so it holds a small fraction of the log) and the
+offline verification of the bundle in this process.
 """
 
 from __future__ import annotations
