@@ -29,6 +29,7 @@ from . import fields
 from .checkpoint import Checkpoint
 from .errors import AuditError, ChainConflictError, StoreError
 from .keys import SigningKey, rotation_details
+from .merkle import CompactRange
 from .pending import Item, Waiter, resolve_all
 from .record import Record
 from .store import AuditStore, CheckpointEntry
@@ -283,8 +284,11 @@ class AuditLog:
             rotation = items[-1].new_key
             last = records[-1].seq
             new_key = None if rotation is None else (rotation.public_key, last + 1, last)
+            # a due checkpoint goes into the same transaction (one fsync, never a tail
+            # without one); after a rotation it is the new key's, issued below
+            cp = None if rotation is not None else self._due_checkpoint(records)
             try:
-                self.store.append(self.origin, records, self.tree.size, new_key)
+                self.store.append(self.origin, records, self.tree.size, new_key, cp)
                 break
             except ChainConflictError:
                 self._catch_up()
@@ -293,10 +297,13 @@ class AuditLog:
                 f"log {self.origin}: gave up after {self.config.conflict_retries} conflicts")
         self.tree.extend([r.leaf_hash for r in records])
         self._prev = records[-1].digest
+        if cp is not None:
+            self._latest, self._cp_time = cp, cp.time_ms
         if rotation is not None:
             self._key, self._active_key_id = rotation, rotation.key_id
         resolve_all(items, records)
-        self._checkpoint()
+        if rotation is not None:
+            self._checkpoint()
 
     def _catch_up(self) -> None:
         """Load what other writers appended since our tail (or the whole log on open):
@@ -312,17 +319,33 @@ class AuditLog:
         keys = [k for k in self.store.keys(self.origin) if k.valid_from_seq <= self.tree.size]
         self._active_key_id = keys[-1].key.key_id
 
+    def _is_due(self, size: int, now: int) -> bool:
+        done = 0 if self._latest is None else self._latest.size
+        return size > done and (size - done >= self.config.checkpoint_every
+                                or now - self._cp_time >= self.config.checkpoint_interval_ms)
+
+    def _due_checkpoint(self, records: list[Record]) -> CheckpointEntry | None:
+        """The checkpoint of the log with `records` appended, if one is due by then."""
+        size, now = self.tree.size + len(records), self._clock()
+        if not self._is_due(size, now):
+            return None
+        tail = CompactRange(self.tree.size, self.tree.compact(0, self.tree.size))
+        for r in records:
+            tail.append_leaf(r.leaf_hash)
+        return self._sign_checkpoint(size, tail.root(), now)
+
+    def _sign_checkpoint(self, size: int, root: bytes, now: int) -> CheckpointEntry:
+        note = Checkpoint(self.origin, size, root).sign(self._key)
+        return CheckpointEntry(self.origin, size, root, now, self._key.key_id, note)
+
     def _checkpoint(self, force: bool = False) -> CheckpointEntry | None:
+        """A checkpoint of its own (idle timer, forced, around a rotation), if due or forced."""
         size, now = self.tree.size, self._clock()
         if self._latest is not None and self._latest.size == size:
             return self._latest
-        done = 0 if self._latest is None else self._latest.size
-        if not force and (size == 0 or (size - done < self.config.checkpoint_every
-                                        and now - self._cp_time < self.config.checkpoint_interval_ms)):
+        if not force and not self._is_due(size, now):
             return None
-        root = self.tree.root()
-        note = Checkpoint(self.origin, size, root).sign(self._key)
-        entry = CheckpointEntry(self.origin, size, root, now, self._key.key_id, note)
+        entry = self._sign_checkpoint(size, self.tree.root(), now)
         self.store.add_checkpoint(entry)
         self._latest, self._cp_time = entry, now
         return entry

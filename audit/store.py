@@ -108,10 +108,12 @@ class AuditStore:
         return 0 if last is None else last + 1
 
     def append(self, origin: str, records: Sequence[Record], expected_size: int,
-               new_key: tuple[PublicKey, int, int] | None = None) -> None:
+               new_key: tuple[PublicKey, int, int] | None = None,
+               checkpoint: CheckpointEntry | None = None) -> None:
         """Insert `records` (seq expected_size, expected_size + 1, ...) in one transaction,
         or raise ChainConflictError if the log grew meanwhile. `new_key` = (key,
-        valid_from_seq, rotation_seq) registers a rotated-in key atomically with its record."""
+        valid_from_seq, rotation_seq) registers a rotated-in key atomically with its record;
+        `checkpoint` (of the log with these records) is stored in the same transaction."""
         try:
             with self.write() as conn:
                 if self.dialect == "postgresql":
@@ -123,6 +125,8 @@ class AuditStore:
                 self._insert_records(conn, records)
                 if new_key is not None:
                     self._add_key(conn, origin, new_key[0], new_key[1], new_key[2], records[-1].time_ms)
+                if checkpoint is not None:
+                    conn.execute(insert(CheckpointRow).values(_checkpoint_row(checkpoint)))
         except (IntegrityError, self.engine.dialect.loaded_dbapi.IntegrityError) as exc:
             # the primary key (origin, seq) caught a race the lock did not (COPY raises the
             # driver's own IntegrityError, not SQLAlchemy's)
@@ -207,10 +211,7 @@ class AuditStore:
         """Idempotent: two writers may checkpoint the same size (with the same root)."""
         try:
             with self.write() as conn:
-                conn.execute(insert(CheckpointRow).values(
-                    origin=cp.origin, tree_size=cp.size, root_hash=cp.root, time_ms=cp.time_ms,
-                    key_id=cp.key_id, note=cp.note,
-                ))
+                conn.execute(insert(CheckpointRow).values(_checkpoint_row(cp)))
         except IntegrityError:
             pass
 
@@ -278,6 +279,11 @@ class AuditStore:
             finally:
                 raw.close()
         return deleted
+
+
+def _checkpoint_row(cp: CheckpointEntry) -> dict:
+    return {"origin": cp.origin, "tree_size": cp.size, "root_hash": cp.root, "time_ms": cp.time_ms,
+            "key_id": cp.key_id, "note": cp.note}
 
 
 def _entry(r) -> CheckpointEntry:
