@@ -5,8 +5,10 @@
 Measures (1) raw Ed25519 sign and verify of a record-sized message, one thread;
 (2) records/s signed and durably stored end to end through AuditLog with group
 commit, on SQLite (WAL, synchronous=FULL) and PostgreSQL (a scratch database,
-dropped afterwards), callers handing over 1,000 records per append_many call,
-and one record per submit(); (3) verify_store over the SQLite log just written.
+dropped afterwards): one caller handing over 1,000 records per append_many call
+and waiting for each; four callers doing the same with 250 records each (as the
+sidecar's request threads would); one record per submit() future;
+(3) verify_store over the SQLite log just written.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import platform
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -61,6 +64,14 @@ def end_to_end(url: str, n: int, mode: str) -> float:
     if mode == "append_many":
         for start in range(0, n, 1000):
             log.append_many([("quantize", SUBJECT, details(i)) for i in range(start, start + 1000)])
+    elif mode == "4 callers":
+        def caller(k: int) -> None:
+            for start in range(k * 250, n, 1000):
+                log.append_many([("quantize", SUBJECT, details(i)) for i in range(start, start + 250)])
+
+        threads = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
     else:
         futures = [log.submit("quantize", SUBJECT, details(i)) for i in range(n)]
         for f in futures:
@@ -108,7 +119,7 @@ def main() -> None:
             targets.append(("PostgreSQL", pg))
         try:
             for label, url in targets:
-                for mode in ("append_many", "submit"):
+                for mode in ("append_many", "4 callers", "submit"):
                     rate = end_to_end(url, n, mode)
                     rows.append((f"end to end, {label}, {mode}", rate, f"{rate / sign:.2f} x raw sign"))
             vrate, vn = verify_rate(sqlite)
