@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from audit.keys import SigningKey
 from audit.log import AuditLog, LogConfig
 from audit.store import AuditStore
+
+# PostgreSQL runs are marked `postgres`, so `-m "not postgres"` (make test-fast) leaves them out.
+BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
 
 
 def open_log(store: AuditStore, origin: str, key: SigningKey, **config) -> AuditLog:

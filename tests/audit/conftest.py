@@ -20,7 +20,7 @@ from sqlalchemy import create_engine, text
 from audit.keys import SigningKey
 from audit.log import AuditLog
 from audit.store import AuditStore, migrate
-from audit_testlib import open_log
+from audit_testlib import BACKENDS, open_log
 
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
@@ -75,7 +75,7 @@ def sqlite_url(tmp_path, _sqlite_template) -> str:
     return f"sqlite:///{path}"
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=BACKENDS)
 def db_url(request) -> str:
     return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
 

@@ -220,6 +220,7 @@ def test_previous_from_a_forked_log_is_refused(origin, keys, tmp_path):
     assert "does not link" in err.value.message
 
 
+@pytest.mark.postgres
 def test_postgres_and_sqlite_bundles_verify_alike(sqlite_url, pg_url, origin, tmp_path):
     from audit.store import AuditStore
 

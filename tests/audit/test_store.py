@@ -14,12 +14,12 @@ from alembic.script import ScriptDirectory
 
 from audit.store import AuditStore, alembic_config, check_current, downgrade, make_engine, migrate
 from audit.verify import verify_store
-from audit_testlib import fill, open_log
+from audit_testlib import BACKENDS, fill, open_log
 
 TABLES = {"logs", "keys", "records", "checkpoints", "subject_keys"}
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=BACKENDS)
 def empty_url(request, tmp_path):
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'empty.db'}"
@@ -81,6 +81,7 @@ def test_database_refuses_update_and_delete(store, audit_log, origin, statement)
     assert store.size(origin) == 3
 
 
+@pytest.mark.postgres
 def test_postgres_refuses_truncate(pg_url):
     store = AuditStore(pg_url)
     with pytest.raises(DatabaseError, match="append-only"):
