@@ -5,6 +5,10 @@
   and dropped at the end, so parallel runs and other modules using `test` never collide.
 * `fresh_pg_url`: an empty PostgreSQL database of its own (migration tests).
 * `db_url`: parametrized over both. Tests use a unique origin (`origin` fixture).
+
+Other test packages reuse them by importing the fixtures, e.g.
+`from tests.audit.conftest import db_url, pg_url, sqlite_url, _sqlite_template`, and the
+helpers from tests.audit.audit_testlib.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from sqlalchemy import create_engine, text
 from audit.keys import SigningKey
 from audit.log import AuditLog
 from audit.store import AuditStore, migrate
-from audit_testlib import BACKENDS, open_log
+from .audit_testlib import BACKENDS, open_log
 
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 

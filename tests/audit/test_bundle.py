@@ -13,7 +13,7 @@ from audit.errors import BundleError, VerificationError
 from audit.keys import SigningKey
 from audit.log import AuditLog, LogConfig
 from audit.pseudonym import Pseudonymizer
-from audit_testlib import fill, open_log, read_bundle, write_bundle
+from .audit_testlib import fill, open_log, read_bundle, write_bundle
 
 MEMBERS = ["records.jsonl", "checkpoints.json", "proofs.json", "keys.json", "receipts.jsonl", "manifest.dsse.json"]
 

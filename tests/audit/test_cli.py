@@ -13,7 +13,7 @@ import pytest
 
 from audit.cli import main
 from audit.keys import SigningKey
-from audit_testlib import fill, open_log, read_bundle, write_bundle
+from .audit_testlib import fill, open_log, read_bundle, write_bundle
 
 REPO = Path(__file__).resolve().parents[2]
 

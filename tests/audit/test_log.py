@@ -12,7 +12,7 @@ from audit.keys import SigningKey
 from audit.merkle import leaf_hash, verify_consistency, verify_inclusion
 from audit.record import Record
 from audit.verify import verify_store
-from audit_testlib import fill, open_log
+from .audit_testlib import fill, open_log
 
 
 def test_append_returns_the_stored_signed_record(audit_log, store, origin, signing_key):

@@ -10,7 +10,7 @@ import pytest
 from audit.errors import ReceiptError, VerificationError
 from audit.keys import SigningKey
 from audit.receipt import make_receipt, verify_receipt
-from audit_testlib import fill, open_log
+from .audit_testlib import fill, open_log
 
 
 @pytest.fixture

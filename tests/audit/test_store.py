@@ -14,7 +14,7 @@ from alembic.script import ScriptDirectory
 
 from audit.store import AuditStore, alembic_config, check_current, downgrade, make_engine, migrate
 from audit.verify import verify_store
-from audit_testlib import BACKENDS, fill, open_log
+from .audit_testlib import BACKENDS, fill, open_log
 
 TABLES = {"logs", "keys", "records", "checkpoints", "subject_keys"}
 

@@ -11,7 +11,7 @@ from audit.keys import SigningKey
 from audit.record import Record
 from audit.store import AuditStore
 from audit.verify import verify_store
-from audit_testlib import fill, open_log
+from .audit_testlib import fill, open_log
 
 TRIGGERS = [f"{t}_no_{a}" for t in ("records", "checkpoints") for a in ("update", "delete")]
 
