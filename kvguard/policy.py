@@ -42,9 +42,9 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config) -> ModelShape:
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim, heads)
+        from .hf.cache import shape_fields
+
+        return cls(**shape_fields(config))
 
     def as_config_fields(self) -> dict:
         return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,

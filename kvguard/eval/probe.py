@@ -23,7 +23,7 @@ class ProbeCache(KVGuardCache):
         self.sparse_pages = sparse_pages
         self.measure = measure  # False: no shadow, only the sparse selector (for timing runs)
         self.scoring = False
-        layers = self.shape.num_layers
+        layers = self.shape["num_layers"]
         self.shadow: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layers
         self.err2 = torch.zeros(layers, dtype=torch.float64)
         self.ref2 = torch.zeros(layers, dtype=torch.float64)

@@ -24,7 +24,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache import CacheConfig, CacheManager, CacheStats, EventQueue
 from ..errors import ConfigError, InputError, KVGuardError
-from ..policy import ModelShape
 from ..types import SeqId, Subject
 
 ATTN_IMPLEMENTATION = "kvguard"
@@ -35,6 +34,14 @@ def cache_kwarg(model) -> str:
     """The name a model's forward takes its cache by: `cache` from transformers 5.2x,
     `past_key_values` before (still accepted, with a deprecation warning)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def shape_fields(config) -> dict:
+    """CacheConfig's shape fields for a transformers config (kvguard.policy.ModelShape's fields)."""
+    heads = config.num_attention_heads
+    return {"num_layers": config.num_hidden_layers,
+            "num_kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads, "num_query_heads": heads}
 
 
 class CacheFullError(KVGuardError, MemoryError):
@@ -106,8 +113,8 @@ class KVGuardCache(Cache):
 
     def __init__(self, config, subject: Subject | Sequence[Subject], *, manager: CacheManager | None = None,
                  events: EventQueue | None = None, **options):
-        self.shape = ModelShape.from_hf_config(config)
-        super().__init__(layers=[KVGuardLayer(self, i) for i in range(self.shape.num_layers)])
+        self.shape = shape_fields(config)
+        super().__init__(layers=[KVGuardLayer(self, i) for i in range(self.shape["num_layers"])])
         self.model_config = config
         self.subjects = [subject] if isinstance(subject, Subject) else list(subject)
         if not self.subjects or not all(isinstance(s, Subject) for s in self.subjects):
@@ -118,7 +125,7 @@ class KVGuardCache(Cache):
             self._check_manager(manager)
             self.events = manager.events
         else:
-            CacheConfig(**self.shape.as_config_fields(), **options)  # validate now, build at the first forward
+            CacheConfig(**self.shape, **options)  # validate now, build at the first forward
             self.events = events if events is not None else EventQueue()
         self._manager = manager
         self._options = options
@@ -139,12 +146,10 @@ class KVGuardCache(Cache):
         return self._manager
 
     def _check_manager(self, manager: CacheManager) -> None:
-        c, s = manager.cfg, self.shape
-        got = (c.num_layers, c.num_kv_heads, c.head_dim, c.num_query_heads)
-        want = (s.num_layers, s.num_kv_heads, s.head_dim, s.num_query_heads)
+        got = {k: getattr(manager.cfg, k) for k in self.shape}
+        want = self.shape
         if got != want:
-            raise ConfigError(f"the manager holds (layers, kv heads, head_dim, query heads) = {got}; "
-                              f"the model has {want}")
+            raise ConfigError(f"the manager's shape is {got}; the model's is {want}")
 
     def _prepare(self, layer_idx: int, key_states: torch.Tensor) -> None:
         """Checks and lazy set-up before a layer's first write of a forward pass."""
@@ -156,7 +161,7 @@ class KVGuardCache(Cache):
                               f"model.set_attn_implementation({self.attn_implementation!r})")
         if self._manager is None:
             opts = {"device": key_states.device, "dtype": key_states.dtype} | self._options
-            self._manager = CacheManager(CacheConfig(**self.shape.as_config_fields(), **opts), events=self.events)
+            self._manager = CacheManager(CacheConfig(**self.shape, **opts), events=self.events)
         batch = key_states.shape[0]
         if not self.seqs:
             subjects = self.subjects * batch if len(self.subjects) == 1 else self.subjects

@@ -46,3 +46,13 @@ def attn(model, name: str):
         yield
     finally:
         model.set_attn_implementation("kvguard")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: these tests run many small tensor operations, which more threads
+    slow down several times over on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
