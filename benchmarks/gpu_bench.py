@@ -1,7 +1,7 @@
 """GPU benchmark of kvguard's kernels: correctness on the GPU (fp8 included), the machine's
 ceilings, and decode-step times against their memory floors and PyTorch SDPA.
 
-    PYTHONPATH=. python3 benchmarks/gpu_bench.py [--sweep] [--grid full|quick|long|none] [--out DIR]
+    PYTHONPATH=. python3 benchmarks/gpu_bench.py [--sweep [--adopt]] [--grid full|quick|long|none] [--out DIR]
     PYTHONPATH=. python3 benchmarks/gpu_bench.py --smoke      # CPU, Triton interpreter, tiny shapes
 
 Every time is one layer's decode step, measured by replaying a CUDA graph of R calls over R
@@ -41,6 +41,7 @@ import triton.language as tl  # noqa: E402
 
 from kernels import quantize as ref  # noqa: E402
 from kernels.compact import compact_pages, compact_pages_ref  # noqa: E402
+import kernels.paged_decode as paged_decode_module  # noqa: E402
 from kernels.paged_decode import paged_decode, paged_decode_ref  # noqa: E402
 from kernels.paged_prefill import paged_prefill, paged_prefill_ref  # noqa: E402
 from kernels.quantize_scatter import quantize_scatter, quantize_scatter_ref  # noqa: E402
@@ -285,20 +286,66 @@ def bench_decode(model, length, batch, copy_bw, configs=None, with_baselines=Tru
     return row
 
 
-def sweep(copy_bw) -> list[str]:
-    """Tile configs at a long and a mid context; prints each codec's times per config."""
-    tiles = [(4, 2, 3, 4), (4, 2, 3, 8), (4, 2, 3, 16), (4, 4, 3, 8), (4, 2, 2, 8), (8, 2, 3, 8)]
-    grid = {f" p{pg}w{w}s{st}x{pps}": {c: {"pages": pg, "num_warps": w, "num_stages": st, "programs_per_sm": pps}
-                                       for c in ("16bit",) + CODECS} for pg, w, st, pps in tiles}
-    lines = []
-    for model, length, batch in (("llama3-8b", 32768 if GPU else 256, 8 if GPU else 1),
-                                 ("llama3-8b", 131072 if GPU else 256, 1)):
+# Tile configs the sweep times: (pages, warps, stages, programs per SM, codes loaded as int32 words,
+# register cap or 0).
+SWEEP_TILES = [(4, 2, 3, 8, False, 0), (4, 2, 3, 10, False, 0), (2, 2, 3, 12, True, 0), (2, 2, 3, 16, True, 128),
+               (1, 2, 3, 16, True, 0), (1, 1, 3, 11, True, 0), (1, 1, 3, 22, True, 0), (1, 1, 3, 11, False, 0)]
+OLD_DEFAULT = {"16bit": (4, 4, 3, 8), "quantized": (4, 2, 3, 8)}  # the defaults before the per-codec sweep
+
+
+def _old_splits(batch, heads, length, block_tokens, pps, min_split=256):
+    """The split count of the rule before it rounded down (ceil of programs_per_sm * SMs / (B * H))."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if GPU else 4
+    want = max(1, -(-pps * sms // (batch * heads)))
+    want = min(want, max(1, length // min_split))
+    step = -(-(-(-length // want)) // block_tokens) * block_tokens
+    return -(-length // step)
+
+
+def sweep(copy_bw, adopt=False) -> list[str]:
+    """Time each codec under each tile config of SWEEP_TILES and under the old defaults with the old
+    split rule ('old'); with adopt, make each codec's best config (geometric mean of the times over
+    the shapes of one head_dim) the default for that head_dim for the rest of the run."""
+    import kernels.paged_decode as pd
+
+    def cfg(pg, w, st, pps, words=True, maxnreg=0):
+        # every key set: what a config leaves out comes from the defaults (a register cap too)
+        return {"pages": pg, "num_warps": w, "num_stages": st, "programs_per_sm": pps, "words": words,
+                "maxnreg": maxnreg}
+
+    names = [f"p{pg}w{w}s{st}x{pps}{'' if words else 'b'}{f'r{r}' if r else ''}"
+             for pg, w, st, pps, words, r in SWEEP_TILES]
+    shapes = ([("llama3-8b", 131072, 1), ("llama3-8b", 32768, 8), ("llama3-8b", 131072, 8), ("llama3-8b", 16384, 64),
+               ("smollm2-135m", 131072, 8), ("smollm2-135m", 32768, 64)] if GPU else
+              [("llama3-8b", 256, 1), ("smollm2-135m", 256, 1)])
+    lines, logs, count = [], {}, {}
+    for model, length, batch in shapes:
+        h, d = MODELS[model][1:]
+        grid = {" " + n: {c: cfg(*t) for c in ("16bit",) + CODECS} for n, t in zip(names, SWEEP_TILES)}
+        grid[" old"] = {}
+        for c in ("16bit",) + CODECS:
+            pg, w, st, pps = OLD_DEFAULT["16bit" if c == "16bit" else "quantized"]
+            grid[" old"][c] = {**cfg(pg, w, st, pps, False), "splits": _old_splits(batch, h, length, pg * S, pps)}
         row = bench_decode(model, length, batch, copy_bw, configs=grid, with_baselines=False)
+        count[d] = count.get(d, 0) + 1
         for codec in ("16bit",) + CODECS:
-            best = sorted((row[codec + n], n) for n in grid)
             floor = row[f"floor_{codec}"]
-            lines.append(f"sweep {model} L={length} B={batch} {codec:5s} " +
-                         " ".join(f"{n.strip()}={t / floor:.2f}" for t, n in best[:6]))
+            for n in names + ["old"]:
+                logs.setdefault((d, codec), {}).setdefault(n, 0.0)
+                logs[d, codec][n] += math.log(row[f"{codec} {n}"])
+            best = sorted((row[f"{codec} {n}"], n) for n in names + ["old"])
+            lines.append(f"sweep {model} L={length} B={batch} {codec:5s} old={row[f'{codec} old'] * 1e6:.1f}us "
+                         + " ".join(f"{n}={t / floor:.2f}" for t, n in best))
+            print(lines[-1], flush=True)
+    for (d, codec), lg in logs.items():
+        gm = {n: math.exp((lg[n] - lg["old"]) / count[d]) for n in names}
+        win = min(gm, key=gm.get)
+        lines.append(f"sweep D={d} {codec:5s} time / old, geometric mean over the shapes: "
+                     + " ".join(f"{n}={gm[n]:.3f}" for n in sorted(gm, key=gm.get)))
+        if adopt:
+            table = pd.SMALL_HEAD_CONFIG if d <= 64 else pd.DEFAULT_CONFIG
+            table[codec] = cfg(*SWEEP_TILES[names.index(win)])
+            lines.append(f"adopted for {codec}, head_dim {d}: {table[codec]}")
     return lines
 
 
@@ -335,6 +382,7 @@ def table(rows) -> list[str]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="time tile configs first")
+    ap.add_argument("--adopt", action="store_true", help="with --sweep: use each codec's best config afterwards")
     ap.add_argument("--grid", default="full", choices=("full", "quick", "long", "none"), help="decode shapes to time")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes: checks the script runs")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -342,16 +390,17 @@ def main():
     info = {"device": torch.cuda.get_device_name() if GPU else "cpu", "torch": torch.__version__,
             "triton": triton.__version__}
     print(json.dumps(info), flush=True)
-    for line in check_all():
-        print(line, flush=True)
     ceil = ceilings()
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s (read+write), read-only {ceil['read_GBps']:.0f} GB/s, "
           f"bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     extra = []
-    if args.sweep:
-        extra += sweep(ceil["copy_GBps"])
+    if args.sweep:  # first, so that the checks below run the configs adopted here
+        extra += sweep(ceil["copy_GBps"], args.adopt)
         print("\n".join(extra), flush=True)
-    quant = bench_quantize(ceil["copy_GBps"], (1, 2, 4) if args.sweep else (None,))
+    checks = check_all()
+    for line in checks:
+        print(line, flush=True)
+    quant = bench_quantize(ceil["copy_GBps"])
     print("\n".join(quant), flush=True)
     if args.smoke:
         grid = [("smollm2-135m", 256, 1), ("llama3-8b", 256, 2)]
@@ -368,9 +417,11 @@ def main():
     lines = table(rows)
     print("\n" + "\n".join(lines))
     with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
-        json.dump({"info": info, "ceilings": ceil, "rows": rows, "quantize": quant, "sweep": extra}, f, indent=1)
+        json.dump({"info": info, "ceilings": ceil, "rows": rows, "quantize": quant, "sweep": extra, "checks": checks,
+                   "decode_config": paged_decode_module.DEFAULT_CONFIG,
+                   "decode_config_small_head": paged_decode_module.SMALL_HEAD_CONFIG}, f, indent=1)
     with open(os.path.join(args.out, "gpu_bench_table.txt"), "w") as f:
-        f.write("\n".join([json.dumps(info), f"ceilings {ceil}"] + quant + extra + lines) + "\n")
+        f.write("\n".join([json.dumps(info), f"ceilings {ceil}"] + checks[-1:] + quant + extra + lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ FP16_MAX = tl.constexpr(65504.0)
 
 # ON_GPU (a constexpr every kernel takes) selects PTX fast paths that compute the same values
 # as the portable code beside them, which the interpreter runs: inline assembly and libdevice
-# do not exist there.
+# do not exist there. load_pages_f16 also takes ON_GPU = 2: int8/fp8 codes loaded as int32
+# words (rows must be 4-byte aligned).
 
 
 @triton.jit
@@ -57,6 +58,44 @@ def u4_to_f16(b):
 
 
 @triton.jit
+def _join4(a0, a1, a2, a3):
+    """Four tensors [..., W] -> [..., W, 2, 2] that reshapes to [..., 4 W] as a0, a1, a2, a3 of
+    word 0, then of word 1, ...: join(x, y) adds an innermost axis holding [x, y], so element
+    [..., m, n] of join(join(a0, a2), join(a1, a3)) is a(2m + n)."""
+    return tl.join(tl.join(a0, a2), tl.join(a1, a3))
+
+
+@triton.jit
+def i8_words_to_f16(w, FP8: tl.constexpr):
+    """int32 words of four int8 (or float8_e4m3fn) codes -> [..., W, 2, 2] fp16 (see _join4),
+    exactly, byte 0 first. Loading words instead of bytes keeps the codes packed: Triton holds
+    a tensor of 8-bit elements as one register per byte and packs them again for the asm."""
+    if FP8:
+        a0, a1, a2, a3 = tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h;\n"
+            ".reg .b32 lo, hi;\n"
+            "mov.b32 {l, h}, $4;\n"
+            "cvt.rn.f16x2.e4m3x2 lo, l;\n"
+            "cvt.rn.f16x2.e4m3x2 hi, h;\n"
+            "mov.b32 {$0, $1}, lo;\n"
+            "mov.b32 {$2, $3}, hi; }",
+            "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    else:  # as i8_to_f16
+        a0, a1, a2, a3 = tl.inline_asm_elementwise(
+            "{ .reg .b32 t, k, lo, hi;\n"
+            "xor.b32 t, $4, 0x80808080;\n"
+            "mov.b32 k, 0x64806480;\n"
+            "prmt.b32 lo, t, 0x64646464, 0x4140;\n"
+            "prmt.b32 hi, t, 0x64646464, 0x4342;\n"
+            "sub.f16x2 lo, lo, k;\n"
+            "sub.f16x2 hi, hi, k;\n"
+            "mov.b32 {$0, $1}, lo;\n"
+            "mov.b32 {$2, $3}, hi; }",
+            "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    return _join4(a0, a1, a2, a3)
+
+
+@triton.jit
 def codes_to_f16(c, BIAS: tl.constexpr):
     """uint8 codes -> fp16 (c - BIAS), exactly: 0x6400 | c is the fp16 number 1024 + c. Bit
     operations and one fp16 subtraction instead of an int-to-float conversion, which runs at
@@ -91,6 +130,16 @@ def load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, ok, h,
             v = v.to(tl.float32)
         k = k.to(tl.float16)
         v = v.to(tl.float16)
+    elif KIND == 1 and ON_GPU >= 2:
+        W: tl.constexpr = D // 4
+        wi = rows[:, :, None] * W + tl.arange(0, W)[None, None, :]  # [PAGES, S, D/4] int32 words
+        kw = tl.load(kp.to(tl.pointer_type(tl.int32)) + wi, mask=m3, other=0)
+        vw = tl.load(vp.to(tl.pointer_type(tl.int32)) + wi, mask=m3, other=0)
+        FP8: tl.constexpr = kp.dtype.element_ty != tl.int8
+        ks = tl.load(ksp + ph[:, None, None] * D + d[None, None, :])  # [PAGES, 1, D]
+        k = i8_words_to_f16(kw, FP8).reshape(PAGES, S, D) * ks
+        v = i8_words_to_f16(vw, FP8).reshape(PAGES, S, D)
+        vs = tl.load(vsp + rows, mask=ok, other=0.0).to(tl.float32).reshape(PAGES * S)
     elif KIND == 1:
         kc = tl.load(kp + rows[:, :, None] * D + d[None, None, :], mask=m3, other=0.0)  # [PAGES, S, D]
         vc = tl.load(vp + rows[:, :, None] * D + d[None, None, :], mask=m3, other=0.0)

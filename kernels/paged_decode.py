@@ -102,7 +102,8 @@ def _combine_kernel(part_out, part_lse, out, lse, NS, D: tl.constexpr, NSP: tl.c
     o = tl.load(part_out + (row * NS + i)[:, None] * D + d[None, :], mask=(i < NS)[:, None], other=0.0)
     o = tl.sum(o * w[:, None], 0) / tl.where(tot == 0.0, 1.0, tot)
     tl.store(out + row * D + d, o.to(out.dtype.element_ty))
-    tl.store(lse + row, tl.where(tot == 0.0, float("-inf"), (mx + tl.log2(tot)) * 0.6931471805599453))
+    lse2 = mx + tl.log2(tl.where(tot == 0.0, 1.0, tot))
+    tl.store(lse + row, tl.where(tot == 0.0, float("-inf"), lse2 * 0.6931471805599453))
 
 
 @triton.jit
@@ -122,11 +123,25 @@ def _mass_kernel(logits, lse, seq_lens, mass, max_len, G: tl.constexpr, GP: tl.c
     tl.store(mass + (b * H + h).to(tl.int64) * max_len + n, tl.sum(p, 0), mask=n < max_len)
 
 
-# Tile shapes: pages per loop step, warps per program, software-pipeline depth, and how many
-# programs per SM the context split aims for. Chosen by benchmarks/gpu_bench.py --sweep on an H200.
+# Tile shapes per codec: pages per loop step, warps per program, software-pipeline depth, how
+# many programs per SM the context split aims for, a register cap (more programs per SM; a few
+# bytes of spill) and whether int8/fp8 codes are loaded as int32 words. Chosen by
+# benchmarks/gpu_bench.py --sweep on an H200; SMALL_HEAD_CONFIG is for head_dim <= 64, where one
+# warp per program and one page per step won. The kernels are latency-bound: what helped was
+# more warps per SM and fewer cross-warp reductions; deeper pipelines (num_stages 5 and 7) and
+# 4-warp tiles were slower.
 DEFAULT_CONFIG = {
     "16bit": {"pages": 4, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8},
-    "quantized": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8},
+    "int8": {"pages": 2, "num_warps": 2, "num_stages": 3, "programs_per_sm": 16, "maxnreg": 128, "words": True},
+    "fp8": {"pages": 2, "num_warps": 2, "num_stages": 3, "programs_per_sm": 16, "maxnreg": 128, "words": True},
+    "int4": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8},
+}
+SMALL_HEAD_CONFIG = {
+    "16bit": {"pages": 1, "num_warps": 1, "num_stages": 3, "programs_per_sm": 11},
+    "int8": {"pages": 1, "num_warps": 1, "num_stages": 3, "programs_per_sm": 11, "words": True},
+    "fp8": {"pages": 1, "num_warps": 1, "num_stages": 3, "programs_per_sm": 11, "words": False},
+    # int4 with one page per step and one warp computed wrong outputs on the H200 (Triton 3.6)
+    "int4": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8},
 }
 _SM_COUNT: dict[int, int] = {}
 
@@ -142,9 +157,10 @@ def _num_sms(device: torch.device) -> int:
 
 def num_splits(batch: int, heads: int, max_len: int, device: torch.device, block_tokens: int,
                programs_per_sm: int = 4, min_split: int = 256) -> tuple[int, int]:
-    """(splits, tokens per split): about programs_per_sm programs per SM, splits no shorter
-    than min_split tokens, each a multiple of block_tokens."""
-    want = max(1, -(-programs_per_sm * _num_sms(device) // (batch * heads)))
+    """(splits, tokens per split): at most programs_per_sm programs per SM (rounded down: one
+    split more than fits would add a wave of few programs), splits no shorter than min_split
+    tokens, each a multiple of block_tokens."""
+    want = max(1, programs_per_sm * _num_sms(device) // (batch * heads))
     want = min(want, max(1, max_len // min_split))
     step = -(-max_len // want)
     step = -(-step // block_tokens) * block_tokens
@@ -162,7 +178,8 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
     seq_lens     [B] int32: tokens of each sequence (may be 0), at most max_pages * S
     sm_scale     default 1/sqrt(D)
     max_seq_len  an upper bound of seq_lens known on the host; sizes the splits (default max_pages * S)
-    config       override of DEFAULT_CONFIG[...] and of the split choice ('splits'), for tuning
+    config       override of DEFAULT_CONFIG[codec] (SMALL_HEAD_CONFIG for head_dim <= 64) and of
+                 the split choice ('splits'), for tuning
     Returns out [B, Hq, D] in q's dtype, lse [B, Hq] fp32 (natural log of the sum of exp of the
     scaled logits; -inf for an empty sequence), and with return_mass, mass [B, H, max_pages * S]
     fp32: each key's probability summed over the group's query heads, 0 past seq_len.
@@ -177,19 +194,22 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
         raise KernelArgError("block_table rows must be contiguous (stride 1 along pages)")
     check(seq_lens, "seq_lens", dtype=INDEX_DTYPES, shape=(b,))
     dev = check_device(q, block_table, seq_lens, pages["k"])
-    cfg = {**DEFAULT_CONFIG["16bit" if codec == "16bit" else "quantized"], **(config or {})}
+    cfg = {**(SMALL_HEAD_CONFIG if d <= 64 else DEFAULT_CONFIG)[codec], **(config or {})}
     g = hq // h
     gp = max(16, triton.next_power_of_2(g))
     bn = cfg["pages"] * s
     max_len = block_table.shape[1] * s
     span = max_len if max_seq_len is None else max(1, min(max_seq_len, max_len))
-    ns, step = num_splits(b, h, span, dev, bn, cfg["programs_per_sm"])
+    # splits of at least 4 loop steps: short contexts are bound by each program's chain of steps
+    ns, step = num_splits(b, h, span, dev, bn, cfg["programs_per_sm"], min_split=4 * bn)
     if "splits" in cfg:
         ns = cfg["splits"]
         step = -(-(-(-span // ns)) // bn) * bn
         ns = -(-span // step)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
 
+    # codes as int32 words need 4-byte aligned rows (true of whole page tensors)
+    words = cfg.get("words", False) and all(pages[f].data_ptr() % 4 == 0 for f in ("k", "v"))
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, device=dev, dtype=torch.float32)
     logits = torch.empty(b, hq, max_len, device=dev, dtype=torch.float32) if return_mass else lse
@@ -199,8 +219,10 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
     _decode_kernel[(b, h, ns)](q, *field_args(pages), block_table, seq_lens, p_out, p_lse, logits,
                                scale * LOG2E, block_table.stride(0), step, max_len,
                                H=h, G=g, GP=gp, S=s, D=d, KIND=KIND[codec], GROUP=ref.INT4_GROUP,
-                               PAGES=cfg["pages"], SPLIT=split, MASS=return_mass, ON_GPU=not interpreting(),
-                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                               PAGES=cfg["pages"], SPLIT=split, MASS=return_mass,
+                               ON_GPU=0 if interpreting() else 2 if words else 1,
+                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                               **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     if split:
         _combine_kernel[(b * hq,)](p_out, p_lse, out, lse, ns, D=d, NSP=max(2, triton.next_power_of_2(ns)),
                                    num_warps=4)
