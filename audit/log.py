@@ -25,12 +25,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from . import fields
-from .checkpoint import Checkpoint
+from .checkpointer import Checkpointer
 from .errors import AuditError, ChainConflictError, StoreError
 from .keys import SigningKey, rotation_details
-from .merkle import CompactRange
-from .pending import Item, Waiter, resolve_all
+from .pending import STOP, Item, Waiter, refuse_all, resolve_all, take_batch
 from .record import Record
 from .store import AuditStore, CheckpointEntry
 from .tree import HashTree
@@ -44,9 +45,6 @@ class LogConfig:
     sign_slice: int = 512  # records signed before the committer may start on them
     cache_level: int = 8  # tree levels below this are re-read from the store (audit.tree)
     conflict_retries: int = 20
-
-
-_STOP = object()
 
 
 def _now_ms() -> int:
@@ -70,7 +68,8 @@ class AuditLog:
         if self._active_key_id != key.key_id:
             raise StoreError(
                 f"log {origin} is signed by key {self._active_key_id} now; open it with that key")
-        self._latest, self._cp_time = store.latest_checkpoint(origin), clock()
+        self._checkpoints = Checkpointer(origin, config.checkpoint_every, config.checkpoint_interval_ms,
+                                         store.latest_checkpoint(origin), clock())
         self._next_seq, self._next_prev = self.tree.size, self._prev  # the signer's (tentative) tail
         self._resync = threading.Event()
         self._failed: BaseException | None = None
@@ -147,7 +146,7 @@ class AuditLog:
 
     def close(self) -> None:
         if self._signer.is_alive():
-            self._queue.put(_STOP)
+            self._queue.put(STOP)
             self._signer.join()
         self._committer.join()
 
@@ -170,24 +169,18 @@ class AuditLog:
     def _sign_loop(self) -> None:
         try:
             while True:
-                due = self._cp_time + self.config.checkpoint_interval_ms - self._clock()
-                pending = self._next_seq > (0 if self._latest is None else self._latest.size)
+                pending = self._next_seq > self._checkpoints.size
+                timeout = self._checkpoints.wait_s(self._clock()) if pending else None
                 try:
-                    first = self._queue.get(timeout=max(due, 0) / 1000 if pending else None)
+                    first = self._queue.get(timeout=timeout)
                 except queue.Empty:
                     self._settle()
                     self._answer([], self._checkpoint)
                     continue
-                batch = [first] if first is _STOP else list(first)
-                while batch[-1] is not _STOP and len(batch) < self.config.max_batch:
-                    try:
-                        more = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    batch.extend([more] if more is _STOP else more)
+                batch = take_batch(self._queue, first, self.config.max_batch)
                 run: list[Item] = []
                 for i, item in enumerate(batch):
-                    if item is _STOP:
+                    if item is STOP:
                         self._hand_over(run)
                         self._refuse(batch[i + 1:])
                         return
@@ -200,22 +193,14 @@ class AuditLog:
                     self._answer([item], self._control, item)
                 self._hand_over(run)
         finally:
-            self._commits.put(_STOP)
+            self._commits.put(STOP)
             self._refuse([])
 
     def _refuse(self, items: list) -> None:
         """Fail whatever was queued after close() or a fatal error, so no caller waits forever."""
         with self._gate:
             self._closed = True
-        while True:
-            try:
-                more = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            items.extend([] if more is _STOP else more)
-        for item in items:
-            if item is not _STOP and not item.done:
-                item.resolve(error=StoreError(f"audit log {self.origin} is closed"))
+        refuse_all(self._queue, items, StoreError(f"audit log {self.origin} is closed"))
 
     def _hand_over(self, items: list[Item]) -> None:
         # In slices, so the committer starts on the first while the rest is signed; it
@@ -258,13 +243,13 @@ class AuditLog:
         stop = False
         while not stop:
             jobs = [self._commits.get()]
-            while jobs[-1] is not _STOP and len(jobs) * self.config.sign_slice < self.config.max_batch:
+            while jobs[-1] is not STOP and len(jobs) * self.config.sign_slice < self.config.max_batch:
                 try:
                     jobs.append(self._commits.get_nowait())
                 except queue.Empty:
                     break
-            stop = jobs[-1] is _STOP
-            work = [job for job in jobs if job is not _STOP]
+            stop = jobs[-1] is STOP
+            work = [job for job in jobs if job is not STOP]
             try:
                 if work:
                     items = [item for part, _ in work for item in part]
@@ -286,7 +271,11 @@ class AuditLog:
             new_key = None if rotation is None else (rotation.public_key, last + 1, last)
             # a due checkpoint goes into the same transaction (one fsync, never a tail
             # without one); after a rotation it is the new key's, issued below
-            cp = None if rotation is not None else self._due_checkpoint(records)
+            size, now = self.tree.size + len(records), self._clock()
+            cp = None
+            if rotation is None and self._checkpoints.due(size, now):
+                root = self.tree.root_with([r.leaf_hash for r in records])
+                cp = self._checkpoints.sign(self._key, size, root, now)
             try:
                 self.store.append(self.origin, records, self.tree.size, new_key, cp)
                 break
@@ -298,7 +287,7 @@ class AuditLog:
         self.tree.extend([r.leaf_hash for r in records])
         self._prev = records[-1].digest
         if cp is not None:
-            self._latest, self._cp_time = cp, cp.time_ms
+            self._checkpoints.issued(cp)
         if rotation is not None:
             self._key, self._active_key_id = rotation, rotation.key_id
         resolve_all(items, records)
@@ -319,35 +308,16 @@ class AuditLog:
         keys = [k for k in self.store.keys(self.origin) if k.valid_from_seq <= self.tree.size]
         self._active_key_id = keys[-1].key.key_id
 
-    def _is_due(self, size: int, now: int) -> bool:
-        done = 0 if self._latest is None else self._latest.size
-        return size > done and (size - done >= self.config.checkpoint_every
-                                or now - self._cp_time >= self.config.checkpoint_interval_ms)
-
-    def _due_checkpoint(self, records: list[Record]) -> CheckpointEntry | None:
-        """The checkpoint of the log with `records` appended, if one is due by then."""
-        size, now = self.tree.size + len(records), self._clock()
-        if not self._is_due(size, now):
-            return None
-        tail = CompactRange(self.tree.size, self.tree.compact(0, self.tree.size))
-        for r in records:
-            tail.append_leaf(r.leaf_hash)
-        return self._sign_checkpoint(size, tail.root(), now)
-
-    def _sign_checkpoint(self, size: int, root: bytes, now: int) -> CheckpointEntry:
-        note = Checkpoint(self.origin, size, root).sign(self._key)
-        return CheckpointEntry(self.origin, size, root, now, self._key.key_id, note)
-
     def _checkpoint(self, force: bool = False) -> CheckpointEntry | None:
         """A checkpoint of its own (idle timer, forced, around a rotation), if due or forced."""
-        size, now = self.tree.size, self._clock()
-        if self._latest is not None and self._latest.size == size:
-            return self._latest
-        if not force and not self._is_due(size, now):
+        size, now, cps = self.tree.size, self._clock(), self._checkpoints
+        if cps.latest is not None and cps.latest.size == size:
+            return cps.latest
+        if not force and not cps.due(size, now):
             return None
-        entry = self._sign_checkpoint(size, self.tree.root(), now)
+        entry = cps.sign(self._key, size, self.tree.root(), now)
         self.store.add_checkpoint(entry)
-        self._latest, self._cp_time = entry, now
+        cps.issued(entry)
         return entry
 
     def _answer(self, items: list[Item], step: Callable[..., Any], *args: Any) -> Any:
@@ -360,13 +330,7 @@ class AuditLog:
                 if not item.done:
                     item.resolve(error=exc)
             self._resync.set()  # the signer's tentative tail may include the failed batch
-            if not isinstance(exc, (AuditError, OSError)) and not _is_db_error(exc):
+            if not isinstance(exc, (AuditError, OSError, SQLAlchemyError)):
                 self._failed = exc
                 raise
             return None
-
-
-def _is_db_error(exc: BaseException) -> bool:
-    from sqlalchemy.exc import SQLAlchemyError
-
-    return isinstance(exc, SQLAlchemyError)

@@ -1,12 +1,14 @@
-"""What a caller of the log waits on: one queued record and its answer.
+"""The queue between the log's callers and its writer: queued records and their answers.
 
-submit() answers with a Future; append() and append_many() share one Waiter per
-call, because a Future per record costs more than signing it once thousands of
-records are pending.
+Each call puts one entry (a list of Items) on the queue, so a call's records share
+a commit; STOP ends the writer. submit() answers with a Future; append() and
+append_many() share one Waiter per call, because a Future per record costs more
+than signing it once thousands of records are pending.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -78,3 +80,31 @@ def resolve_all(items: list[Item], records: list[Record]) -> None:
             counts[item.waiter] = counts.get(item.waiter, 0) + 1
     for waiter, count in counts.items():
         waiter.finish(None, count)
+
+
+STOP = object()
+
+
+def take_batch(entries: queue.SimpleQueue, first: object, limit: int) -> list:
+    """`first` and whatever else is queued, up to `limit` items or a STOP (kept, last)."""
+    batch = [first] if first is STOP else list(first)
+    while batch[-1] is not STOP and len(batch) < limit:
+        try:
+            more = entries.get_nowait()
+        except queue.Empty:
+            break
+        batch.extend([more] if more is STOP else more)
+    return batch
+
+
+def refuse_all(entries: queue.SimpleQueue, items: list, error: BaseException) -> None:
+    """Answer `items` and everything still queued with `error`."""
+    while True:
+        try:
+            more = entries.get_nowait()
+        except queue.Empty:
+            break
+        items.extend([] if more is STOP else more)
+    for item in items:
+        if item is not STOP and not item.done:
+            item.resolve(error=error)

@@ -16,7 +16,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from .merkle import EMPTY_ROOT, decompose, node_hash, split_point
+from .merkle import EMPTY_ROOT, CompactRange, decompose, node_hash, split_point
 
 # (start, end) -> leaf hashes of [start, end)
 LeafSource = Callable[[int, int], Sequence[bytes]]
@@ -111,6 +111,14 @@ class HashTree:
         with self._lock:
             size = self.size if size is None else self._check_size(size)
             return self.subtree(0, size)
+
+    def root_with(self, leaves: Sequence[bytes]) -> bytes:
+        """The root this tree would have with `leaves` appended, leaving the tree unchanged."""
+        with self._lock:
+            tail = CompactRange(self.size, [self.node(*n) for n in decompose(0, self.size)])
+        for leaf in leaves:
+            tail.append_leaf(leaf)
+        return tail.root()
 
     def compact(self, start: int, end: int) -> list[bytes]:
         """Hashes of `decompose(start, end)`: what a bundle ships for the ranges around its records."""

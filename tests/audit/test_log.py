@@ -127,9 +127,9 @@ def test_records_are_canonical_in_the_store(audit_log, store, origin):
 
 
 def test_nothing_queued_behind_close_waits_forever(audit_log):
-    from audit import log as log_module
+    from audit.pending import STOP
 
-    audit_log._queue.put(log_module._STOP)  # a close() racing with a submit()
+    audit_log._queue.put(STOP)  # a close() racing with a submit()
     try:
         future = audit_log.submit("evict")
     except StoreError:
