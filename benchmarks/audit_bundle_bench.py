@@ -124,7 +124,8 @@ def main() -> None:
             raw = (raw_before + raw_verify_rate(key)) / 2
             assert result.records == n
             rows.append(("raw Ed25519 verify (1 thread)", raw, None, ""))
-            rows.append(("verify bundle offline", n / seconds, seconds, f"{n / seconds / raw:.2f} x raw verify"))
+            rows.append(("verify bundle offline", n / seconds, seconds,
+                         f"{n / seconds / raw:.2f} x raw verify"))
             for store in stores.values():
                 store.dispose()
         finally:

@@ -15,7 +15,8 @@ from audit.log import AuditLog, LogConfig
 from audit.pseudonym import Pseudonymizer
 from .audit_testlib import fill, open_log, read_bundle, write_bundle
 
-MEMBERS = ["records.jsonl", "checkpoints.json", "proofs.json", "keys.json", "receipts.jsonl", "manifest.dsse.json"]
+MEMBERS = ["records.jsonl", "checkpoints.json", "proofs.json", "keys.json", "receipts.jsonl",
+           "manifest.dsse.json"]
 
 
 @pytest.fixture
@@ -107,13 +108,16 @@ TAMPER = [
     ("proofs.json", lambda b: _flip(b, 30), False, "digest", "proofs.json", None),
     ("keys.json", lambda b: _flip(b, 30), False, "digest", "keys.json", None),
     ("receipts.jsonl", lambda b: _flip(b, 30), False, "digest", "receipts.jsonl", None),
-    ("records.jsonl", lambda b: b.replace(b'"pages":3', b'"pages":4', 1), False, "signature", "records.jsonl", 30),
+    ("records.jsonl", lambda b: b.replace(b'"pages":3', b'"pages":4', 1), False,
+     "signature", "records.jsonl", 30),
     ("records.jsonl", lambda b: b[: b.rindex(b"\n", 0, -1) + 1], False, "sequence", "records.jsonl", 50),
     ("manifest.dsse.json", lambda b: _edit_json(b, lambda d: d.update(
-        payload=base64.b64encode(base64.b64decode(d["payload"]).replace(b'"count":46', b'"count":47')).decode())),
+        payload=base64.b64encode(
+            base64.b64decode(d["payload"]).replace(b'"count":46', b'"count":47')).decode())),
      False, "envelope_signature", "manifest.dsse.json", None),
     ("manifest.dsse.json", lambda b: _edit_json(b, lambda d: d["signatures"][0].update(
-        sig=base64.b64encode(b"\x00" * 64).decode())), False, "envelope_signature", "manifest.dsse.json", None),
+        sig=base64.b64encode(b"\x00" * 64).decode())), False, "envelope_signature", "manifest.dsse.json",
+     None),
     # resealed edits (digests recomputed, manifest re-signed): the deeper checks catch them
     ("proofs.json", lambda b: _edit_json(b, lambda d: d["suffix"].__setitem__(0, _hex_flip(d["suffix"][0]))),
      True, "merkle_root", "proofs.json", None),

@@ -21,7 +21,8 @@ def test_text_layout_and_signature_line():
     note = cp.sign(KEY)
     text, sigs = split_note(note)
     assert text == f"{ORIGIN}\n20852163\n{base64.b64encode(root).decode()}\n"
-    assert note == text + "\n" + f"\u2014 {ORIGIN} " + base64.b64encode(sigs[0].key_id + sigs[0].signature).decode() + "\n"
+    blob = base64.b64encode(sigs[0].key_id + sigs[0].signature).decode()
+    assert note == text + "\n" + f"\u2014 {ORIGIN} {blob}\n"
     assert sigs[0].key_id == hashlib.sha256(ORIGIN.encode() + b"\n\x01" + KEY.public_key.raw).digest()[:4]
     KEY.public_key.verify(sigs[0].signature, text.encode())
     assert open_checkpoint(note, KEY.public_key) == cp

@@ -84,7 +84,8 @@ def test_proofs_from_the_log(audit_log):
     for seq in (0, 17, 36):
         proof = audit_log.inclusion_proof(seq, new.size)
         verify_inclusion(seq, new.size, records[seq].leaf_hash, proof, new.root)
-    verify_consistency(old.size, new.size, old.root, new.root, audit_log.consistency_proof(old.size, new.size))
+    proof = audit_log.consistency_proof(old.size, new.size)
+    verify_consistency(old.size, new.size, old.root, new.root, proof)
     with pytest.raises(VerificationError):
         verify_inclusion(3, new.size, leaf_hash(b"forged"), audit_log.inclusion_proof(3, new.size), new.root)
 
@@ -97,7 +98,8 @@ def test_key_rotation(store, origin, signing_key):
         after = log.append("evict")
         log.checkpoint()
     assert rotation.op == "key_rotation" and rotation.key_id == signing_key.key_id
-    assert rotation.details == {"new_key_id": new_key.key_id, "new_public_key": new_key.public_key.to_base64()}
+    assert rotation.details == {"new_key_id": new_key.key_id,
+                                "new_public_key": new_key.public_key.to_base64()}
     assert after.key_id == new_key.key_id
     # every record has a checkpoint signed by its own key: one at size 4 by the old key
     cps = {cp.size: cp for cp in store.checkpoints(origin)}

@@ -94,6 +94,11 @@ def ref_subproof(m: int, d: list[bytes], b: bool) -> list[bytes]:
     return ref_subproof(m - k, d[k:], False) + [ref_mth(d[:k])]
 
 
+def _flip(proof: list[bytes], i: int, bit: int) -> list[bytes]:
+    """The proof with one bit of node i flipped (as transparency-dev's verifier tests do)."""
+    return proof[:i] + [bytes([proof[i][0] ^ bit]) + proof[i][1:]] + proof[i + 1 :]
+
+
 def tree_of(leaves: list[bytes], cache_level: int = 0) -> HashTree:
     hashes = [leaf_hash(x) for x in leaves]
     tree = HashTree(cache_level, (lambda a, b: hashes[a:b]) if cache_level else None)
@@ -126,7 +131,7 @@ def test_published_inclusion_proofs(leaf, size, proof):
         (leaf - 1, size, lh, [ROOTS[size]] + proof, ROOTS[size]),
         (leaf - 1, size, lh, proof[:-1], ROOTS[size]),
     ] + [
-        (leaf - 1, size, lh, proof[:i] + [bytes([proof[i][0] ^ 8]) + proof[i][1:]] + proof[i + 1 :], ROOTS[size])
+        (leaf - 1, size, lh, _flip(proof, i, 8), ROOTS[size])
         for i in range(len(proof))
     ]
     for args in bad:
@@ -151,7 +156,7 @@ def test_published_consistency_proofs(size1, size2, proof):
         (size1, size2, ROOTS[size1], ROOTS[size2], proof + [ROOTS[size1]]),
         (size1, size2, ROOTS[size1], ROOTS[size2], [proof[0]] + proof),
     ] + [
-        (size1, size2, ROOTS[size1], ROOTS[size2], proof[:i] + [bytes([proof[i][0] ^ 16]) + proof[i][1:]] + proof[i + 1 :])
+        (size1, size2, ROOTS[size1], ROOTS[size2], _flip(proof, i, 16))
         for i in range(len(proof))
     ]
     for args in bad:
@@ -163,7 +168,9 @@ def test_published_consistency_proofs(size1, size2, proof):
 def test_consistency_trivial_cases():
     verify_consistency(0, 5, b"x" * 32, ROOTS[5], [])
     verify_consistency(3, 3, ROOTS[3], ROOTS[3], [])
-    for args in [(3, 3, ROOTS[3], ROOTS[4], []), (4, 3, ROOTS[4], ROOTS[3], []), (0, 3, EMPTY_ROOT, ROOTS[3], [ROOTS[1]])]:
+    bad = [(3, 3, ROOTS[3], ROOTS[4], []), (4, 3, ROOTS[4], ROOTS[3], []),
+           (0, 3, EMPTY_ROOT, ROOTS[3], [ROOTS[1]])]
+    for args in bad:
         with pytest.raises(VerificationError):
             verify_consistency(*args)
 

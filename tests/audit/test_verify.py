@@ -38,7 +38,8 @@ def checkpoint(records, size, key=KEY) -> str:
 
 def resign(r: Record, key: SigningKey, **changes) -> Record:
     d = {**r.unsigned_dict(), **changes}
-    base = Record(d["origin"], d["seq"], d["time"], d["op"], d["subject"], d["details"], d["prev"], d["key_id"])
+    base = Record(d["origin"], d["seq"], d["time"], d["op"], d["subject"], d["details"], d["prev"],
+                  d["key_id"])
     data = base.signing_bytes()
     return base.with_signature(key.sign(data), data)
 
