@@ -24,7 +24,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 class _UsageError(Exception):
-    pass
+    """A bad command line or an unreadable input file: exit status 2."""
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -111,8 +111,7 @@ def _verify(args: argparse.Namespace) -> int:
     keys = [PublicKey.load(path) for path in args.public_keys]
     for path in [args.bundle] + ([args.previous] if args.previous else []):
         try:
-            with open(path, "rb"):
-                pass
+            open(path, "rb").close()
         except OSError as exc:
             raise _UsageError(f"cannot read {path}: {exc.strerror}") from None
     try:

@@ -12,7 +12,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
 class Base(DeclarativeBase):
-    pass
+    """Metadata of the audit tables (Alembic's target for autogenerate)."""
 
 
 class Log(Base):

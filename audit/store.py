@@ -11,7 +11,7 @@ Engines and migrations are in audit.engine (re-exported here).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 from sqlalchemy import Connection, Engine, delete, func, insert, select
@@ -209,11 +209,8 @@ class AuditStore:
 
     def add_checkpoint(self, cp: CheckpointEntry) -> None:
         """Idempotent: two writers may checkpoint the same size (with the same root)."""
-        try:
-            with self.write() as conn:
-                conn.execute(insert(CheckpointRow).values(_checkpoint_row(cp)))
-        except IntegrityError:
-            pass
+        with suppress(IntegrityError), self.write() as conn:
+            conn.execute(insert(CheckpointRow).values(_checkpoint_row(cp)))
 
     def checkpoints(self, origin: str, min_size: int = 0,
                     max_size: int | None = None) -> list[CheckpointEntry]:
@@ -272,10 +269,9 @@ class AuditStore:
         if deleted and self.dialect == "sqlite":
             # Also drop the WAL frames that still hold the old page image.
             raw = self.engine.raw_connection()
-            try:
-                raw.cursor().execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            except Exception:  # a busy reader only delays the overwrite to the next checkpoint
-                pass
+            try:  # a busy reader only delays the overwrite to the next checkpoint
+                with suppress(self.engine.dialect.loaded_dbapi.OperationalError):
+                    raw.cursor().execute("PRAGMA wal_checkpoint(TRUNCATE)")
             finally:
                 raw.close()
         return deleted

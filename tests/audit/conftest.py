@@ -8,7 +8,7 @@
 
 Other test packages reuse them by importing the fixtures, e.g.
 `from tests.audit.conftest import db_url, pg_url, sqlite_url, _sqlite_template`, and the
-helpers from tests.audit.audit_testlib.
+shared functions from tests.audit.audit_testlib.
 """
 
 from __future__ import annotations
