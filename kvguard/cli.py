@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "audit":
         from audit.cli import main as audit_main
 
-        return audit_main(argv[1:])
+        return audit_main(argv[1:], prog="kvguard audit")
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
