@@ -57,6 +57,7 @@ def _cmd_token(args: argparse.Namespace) -> int:
 def _cmd_keygen(args: argparse.Namespace) -> int:
     from audit.keys import SigningKey
 
+    args.out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     if args.secret:
         import secrets
 
