@@ -58,7 +58,7 @@ def evaluate(model, tokenizer, texts: dict[str, str], methods: list[Method], set
     def measure(method: Method) -> Summary:
         if method.name in summaries:
             return summaries[method.name]
-        effective = method.effective_key(s.prefix + s.score + s.generate)
+        effective = method.effective_key(s.prefix, s.prefix + s.score + s.generate)
         if effective in measured_as:  # the same computation under another name: measured once
             bar.update(len(ids))
             same = summaries[measured_as[effective]]

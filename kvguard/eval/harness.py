@@ -91,8 +91,11 @@ def token_ids(tokenizer, text: str, n: int) -> torch.Tensor:
 
 
 def _cache(model, method: Method, s: Settings, total: int) -> ProbeCache:
-    pages = math.ceil(total / s.page_size) + 8
+    # compaction writes the survivors into fresh pages before it frees the old ones
+    pages = 2 * math.ceil(total / s.page_size) + 8
     options = {"page_size": s.page_size, "dtype": s.dtype} | method.options
+    if method.evict_prefix_only:
+        options["auto_compact"] = False
     return ProbeCache(model.config, SUBJECT, sparse_pages=method.sparse_pages, num_pages=pages,
                       num_hot_pages=pages, **options)
 
@@ -108,6 +111,8 @@ def run(model, ids: torch.Tensor, text: str, method: Method, s: Settings) -> Tex
         t0 = time.perf_counter()
         last = model(ids[:, :n], logits_to_keep=1, **kw).logits[0, -1]
         ttft = time.perf_counter() - t0
+        if method.evict_prefix_only:
+            cache.manager.compact(cache.seqs[0])
         # (2) the continuation, teacher-forced, each chunk's attention measured
         nll = [F.cross_entropy(last.float()[None], ids[0, n : n + 1])]
         cache.scoring = True

@@ -3,6 +3,12 @@
 A method is a set of CacheConfig options, plus, for "sparse", a read-time page
 budget. The eviction methods and "sparse" share one token budget, so they are
 compared at equal memory (evictors) or equal reads (sparse).
+
+Evictors run in one of two ways. "continuous" is how the cache serves: it
+compacts whenever a sequence passes its budget by a page, so the whole context,
+scored tokens included, lives within the budget. "prefix" (the `-prefix`
+methods) compresses the prefix once, after prefill, and then keeps every new
+token: the protocol of SnapKV and of the seeds' table.
 """
 
 from __future__ import annotations
@@ -19,47 +25,61 @@ class Method:
     kind: str  # "baseline" | "codec" | "evictor" | "sparse" | "policy"
     options: dict = field(default_factory=dict)  # CacheConfig fields
     sparse_pages: int | None = None  # Quest-style: attend only the top-k pages of each query
+    evict_prefix_only: bool = False  # compress the prefix once, keep every later token
     description: str = ""
 
     @property
     def key(self) -> str:
         """What the configuration is, whatever it is called (see kvguard.policy.config_key)."""
-        return config_key(self.options) + (f"+sparse@{self.sparse_pages}p" if self.sparse_pages else "")
+        return (config_key(self.options) + ("/prefix" if self.evict_prefix_only else "")
+                + (f"+sparse@{self.sparse_pages}p" if self.sparse_pages else ""))
 
-
-    def effective_key(self, total: int) -> str:
-        """The key of what actually runs over `total` tokens: an evictor whose budget is
-        never reached (compaction needs budget + one page) is no evictor at all."""
+    def effective_key(self, prefix: int, total: int) -> str:
+        """The key of what actually runs: an evictor whose budget is never passed
+        (continuous compaction needs budget + one page) is no evictor at all."""
         o = self.options
-        if o.get("evictor") and o["evictor_options"]["budget"] + o.get("page_size", 16) > total:
-            return replace(self, options={k: v for k, v in o.items() if k not in ("evictor", "evictor_options")}).key
+        if o.get("evictor"):
+            budget = o["evictor_options"]["budget"]
+            fires = budget < prefix if self.evict_prefix_only else budget + o.get("page_size", 16) <= total
+            if not fires:
+                plain = {k: v for k, v in o.items() if k not in ("evictor", "evictor_options")}
+                return replace(self, options=plain, evict_prefix_only=False).key
         return self.key
 
 
 def builtin_methods(budget: int = 256, page_size: int = 16) -> dict[str, Method]:
-    """none, int8, int4, fp8, h2o, streamingllm, snapkv, sparse. `budget`: tokens kept
-    by each evictor, and read by sparse (budget // page_size pages)."""
+    """none, int8, int8-window, int4, fp8, h2o, streamingllm, snapkv (each also -prefix),
+    sparse. `budget`: tokens kept by each evictor, and read by sparse (budget // page_size pages)."""
     half = budget // 2
+    evictors = {
+        "h2o": ({"budget": budget, "sink": 4, "window": half},
+                f"H2O: 4 sinks + heavy hitters + {half} recent (the paper's half/half), {budget} tokens"),
+        "streamingllm": ({"budget": budget, "sink": 4, "window": budget - 4},
+                         f"StreamingLLM: 4 sinks + the most recent tokens, {budget} tokens"),
+        "snapkv": ({"budget": budget, "sink": 4, "window": min(32, half), "observe": 32},
+                   f"SnapKV: 4 sinks + the observation window (32 queries) + keys they vote for "
+                   f"(max-pooled over 7), {budget} tokens"),
+    }
     methods = [
         Method("none", "baseline", {"codec": "fp16"}, description="16-bit pages, nothing dropped"),
         Method("int8", "codec", {"codec": "int8", "fp_sink": 4},
                description="INT8, keys per channel over a page, values per token; 16-bit sink page"),
+        Method("int8-window", "codec", {"codec": "int8", "fp_sink": 4, "fp_window": 128},
+               description="INT8 as above, the 128 most recent tokens 16-bit"),
         Method("int4", "codec", {"codec": "int4", "fp_sink": 4, "fp_window": 128},
                description="INT4 KIVI-style (value groups of 32); 16-bit sink page and 128-token window"),
         Method("fp8", "codec", {"codec": "fp8", "fp_sink": 4},
                description="FP8 e4m3 in INT8's layout; 16-bit sink page"),
-        Method("h2o", "evictor", {"evictor": "h2o", "evictor_options": {"budget": budget, "sink": 4, "window": half}},
-               description=f"H2O: 4 sinks + heavy hitters + {half} recent (the paper's half/half), {budget} tokens"),
-        Method("streamingllm", "evictor",
-               {"evictor": "streamingllm", "evictor_options": {"budget": budget, "sink": 4, "window": budget - 4}},
-               description=f"StreamingLLM: 4 sinks + the most recent tokens, {budget} tokens"),
-        Method("snapkv", "evictor",
-               {"evictor": "snapkv", "evictor_options": {"budget": budget, "sink": 4, "window": min(32, half), "observe": 32}},
-               description=f"SnapKV: 4 sinks + the observation window (32 queries) + keys they vote for "
-                           f"(max-pooled over 7), {budget} tokens"),
-        Method("sparse", "sparse", {"codec": "fp16"}, sparse_pages=max(1, budget // page_size),
-               description=f"Quest-style: each query reads its top {budget // page_size} pages by a key bound"),
     ]
+    for name, (options, text) in evictors.items():
+        methods.append(Method(name, "evictor", {"evictor": name, "evictor_options": options},
+                              description=f"{text}; compacts whenever past the budget"))
+    for name, (options, text) in evictors.items():
+        methods.append(Method(f"{name}-prefix", "evictor", {"evictor": name, "evictor_options": options},
+                              evict_prefix_only=True, description=f"{text}; the prefix only, once"))
+    methods.append(Method("sparse", "sparse", {"codec": "fp16"}, sparse_pages=max(1, budget // page_size),
+                          description=f"Quest-style: each query reads its top {budget // page_size} pages "
+                                      "by a key bound"))
     return {m.name: m for m in methods}
 
 
