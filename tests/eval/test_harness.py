@@ -14,11 +14,13 @@ from transformers import DynamicCache
 
 from kvguard.eval import report
 from kvguard.eval.evaluate import evaluate
-from kvguard.eval.methods import builtin_methods
+from kvguard.eval.harness import run, token_ids
+from kvguard.eval.methods import Method, builtin_methods
 from kvguard.eval.settings import Settings
 from kvguard.eval.texts import stdlib_code
 from kvguard.policy import parse_policy
 
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 SMALL = Settings(prefix=128, score=64, chunk=16, generate=6, budget=32)
 POLICY = """
 name: tiny
@@ -36,7 +38,7 @@ downgrade:
 def result(smollm2):
     model, tok = smollm2
     methods = builtin_methods(SMALL.budget)
-    chosen = [methods[n] for n in ("none", "int8", "streamingllm", "sparse")]
+    chosen = [methods[n] for n in ("none", "int8", "streamingllm", "h2o-prefix", "sparse")]
     return evaluate(model, tok, {"stdlib-code": stdlib_code()}, chosen, SMALL, [parse_policy(POLICY)],
                     progress=False)
 
@@ -65,6 +67,10 @@ def test_codec_and_evictor_rows(result):
     assert stream.evicted > 0 and stream.held_ratio < 0.5
     assert stream.deviation > 5 * int8.deviation and stream.worst_layer >= stream.deviation
     assert sparse.held_ratio > 0.99 and sparse.read_ratio < 0.6 and sparse.deviation > 0
+    once = rows["h2o-prefix"]  # the prefix compressed once to the budget, the rest kept
+    assert once.evicted == SMALL.prefix - SMALL.budget
+    assert once.held_ratio == pytest.approx((SMALL.budget + SMALL.score - 1) / (SMALL.prefix + SMALL.score - 1),
+                                            abs=16 / 191)
     for s in result.summaries:
         assert len(s.deviation_per_layer) == 30 and len(s.texts[0].tokens) == SMALL.generate
         assert s.passed == (s.worst_text_deviation < 0.01 and s.worst_ppl_delta < 0.5)
@@ -87,7 +93,7 @@ def test_report_files(result, tmp_path):
     paths = report.write(result, tmp_path)
     assert sorted(p.name for p in paths) == ["fidelity.csv", "fidelity.html", "fidelity.json", "fidelity.md"]
     data = json.loads((tmp_path / "fidelity.json").read_text())
-    assert [s["method"] for s in data["summaries"]][:4] == ["none", "int8", "streamingllm", "sparse"]
+    assert [s["method"] for s in data["summaries"]][:5] == ["none", "int8", "streamingllm", "h2o-prefix", "sparse"]
     assert len(data["summaries"][1]["texts"][0]["deviation"]) == 30
     assert data["decisions"][0]["op"] == "policy"
     rows = list(csv.DictReader((tmp_path / "fidelity.csv").open()))
@@ -96,3 +102,13 @@ def test_report_files(result, tmp_path):
     assert "| int8 | `int8(sink 4)` |" in md and "Against the seeds' table" in md
     html = (tmp_path / "fidelity.html").read_text()
     assert html.count("data:image/png;base64,") == 4 and "<table>" in html
+
+
+def test_a_budget_near_the_whole_text_still_compacts(smollm2):
+    """Compaction writes the survivors before freeing the old pages: the harness's
+    pools must hold both, or compact() finds no room and the evictor never fires."""
+    model, tok = smollm2
+    s = Settings(prefix=256, score=160, generate=2)  # compacts once, at 400 of 415 tokens
+    method = Method("h2o", "evictor", {"evictor": "h2o", "evictor_options": {"budget": 384, "sink": 4, "window": 64}})
+    got = run(model, token_ids(tok, stdlib_code(), 416), "stdlib-code", method, s)
+    assert got.evicted > 0
