@@ -2,7 +2,7 @@
 decoding, connected to the sidecar through `SidecarClient`.
 
 It prints one JSON line per milestone on stdout, and reads commands on stdin:
-`decode N` (N more decode steps for every open sequence), `report` (what is
+`decode N [NAME]` (N more decode steps for every open sequence, or only NAME's), `report` (what is
 held, digests of bob's outputs, tier contents), `quit`.
 """
 
@@ -56,10 +56,10 @@ class Runner:
             self.digest[name].update(out.numpy().tobytes())
         self.pos[name] = hi
 
-    def decode(self, n: int):
+    def decode(self, n: int, only: str | None = None):
         for _ in range(n):
             for name, (seq, _) in list(self.seqs.items()):
-                if seq in self.cache.sequences():
+                if (only is None or name == only) and seq in self.cache.sequences():
                     try:
                         self.step(name)
                     except UnknownSequence:  # erased between the check and the step
@@ -90,7 +90,7 @@ def main() -> None:
         if not cmd:
             continue
         if cmd[0] == "decode":
-            r.decode(int(cmd[1]))
+            r.decode(int(cmd[1]), cmd[2] if len(cmd) > 2 else None)
             print(json.dumps({"decoded": int(cmd[1])}), flush=True)
         elif cmd[0] == "offload":  # alice's oldest pages to disk and Redis (the next attend fetches them)
             cache.offload(r.seqs["alice-1"][0], "disk", max_pages=2)
