@@ -19,7 +19,7 @@ _LAZY = {
     "Method": ("methods", "Method"), "builtin_methods": ("methods", "builtin_methods"),
     "policy_method": ("methods", "policy_method"), "load_texts": ("texts", "load_texts"),
     "write_report": ("report", "write"), "ProbeCache": ("probe", "ProbeCache"),
-    "quest_attention": ("sparse", "quest_attention"),
+    "quest_attention": ("sparse", "quest_attention"), "HeadwiseCache": ("headwise", "HeadwiseCache"),
 }
 
 

@@ -27,6 +27,7 @@ from ..errors import ConfigError
 from ..hf import cache_kwarg
 from ..types import Subject
 from .methods import Method
+from .headwise import HeadwiseCache
 from .probe import ProbeCache
 from .settings import Settings
 
@@ -94,6 +95,9 @@ def _cache(model, method: Method, s: Settings, total: int) -> ProbeCache:
     # compaction writes the survivors into fresh pages before it frees the old ones
     pages = 2 * math.ceil(total / s.page_size) + 8
     options = {"page_size": s.page_size, "dtype": s.dtype} | method.options
+    if method.per_head:  # the cache holds everything; the simulation evicts at read time
+        evictor = {"name": options.pop("evictor"), **options.pop("evictor_options")}
+        return HeadwiseCache(model.config, SUBJECT, evictor=evictor, num_pages=pages, num_hot_pages=pages, **options)
     if method.evict_prefix_only:
         options["auto_compact"] = False
     return ProbeCache(model.config, SUBJECT, sparse_pages=method.sparse_pages, num_pages=pages,
@@ -111,7 +115,7 @@ def run(model, ids: torch.Tensor, text: str, method: Method, s: Settings) -> Tex
         t0 = time.perf_counter()
         last = model(ids[:, :n], logits_to_keep=1, **kw).logits[0, -1]
         ttft = time.perf_counter() - t0
-        if method.evict_prefix_only:
+        if method.evict_prefix_only and not method.per_head:
             cache.manager.compact(cache.seqs[0])
         # (2) the continuation, teacher-forced, each chunk's attention measured
         nll = [F.cross_entropy(last.float()[None], ids[0, n : n + 1])]

@@ -8,7 +8,9 @@ Evictors run in one of two ways. "continuous" is how the cache serves: it
 compacts whenever a sequence passes its budget by a page, so the whole context,
 scored tokens included, lives within the budget. "prefix" (the `-prefix`
 methods) compresses the prefix once, after prefill, and then keeps every new
-token: the protocol of SnapKV and of the seeds' table.
+token: the protocol of SnapKV and of the seeds' table. The `-head-prefix`
+methods simulate H2O and SnapKV choosing per layer and KV head, as published,
+which pages shared by all heads cannot do (headwise.py).
 """
 
 from __future__ import annotations
@@ -22,16 +24,18 @@ from ..policy import Policy, config_key
 @dataclass(frozen=True)
 class Method:
     name: str
-    kind: str  # "baseline" | "codec" | "evictor" | "sparse" | "policy"
+    kind: str  # "baseline" | "codec" | "evictor" | "simulation" | "sparse" | "policy"
     options: dict = field(default_factory=dict)  # CacheConfig fields
     sparse_pages: int | None = None  # Quest-style: attend only the top-k pages of each query
     evict_prefix_only: bool = False  # compress the prefix once, keep every later token
+    per_head: bool = False  # simulate the evictor per (layer, KV head) at read time (headwise.py)
     description: str = ""
 
     @property
     def key(self) -> str:
         """What the configuration is, whatever it is called (see kvguard.policy.config_key)."""
         return (config_key(self.options) + ("/prefix" if self.evict_prefix_only else "")
+                + ("/per-head" if self.per_head else "")
                 + (f"+sparse@{self.sparse_pages}p" if self.sparse_pages else ""))
 
     def effective_key(self, prefix: int, total: int) -> str:
@@ -49,7 +53,7 @@ class Method:
 
 def builtin_methods(budget: int = 256, page_size: int = 16) -> dict[str, Method]:
     """none, int8, int8-window, int4, fp8, h2o, streamingllm, snapkv (each also -prefix),
-    sparse. `budget`: tokens kept by each evictor, and read by sparse (budget // page_size pages)."""
+    h2o-head-prefix, snapkv-head-prefix, sparse. `budget`: tokens kept by each evictor, and read by sparse (budget // page_size pages)."""
     half = budget // 2
     evictors = {
         "h2o": ({"budget": budget, "sink": 4, "window": half},
@@ -77,6 +81,12 @@ def builtin_methods(budget: int = 256, page_size: int = 16) -> dict[str, Method]
     for name, (options, text) in evictors.items():
         methods.append(Method(f"{name}-prefix", "evictor", {"evictor": name, "evictor_options": options},
                               evict_prefix_only=True, description=f"{text}; the prefix only, once"))
+    for name in ("h2o", "snapkv"):
+        options, text = evictors[name]
+        methods.append(Method(f"{name}-head-prefix", "simulation", {"evictor": name, "evictor_options": options},
+                              evict_prefix_only=True, per_head=True,
+                              description=f"{text}; the prefix once, each layer's KV head keeping its own "
+                                          "tokens (read-time simulation: frees nothing)"))
     methods.append(Method("sparse", "sparse", {"codec": "fp16"}, sparse_pages=max(1, budget // page_size),
                           description=f"Quest-style: each query reads its top {budget // page_size} pages "
                                       "by a key bound"))

@@ -1,0 +1,61 @@
+"""Per-(layer, KV head) eviction, simulated at read time.
+
+kvguard's evictors choose one keep set for every layer and head: a page holds
+them all, and only whole pages free memory. H2O and SnapKV as published choose
+per head. This cache measures what that costs: it holds every token and, after
+the prefix, lets each layer's KV head read only the prefix tokens its own
+attention mass would keep (the same evictor's `select`, run per head), plus
+every later token. It frees nothing, like sparse; its read ratio is the share
+of visible keys a head reads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..compress.evictors import make_evictor
+from .probe import ProbeCache
+
+
+class HeadwiseCache(ProbeCache):
+    def __init__(self, config, subject, *, evictor: dict, **options):
+        super().__init__(config, subject, **options)
+        self.evictor = make_evictor(evictor["name"], **{k: v for k, v in evictor.items() if k != "name"})
+        self.mass: dict[int, torch.Tensor] = {}  # layer -> [H, prefix] attention mass seen in the prefix
+        self.keep: dict[int, torch.Tensor] = {}  # layer -> [H, prefix] bool
+
+    def _keep(self, layer: int) -> torch.Tensor:
+        if layer not in self.keep:
+            mass = self.mass[layer]
+            n = mass.shape[1]
+            keep = torch.ones_like(mass, dtype=torch.bool)
+            for h in range(mass.shape[0]):
+                chosen = self.evictor.select(n, mass[h])
+                if chosen is not None:
+                    keep[h] = False
+                    keep[h, chosen] = True
+            self.keep[layer] = keep
+        return self.keep[layer]
+
+    def _attend_row(self, seq, layer, q, scale):
+        k, v = self._manager.kv(seq, layer, dtype=torch.float32)  # [H, L, D]
+        h, length, d = k.shape
+        t, g = q.shape[0], q.shape[1] // h
+        qf = q.float().reshape(t, h, g, d).permute(1, 2, 0, 3)  # [H, g, T, D]
+        scores = torch.einsum("hgtd,hld->hgtl", qf, k) * (1.0 / math.sqrt(d) if scale is None else scale)
+        causal = torch.arange(length)[None, :] <= torch.arange(length - t, length)[:, None]  # [T, L]
+        allowed = causal.expand(h, g, t, length)
+        if layer in self.mass or self.scoring:  # after the prefix: each head reads what it keeps
+            keep = self._keep(layer)
+            allowed = allowed.clone()
+            allowed[..., : keep.shape[1]] &= keep[:, None, None, :]
+            if self.scoring:
+                self.read.append(allowed.sum().item() / (causal.sum().item() * h * g))
+        probs = torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1)
+        if layer not in self.mass:  # the prefix: what each KV head attended to
+            observe = getattr(self.evictor, "observe", t) if self.evictor.needs_mass else t
+            self.mass[layer] = probs[:, :, -min(observe, t):].sum(dim=(1, 2))  # [H, L]
+        out = torch.einsum("hgtl,hld->hgtd", probs, v).permute(2, 0, 1, 3).reshape(t, h * g, d)
+        return out.to(q.dtype)
