@@ -54,3 +54,30 @@ def test_uncompressed_pages_deviate_by_exactly_zero(alice):
     for layer in range(2):
         step(cache, layer, q, k, v)
     assert cache.deviation() == [0.0, 0.0]
+
+
+def test_headwise_heads_read_what_their_own_mass_keeps(alice):
+    from kvguard.compress.evictors import make_evictor
+    from kvguard.eval.headwise import HeadwiseCache
+
+    k, v = outlier_kv(72, 2, 64, seed=5, dtype=torch.float32)
+    q = torch.randn(72, 4, 64, generator=torch.Generator().manual_seed(6))
+    spec = {"name": "h2o", "budget": 24, "sink": 4, "window": 8}
+    cache = HeadwiseCache(CONFIG, alice, evictor=spec, num_pages=16, dtype=torch.float32)
+    for layer in range(2):
+        step(cache, layer, q[:64], k[:64], v[:64])  # the prefix, attended in full
+    cache.scoring = True
+    out = step(cache, 0, q[64:], k[64:], v[64:])
+
+    # independently: each KV head's mass over the prefix, the evictor's choice per head
+    kk, vv = k.transpose(0, 1), v.transpose(0, 1)  # [H, L, D]
+    qh = q[:64].reshape(64, 2, 2, 64).permute(1, 2, 0, 3)
+    scores = torch.einsum("hgtd,hld->hgtl", qh, kk[:, :64]) / 8.0
+    scores = scores.masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), float("-inf"))
+    mass = torch.softmax(scores, -1).sum((1, 2))  # [H, 64]
+    evictor = make_evictor("h2o", budget=24, sink=4, window=8)
+    for h in range(2):
+        keep = torch.cat([evictor.select(64, mass[h]), torch.arange(64, 72)])
+        want, _ = dense_attention(q[64:, 2 * h : 2 * h + 2], kk[h : h + 1, keep], vv[h : h + 1, keep])
+        torch.testing.assert_close(out[:, 2 * h : 2 * h + 2], want, atol=1e-5, rtol=1e-4)
+    assert cache.read and cache.read[0] < 0.5
