@@ -6,6 +6,7 @@ Nothing heavy is imported until the command runs, so `kvguard --help` stays fast
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -65,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="fidelity-report", metavar="DIR", help="output folder (default fidelity-report)")
     p.add_argument("--formats", type=_csv, default=["md", "csv", "json", "html"], metavar="A,B",
                    help="which of md,csv,json,html to write (default: all)")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="measure nothing: render the report again from an earlier fidelity.json")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: the harness runs many small tensor operations, which "
                         "more threads slow down, by 5x on a busy 2-core machine; 0 = torch's default)")
@@ -83,11 +86,13 @@ def run(args: argparse.Namespace) -> int:
     from .methods import builtin_methods, select
     from .texts import load_texts
 
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
     bad = set(args.formats) - {"md", "csv", "json", "html"}
     if bad:
         raise ConfigError(f"unknown format(s) {sorted(bad)}; choose from md, csv, json, html")
+    if args.from_json:
+        return _write(report.from_json(json.loads(Path(args.from_json).read_text(encoding="utf-8"))), args)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     settings = Settings(prefix=args.prefix, score=args.score, chunk=args.chunk, generate=args.generate,
                         budget=args.budget, page_size=args.page_size, dtype=args.cache_dtype)
     available = builtin_methods(args.budget, args.page_size)
@@ -105,6 +110,12 @@ def run(args: argparse.Namespace) -> int:
                       bound=Fidelity(max_attention_deviation=args.max_deviation,
                                      max_ppl_increase=args.max_ppl_increase),
                       model_name=path.name, progress=not args.quiet)
+    return _write(result, args)
+
+
+def _write(result, args: argparse.Namespace) -> int:
+    from . import report
+
     written = report.write(result, Path(args.out), args.formats)
     print(report.to_markdown(result).split("\n## Per text")[0])
     print("wrote " + ", ".join(str(p) for p in written))

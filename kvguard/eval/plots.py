@@ -20,11 +20,21 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def _distinct(report):
+    """One point per measurement: a policy measured as a built-in method is not drawn twice."""
+    seen = set()
+    for s in report.summaries:
+        signature = (s.deviation, s.ppl_delta, s.held_ratio, s.read_ratio)
+        if signature not in seen:
+            seen.add(signature)
+            yield s
+
+
 def _scatter(report, y, ylabel: str, title: str, logy: bool = False) -> str:
     from .report import footprint
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for s in report.summaries:
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for s in _distinct(report):
         ax.scatter(footprint(s), y(s), color="tab:green" if s.passed else "tab:red", zorder=3)
         ax.annotate(s.method, (footprint(s), y(s)), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlabel(XLABEL)
@@ -47,8 +57,8 @@ def figures(report) -> list[tuple[str, str]]:
         ("Compression vs latency (time to first token: prefill of the prefix)",
          _scatter(report, lambda s: s.ttft_ms, "time to first token, ms", "Compression vs latency")),
     ]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.set_prop_cycle(color=plt.get_cmap("tab10").colors)
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
     for s in report.summaries:
         if s.kind not in ("baseline", "policy"):
             ax.plot(range(len(s.deviation_per_layer)), [max(x, 1e-6) for x in s.deviation_per_layer],

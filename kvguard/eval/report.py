@@ -36,8 +36,8 @@ def summary_table(r: Report) -> tuple[list[str], list[list[str]]]:
     head = ["method", "configuration", "held", "read", "deviation (mean of layers)", "worst layer", "ΔPPL",
             "greedy agreement", "TTFT ms", "decode tok/s", f"gate (<{pct(r.bound.max_attention_deviation)}, "
             f"ΔPPL<{r.bound.max_ppl_increase})"]
-    rows = [[s.method, f"`{s.key}`" + (" (evictor never fired)" if "@" in s.key and not s.evicted
-                                          and "sparse" not in s.key else ""), f"{s.held_ratio:.3f}", f"{s.read_ratio:.3f}", pct(s.deviation),
+    rows = [[s.method, f"`{s.key}`" + (" (evictor never fired)" if s.kind in ("evictor", "policy")
+                                          and "@" in s.key and not s.evicted else ""), f"{s.held_ratio:.3f}", f"{s.read_ratio:.3f}", pct(s.deviation),
              pct(s.worst_layer), f"{s.ppl_delta:+.4f}", f"{s.agreement:.0%}", f"{s.ttft_ms:.0f}",
              f"{s.decode_tps:.1f}", "PASS" if s.passed else "FAIL"] for s in r.summaries]
     return head, rows
@@ -126,6 +126,27 @@ def to_json(r: Report) -> dict:
                   "seeds": {k: {"ratio": v[0], "deviation": v[1], "result": v[2]} for k, v in SEEDS.items()}})
 
 
+def from_json(data: dict) -> Report:
+    """A Report back from `to_json`'s output, to render it again without measuring."""
+    from ..policy import Fidelity, PolicyDecision
+    from ..types import Subject
+    from .harness import TextResult
+    from .settings import Settings
+
+    def num(x):
+        return math.nan if x is None else x
+
+    summaries = []
+    for d in data["summaries"]:
+        texts = [TextResult(**{k: (num(v) if k in ("ppl_delta", "agreement", "decode_tps") else v)
+                               for k, v in t.items() if k != "mean_deviation"}) for t in d["texts"]]
+        summaries.append(Summary(**(d | {"texts": texts})))
+    decisions = [PolicyDecision(subject=Subject("*", "*", "*"), **{k: v for k, v in d.items() if k != "op"}
+                                | {"pages": tuple(d["pages"])}) for d in data["decisions"]]
+    return Report(data["model"], Settings(**data["settings"]), data["texts"], summaries, decisions,
+                  Fidelity(**data["bound"]), data["environment"])
+
+
 def to_html(r: Report) -> str:
     from .plots import figures
 
@@ -138,7 +159,7 @@ def to_html(r: Report) -> str:
                    f"<figcaption>{html.escape(t)}</figcaption></figure>" for t, b64 in figures(r))
     style = ("body{font:14px system-ui,sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;"
              "margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child,"
-             "th:first-child{text-align:left}figure{display:inline-block;margin:0 1em 1em 0}img{width:560px}")
+             "th:first-child{text-align:left}figure{display:inline-block;margin:0 1em 1em 0}img{width:640px}")
     body = [f"<h1>kvguard fidelity</h1><p>{html.escape(settings_line(r))}</p>", table(*summary_table(r)), imgs,
             "<h2>Against the seeds' table</h2>", table(*seeds_table(r))]
     if r.decisions:

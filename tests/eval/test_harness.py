@@ -102,6 +102,8 @@ def test_report_files(result, tmp_path):
     assert "| int8 | `int8(sink 4)` |" in md and "Against the seeds' table" in md
     html = (tmp_path / "fidelity.html").read_text()
     assert html.count("data:image/png;base64,") == 4 and "<table>" in html
+    again = report.from_json(data)  # what --from-json renders
+    assert report.to_markdown(again) == md and report.to_rows(again) == report.to_rows(result)
 
 
 def test_a_budget_near_the_whole_text_still_compacts(smollm2):
