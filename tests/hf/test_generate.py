@@ -7,12 +7,15 @@ DynamicCache would be kvguard's: greedy tokens must agree one for one.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import DynamicCache
 
 from kvguard.errors import ConfigError
 from kvguard.hf import KVGuardCache
+from kvguard.policy import load_policy
 from kvguard.types import Subject
 
 from .conftest import attn, stdlib_text
@@ -105,3 +108,14 @@ def test_needs_the_kvguard_attention_implementation(model, code_ids, alice):
         model(code_ids[:, :8], past_key_values=KVGuardCache(model.config, alice))
     with pytest.raises(ConfigError, match="KVGuardCache"):
         model(code_ids[:, :8], past_key_values=DynamicCache(config=model.config))
+
+
+def test_cache_from_a_policy(model, code_ids, alice):
+    policy = load_policy(Path(__file__).resolve().parents[2] / "policies" / "offline-batch.yaml")
+    cache = KVGuardCache.from_policy(model.config, alice, policy, num_pages=16)
+    with torch.no_grad():
+        model(code_ids[:, :40], past_key_values=cache)
+    cfg = cache.manager.cfg
+    assert (cfg.codec, cfg.fp_sink, cfg.fp_window, cfg.evictor, cfg.page_size) == ("int4", 4, 128, "h2o", 16)
+    assert cfg.evictor_options == {"budget": 1024, "sink": 4, "window": 128}
+    assert cfg.dtype == torch.float32 and cache.stats().tokens_held == 40  # the model's dtype, every token
