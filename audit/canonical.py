@@ -44,6 +44,14 @@ def record_bytes(obj: dict[str, Any]) -> bytes:
         raise RecordFormatError("strings must be valid Unicode (no lone surrogates)") from exc
 
 
+def subject_bytes(subject: dict[str, str]) -> bytes:
+    """RFC 8785 bytes of a validated subject (`audit.fields.check_subject`): its keys are
+    among tenant/user/session and its values 32 lowercase hex digits, so nothing needs
+    escaping and the bytes are the sorted members spliced together (tested against
+    `canonical`)."""
+    return b"{%b}" % b",".join([b'"%b":"%b"' % (k.encode(), subject[k].encode()) for k in sorted(subject)])
+
+
 def loads(data: bytes | str) -> Any:
     """Parse JSON, refusing NaN/Infinity (not JSON) so they never reach a canonical check."""
 

@@ -126,6 +126,11 @@ class SigningKey:
     def sign(self, data: bytes) -> bytes:
         return self._key.sign(data)
 
+    def private_bytes_raw(self) -> bytes:
+        """The 32-byte seed, for handing the key to the log's own signer process over a
+        pipe (audit.signproc); never write or log it."""
+        return self._key.private_bytes_raw()
+
     def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
         """PKCS#8 PEM, created with mode 0600 (never readable by group or others)."""
         pem = self._key.private_bytes(

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import fields as f
-from .canonical import loads, record_bytes
+from .canonical import loads, record_bytes, subject_bytes
 from .errors import RecordFormatError
 
 _FIELDS = ("v", "origin", "seq", "time", "op", "subject", "details", "prev", "key_id", "sig")
+_LEAF_PREFIX = hashlib.sha256(b"\x00")  # RFC 9162 leaf hash prefix, copied per record
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,18 +87,10 @@ class Record:
     @classmethod
     def sign_new(cls, key, origin: str, seq: int, time: str, op: str, subject: dict[str, str],
                  details: dict[str, Any], prev: str) -> "Record":
-        """Build and sign a record from validated parts in one go (the writer's hot path).
-
-        The canonical bytes are assembled around the two encoded objects: in RFC 8785 key
-        order the members are details, key_id, op, origin, prev, seq, [sig,] subject, time,
-        v, and the validated origin, op, hex ids and time contain nothing JSON escapes."""
-        head = b'{"details":%b,"key_id":"%b","op":"%b","origin":"%b","prev":"%b","seq":%d,' % (
-            record_bytes(details), key.key_id.encode(), op.encode(), origin.encode(), prev.encode(), seq)
-        tail = b'"subject":%b,"time":"%b","v":%d}' % (record_bytes(subject), time.encode(), f.FORMAT_VERSION)
-        b64 = base64.b64encode(key.sign(head + tail))
-        leaf = b'%b"sig":"%b",%b' % (head, b64, tail)
-        return cls(origin, seq, time, op, subject, details, prev, key.key_id, b64.decode("ascii"),
-                   f.FORMAT_VERSION, leaf)
+        """Build and sign a record from validated parts in one go (the writer's hot path;
+        see `sign_leaf`). The leaf hash is computed here, on the signer's side."""
+        leaf, sig, leaf_hash = sign_leaf(key, origin, seq, time, op, subject, details, prev)
+        return build_signed(origin, seq, time, op, subject, details, prev, key.key_id, sig, leaf, leaf_hash)
 
     @property
     def signature(self) -> bytes:
@@ -175,3 +168,38 @@ class Record:
         member = b'"sig":"' + self.sig.encode("ascii") + b'",'
         cut = self.leaf_bytes.rindex(b',"sig":"') + 1
         return self.leaf_bytes[:cut] + self.leaf_bytes[cut + len(member):]
+
+
+_new = object.__new__
+_PUT = tuple(getattr(Record, name).__set__ for name in (
+    "origin", "seq", "time", "op", "subject", "details", "prev", "key_id", "sig", "v", "_leaf", "_leaf_hash"))
+
+
+def build_signed(origin: str, seq: int, time: str, op: str, subject: dict[str, str],
+                 details: dict[str, Any], prev: str, key_id: str, sig: str, leaf: bytes,
+                 leaf_hash: bytes) -> Record:
+    """A signed Record from parts its writer produced together (`Record.sign_new`, the
+    signer process): set field by field through the slots, as a frozen dataclass's
+    __init__ costs twice as much and this runs once per record."""
+    r = _new(Record)
+    for put, value in zip(_PUT, (origin, seq, time, op, subject, details, prev, key_id, sig,
+                                 f.FORMAT_VERSION, leaf, leaf_hash)):
+        put(r, value)
+    return r
+
+
+def sign_leaf(key, origin: str, seq: int, time: str, op: str, subject: dict[str, str],
+              details: dict[str, Any], prev: str) -> tuple[bytes, str, bytes]:
+    """(leaf bytes, base64 signature, leaf hash) of a record from validated parts.
+
+    The canonical bytes are assembled around the two encoded objects: in RFC 8785 key
+    order the members are details, key_id, op, origin, prev, seq, [sig,] subject, time,
+    v, and the validated origin, op, hex ids and time contain nothing JSON escapes."""
+    head = b'{"details":%b,"key_id":"%b","op":"%b","origin":"%b","prev":"%b","seq":%d,' % (
+        record_bytes(details), key.key_id.encode(), op.encode(), origin.encode(), prev.encode(), seq)
+    tail = b'"subject":%b,"time":"%b","v":%d}' % (subject_bytes(subject), time.encode(), f.FORMAT_VERSION)
+    b64 = base64.b64encode(key.sign(head + tail))
+    leaf = b'%b"sig":"%b",%b' % (head, b64, tail)
+    h = _LEAF_PREFIX.copy()
+    h.update(leaf)
+    return leaf, b64.decode("ascii"), h.digest()

@@ -12,6 +12,7 @@ Proof generation follows RFC 9162 §2.1.3.1 (PATH) and §2.1.4.1 (SUBPROOF).
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -48,9 +49,19 @@ class HashTree:
                 self._tail = []
 
     def extend(self, leaves: Iterable[bytes]) -> None:
+        """append() for each leaf, with one lock round and whole buckets hashed at once."""
         with self._lock:
+            if self.cache_level == 0:
+                for leaf in leaves:
+                    self.append(leaf)
+                return
+            width, tail = 1 << self.cache_level, self._tail
             for leaf in leaves:
-                self.append(leaf)
+                tail.append(leaf)
+                self.size += 1
+                if len(tail) == width:
+                    self._push(0, _perfect_root(tail))
+                    tail = self._tail = []
 
     def _push(self, k: int, h: bytes) -> None:
         while True:
@@ -184,6 +195,7 @@ class HashTree:
 def _perfect_root(leaves: Sequence[bytes]) -> bytes:
     """Root of a power-of-two run of leaf hashes, pairing level by level."""
     level = list(leaves)
+    sha256 = hashlib.sha256
     while len(level) > 1:
-        level = [node_hash(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+        level = [sha256(b"\x01" + level[i] + level[i + 1]).digest() for i in range(0, len(level), 2)]
     return level[0]

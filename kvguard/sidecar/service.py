@@ -53,7 +53,8 @@ class Sidecar:
         self._seal = AESGCM(_secret(s.seal_key_path))
         self.store = AuditStore(self.engine)
         self.log = AuditLog(self.store, s.origin, self.key,
-                            LogConfig(checkpoint_every=s.checkpoint_every, checkpoint_interval_ms=s.checkpoint_ms))
+                            LogConfig(checkpoint_every=s.checkpoint_every, checkpoint_interval_ms=s.checkpoint_ms,
+                                      sign_process=s.audit_sign_process))
         self.pseudonyms = Pseudonymizer(self.store, index_key)
         self.ingest = Ingestor(self.log, self.pseudonyms, self.sessions)
         self.registry = Registry()

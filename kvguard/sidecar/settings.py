@@ -33,6 +33,8 @@ class Settings(BaseSettings):
     ingest_socket: Path | None = None  # Unix socket for inference clients; default data_dir/ingest.sock
     checkpoint_every: int = Field(default=256, ge=1)
     checkpoint_ms: int = Field(default=1000, ge=10)
+    # Sign audit records in a child process (audit.signproc), off the service's GIL.
+    audit_sign_process: bool = True
     gdpr_deadline_days: int = Field(default=30, ge=1)
     pipl_deadline_hours: int = Field(default=72, ge=1)  # "without undue delay": configurable
     erasure_ack_timeout_s: float = Field(default=30.0, gt=0)
