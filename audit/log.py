@@ -32,8 +32,8 @@ from .checkpointer import Checkpointer
 from .errors import AuditError, ChainConflictError, StoreError
 from .keys import SigningKey, rotation_details
 from .pending import STOP, Item, Waiter, refuse_all, resolve_all, take_batch
-from .record import Record
-from .signproc import SignerProcess
+from .record import Record, encode_parts
+from .signproc import SignerProcess, sign_chain
 from .store import AuditStore, CheckpointEntry
 from .tree import HashTree
 
@@ -50,6 +50,18 @@ class LogConfig:
     # validation and storage, which roughly doubles the rate on two or more cores. Costs a
     # spawned interpreter per log; off for short-lived logs and tests of the writer itself.
     sign_process: bool = False
+
+
+def _item(op: str, subject: dict | None, details: dict | None, future: Future | None = None) -> Item:
+    """A caller's record, validated and its chain-independent parts encoded on the caller's
+    thread, so a bad record fails at the call and the signer only assembles and signs."""
+    subject, details = fields.check_subject(subject), fields.check_details(details)
+    return Item(fields.check_op(op), subject, details, future, encoded=encode_parts(subject, details))
+
+
+def _parts(items: list[Item]) -> list:
+    return [(item.op, item.subject, item.details, item.encoded or encode_parts(item.subject, item.details))
+            for item in items]
 
 
 def _now_ms() -> int:
@@ -106,8 +118,7 @@ class AuditLog:
     def submit(self, op: str, subject: dict[str, str] | None = None,
                details: dict[str, Any] | None = None) -> "Future[Record]":
         """Queue a record without waiting; the future resolves to it once it is durably stored."""
-        item = Item(fields.check_op(op), fields.check_subject(subject), fields.check_details(details),
-                    Future())
+        item = _item(op, subject, details, Future())
         self._enqueue([item])
         return item.future
 
@@ -118,8 +129,7 @@ class AuditLog:
 
     def append_many(self, items: Iterable[tuple[str, dict | None, dict | None]]) -> list[Record]:
         """Store records in order; returns once all are durable (usually in one commit)."""
-        batch = [Item(fields.check_op(op), fields.check_subject(subject), fields.check_details(details))
-                 for op, subject, details in items]
+        batch = [_item(op, subject, details) for op, subject, details in items]
         if not batch:
             return []
         waiter = Waiter(len(batch))
@@ -201,6 +211,8 @@ class AuditLog:
                     self._answer([item], self._control, item)
                 self._hand_over(run)
         finally:
+            if self._signproc is not None:
+                self._signproc.wait_idle()  # its slices reach the committer before STOP
             self._commits.put(STOP)
             self._refuse([])
 
@@ -217,13 +229,36 @@ class AuditLog:
             part = items[start:start + self.config.sign_slice]
             if self._resync.is_set():  # a batch was re-signed: restart from the committed tail
                 self._settle()
+            if self._signproc is not None:
+                # pipelined: the child signs this slice while earlier ones are stored; None
+                # tells it to chain from its own last record, which the parent learns later
+                future = self._answer(part, self._signproc.submit, self._key, self.origin, self._next_seq,
+                                      fields.format_time(self._clock()), self._next_prev, _parts(part))
+                if future is not None:
+                    self._next_seq, self._next_prev = self._next_seq + len(part), None
+                    future.add_done_callback(lambda f, part=part: self._signed(part, f))
+                continue
             records = self._answer(part, self._sign, part, self._next_seq, self._next_prev)
             if records:
                 self._next_seq, self._next_prev = records[-1].seq + 1, records[-1].digest
                 self._commits.put((part, records))
 
+    def _signed(self, part: list[Item], future: Future) -> None:
+        """A slice signed by the child (on its receiver thread, in order): to the committer."""
+        try:
+            records = future.result()
+        except BaseException as exc:
+            for item in part:
+                if not item.done:
+                    item.resolve(error=exc)
+            self._resync.set()
+            return
+        self._commits.put((part, records))
+
     def _settle(self) -> None:
         """Wait until every handed-over batch is committed; then the signer's tail is the log's."""
+        if self._signproc is not None:
+            self._signproc.wait_idle()
         self._commits.join()
         self._resync.clear()
         self._next_seq, self._next_prev = self.tree.size, self._prev
@@ -237,16 +272,10 @@ class AuditLog:
         self._next_seq, self._next_prev = self.tree.size, self._prev
 
     def _sign(self, items: list[Item], seq: int, prev: str) -> list[Record]:
-        when, key = fields.format_time(self._clock()), self._key
+        when = fields.format_time(self._clock())
         if self._signproc is not None:
-            return self._signproc.sign(key, self.origin, seq, when, prev,
-                                       [(item.op, item.subject, item.details) for item in items])
-        records = []
-        for item in items:
-            r = Record.sign_new(key, self.origin, seq, when, item.op, item.subject, item.details, prev)
-            records.append(r)
-            prev, seq = r.digest, seq + 1
-        return records
+            return self._signproc.sign(self._key, self.origin, seq, when, prev, _parts(items))
+        return sign_chain(self._key, self.origin, seq, when, prev, _parts(items))
 
     # -- committer thread ----------------------------------------------------------
 

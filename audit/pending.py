@@ -51,6 +51,7 @@ class Item:
     new_key: SigningKey | None = None  # a key rotation
     checkpoint: bool = False  # a forced checkpoint
     done: bool = False  # answered
+    encoded: tuple[bytes, bytes] | None = None  # (details, subject) JSON, if the caller encoded them
 
     @property
     def control(self) -> bool:

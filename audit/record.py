@@ -89,7 +89,7 @@ class Record:
                  details: dict[str, Any], prev: str) -> "Record":
         """Build and sign a record from validated parts in one go (the writer's hot path;
         see `sign_leaf`). The leaf hash is computed here, on the signer's side."""
-        leaf, sig, leaf_hash = sign_leaf(key, origin, seq, time, op, subject, details, prev)
+        leaf, sig, leaf_hash = sign_leaf(key, origin, seq, time, op, *encode_parts(subject, details), prev)
         return build_signed(origin, seq, time, op, subject, details, prev, key.key_id, sig, leaf, leaf_hash)
 
     @property
@@ -188,16 +188,23 @@ def build_signed(origin: str, seq: int, time: str, op: str, subject: dict[str, s
     return r
 
 
-def sign_leaf(key, origin: str, seq: int, time: str, op: str, subject: dict[str, str],
-              details: dict[str, Any], prev: str) -> tuple[bytes, str, bytes]:
-    """(leaf bytes, base64 signature, leaf hash) of a record from validated parts.
+def encode_parts(subject: dict[str, str], details: dict[str, Any]) -> tuple[bytes, bytes]:
+    """(details, subject) as canonical JSON: the parts of a record that do not depend on
+    its place in the chain, so callers' threads can encode them before the signer runs."""
+    return record_bytes(details), subject_bytes(subject)
+
+
+def sign_leaf(key, origin: str, seq: int, time: str, op: str, details_json: bytes,
+              subject_json: bytes, prev: str) -> tuple[bytes, str, bytes]:
+    """(leaf bytes, base64 signature, leaf hash) of a record from validated parts, with
+    details and subject already encoded (`encode_parts`).
 
     The canonical bytes are assembled around the two encoded objects: in RFC 8785 key
     order the members are details, key_id, op, origin, prev, seq, [sig,] subject, time,
     v, and the validated origin, op, hex ids and time contain nothing JSON escapes."""
     head = b'{"details":%b,"key_id":"%b","op":"%b","origin":"%b","prev":"%b","seq":%d,' % (
-        record_bytes(details), key.key_id.encode(), op.encode(), origin.encode(), prev.encode(), seq)
-    tail = b'"subject":%b,"time":"%b","v":%d}' % (subject_bytes(subject), time.encode(), f.FORMAT_VERSION)
+        details_json, key.key_id.encode(), op.encode(), origin.encode(), prev.encode(), seq)
+    tail = b'"subject":%b,"time":"%b","v":%d}' % (subject_json, time.encode(), f.FORMAT_VERSION)
     b64 = base64.b64encode(key.sign(head + tail))
     leaf = b'%b"sig":"%b",%b' % (head, b64, tail)
     h = _LEAF_PREFIX.copy()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from audit.keys import SigningKey
-from audit.record import Record
+from audit.record import Record, encode_parts
 from audit.signproc import SignerProcess
 from audit.verify import verify_store
 from .audit_testlib import fill, open_log
@@ -24,13 +24,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _parts(n: int) -> list:
-    return [("quantize", SUBJECT, {"pages": [i, i + 1], "codec": "int8", "note": "é\n\"x\""})
-            for i in range(n)]
+    parts = [("quantize", SUBJECT, {"pages": [i, i + 1], "codec": "int8", "note": "é\n\"x\""})
+             for i in range(n)]
+    return [(op, subject, details, encode_parts(subject, details)) for op, subject, details in parts]
 
 
 def _in_process(key, origin, seq, when, prev, parts) -> list[Record]:
     out = []
-    for op, subject, details in parts:
+    for op, subject, details, _ in parts:
         r = Record.sign_new(key, origin, seq, when, op, subject, details, prev)
         out.append(r)
         seq, prev = seq + 1, r.digest
@@ -57,13 +58,25 @@ def test_child_signs_the_same_bytes_as_the_parent(signer):
     assert not signer.fallen_back
 
 
+def test_pipelined_batches_continue_the_chain_in_order(signer):
+    key = SigningKey.generate()
+    origin, when = "test.kvguard.example/sp", "2025-01-31T12:00:00.123Z"
+    want = _in_process(key, origin, 0, when, "0" * 64, _parts(90))
+    futures = [signer.submit(key, origin, 0, when, "0" * 64, _parts(90)[:30])]
+    futures += [signer.submit(key, origin, start, when, None, _parts(90)[start:start + 30]) for start in (30, 60)]
+    assert [r for f in futures for r in f.result(timeout=30)] == want
+
+
 def test_a_dead_child_falls_back_to_signing_in_process(signer):
     key = SigningKey.generate()
-    args = ("test.kvguard.example/sp", 0, "2025-01-31T12:00:00.123Z", "0" * 64)
-    signer.sign(key, *args, _parts(2))
+    origin, when = "test.kvguard.example/sp", "2025-01-31T12:00:00.123Z"
+    want = _in_process(key, origin, 0, when, "0" * 64, _parts(12))
+    got = signer.sign(key, origin, 0, when, "0" * 64, _parts(12)[:2])
     signer._proc.kill()
     signer._proc.join()
-    assert signer.sign(key, *args, _parts(5)) == _in_process(key, *args, _parts(5))
+    got += signer.sign(key, origin, 2, when, None, _parts(12)[2:7])  # continues from the child's last
+    got += signer.sign(key, origin, 7, when, got[-1].digest, _parts(12)[7:])
+    assert got == want
     assert signer.fallen_back
 
 
