@@ -139,7 +139,9 @@ def load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, ok, h,
         ks = tl.load(ksp + ph[:, None, None] * D + d[None, None, :])  # [PAGES, 1, D]
         k = i8_words_to_f16(kw, FP8).reshape(PAGES, S, D) * ks
         v = i8_words_to_f16(vw, FP8).reshape(PAGES, S, D)
-        vs = tl.load(vsp + rows, mask=ok, other=0.0).to(tl.float32).reshape(PAGES * S)
+        # a page's 16 scales in one unmasked load (a per-token mask would split it into 2-byte
+        # loads, which the loop's software pipeline cannot prefetch); missing tokens are zeroed after
+        vs = tl.where(ok, tl.load(vsp + rows).to(tl.float32), 0.0).reshape(PAGES * S)
     elif KIND == 1:
         kc = tl.load(kp + rows[:, :, None] * D + d[None, None, :], mask=m3, other=0.0)  # [PAGES, S, D]
         vc = tl.load(vp + rows[:, :, None] * D + d[None, None, :], mask=m3, other=0.0)
@@ -153,7 +155,9 @@ def load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, ok, h,
         ks = tl.load(ksp + ph[:, None, None] * D + d[None, None, :])  # [PAGES, 1, D]
         k = kc.to(tl.float16) * ks
         v = vc.to(tl.float16)
-        vs = tl.load(vsp + rows, mask=ok, other=0.0).to(tl.float32).reshape(PAGES * S)
+        # a page's 16 scales in one unmasked load (a per-token mask would split it into 2-byte
+        # loads, which the loop's software pipeline cannot prefetch); missing tokens are zeroed after
+        vs = tl.where(ok, tl.load(vsp + rows).to(tl.float32), 0.0).reshape(PAGES * S)
     else:
         D2: tl.constexpr = D // 2
         NG: tl.constexpr = D // GROUP
