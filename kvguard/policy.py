@@ -78,6 +78,7 @@ class Evictor(_Strict):
     window: Count = 64  # streamingllm: ignored, the window is budget - sink
     observe: Annotated[int, Field(gt=0, strict=True)] | None = None  # snapkv only
     pool: Annotated[int, Field(gt=0, strict=True)] | None = None  # snapkv only
+    per_head: bool = True  # h2o, snapkv: a keep set per layer and KV head (false: one for all)
 
     @model_validator(mode="after")
     def _fits(self):
@@ -87,18 +88,21 @@ class Evictor(_Strict):
             raise ValueError(f"budget {self.budget} is smaller than sink {self.sink} + window {self.window}")
         if self.name != "snapkv" and (self.observe is not None or self.pool is not None):
             raise ValueError("observe and pool are snapkv's options")
+        if self.name == "streamingllm" and not self.per_head:
+            raise ValueError("per_head is h2o's and snapkv's option (streamingllm keeps one set)")
         return self
 
     def options(self) -> dict:
         if self.name == "streamingllm":  # its window is whatever the sinks leave of the budget
             return {"budget": self.budget, "sink": self.sink, "window": self.budget - self.sink}
         extra = {k: v for k, v in (("observe", self.observe), ("pool", self.pool)) if v is not None}
-        return {"budget": self.budget, "sink": self.sink, "window": self.window} | extra
+        return {"budget": self.budget, "sink": self.sink, "window": self.window, "per_head": self.per_head} | extra
 
 
 def config_key(options: dict) -> str:
     """A short name of a configuration given as CacheConfig options: int8(sink 4)+h2o@1024/s4/w256
-    (evictor budget, sinks, recent window)."""
+    (evictor budget, sinks, recent window; `/shared` when H2O or SnapKV keep one set for all
+    layers and heads instead of one per layer and KV head)."""
     extra = ", ".join(f"{n} {options[f]}" for n, f in (("sink", "fp_sink"), ("window", "fp_window"))
                       if options.get(f))
     name = options.get("codec") or "fp16"
@@ -108,6 +112,8 @@ def config_key(options: dict) -> str:
         return name
     e = options["evictor_options"]
     shape = f"/s{e.get('sink', 4)}" + ("" if evictor == "streamingllm" else f"/w{e.get('window', 64)}")
+    if evictor != "streamingllm" and not e.get("per_head", True):
+        shape += "/shared"  # one keep set for all layers and heads
     return f"{name}+{evictor}@{e['budget']}{shape}"
 
 

@@ -132,3 +132,17 @@ def test_calibrate_refuses():
     bad = Measurement(0.5, 2.0)
     assert calibrate(chat, lambda step: bad).refused  # no downgrade step passes either
     assert calibrate(chat, Measurement(0.001, 0.7)).outcome == "downgrade"  # perplexity counts too
+
+
+def test_per_head_is_an_evictor_option_and_named_in_the_key():
+    from kvguard.policy import Evictor, config_key
+
+    e = Evictor(name="h2o", budget=256, sink=4, window=64)
+    assert e.options()["per_head"] is True
+    shared = Evictor(name="snapkv", budget=256, sink=4, window=32, per_head=False).options()
+    assert config_key({"codec": "int8", "evictor": "snapkv", "evictor_options": shared}) == "int8+snapkv@256/s4/w32/shared"
+    assert config_key({"evictor": "h2o", "evictor_options": e.options()}) == "fp16+h2o@256/s4/w64"
+    with pytest.raises(ValueError, match="per_head"):
+        Evictor(name="streamingllm", budget=256, per_head=False)
+    with pytest.raises(ValueError):
+        Evictor(name="h2o", budget=256, per_head="yes")

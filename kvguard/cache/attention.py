@@ -1,8 +1,9 @@
 """Attention of a chunk of queries over one sequence's dequantized K/V.
 
 The CPU path and the reference of the paged kernels: dense, in fp32, grouped-query.
-It can return each key's attention mass (for H2O and SnapKV) summed over heads
-and over the last `mass_queries` queries, so no attention matrix is kept.
+It can return each key's attention mass (for H2O and SnapKV) per KV head, summed
+over the head's query group and the last `mass_queries` queries, so no attention
+matrix is kept.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     mass_queries: int = 0, scale: float | None = None):
     """q [T, Hq, D]; k, v [H, L, D] with the T queries being the last T of the L positions.
 
-    Returns (out [T, Hq, D] in q's dtype, mass [L] fp32 or None)."""
+    Returns (out [T, Hq, D] in q's dtype, mass [H, L] fp32 or None)."""
     t, hq, d = q.shape
     h, length, _ = k.shape
     g = hq // h
@@ -32,5 +33,5 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     out = out.permute(2, 0, 1, 3).reshape(t, hq, d).to(q.dtype)
     mass = None
     if mass_queries > 0:
-        mass = probs[:, :, -mass_queries:, :].sum(dim=(0, 1, 2))
+        mass = probs[:, :, -mass_queries:, :].sum(dim=(1, 2))
     return out, mass

@@ -66,7 +66,7 @@ class Sequence:
     subject: Subject
     lengths: list[int]
     pages: list[PageRef] = field(default_factory=list)
-    mass: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    mass: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [layers, KV heads, length]
     evicted: int = 0
     positional: bool = True  # positions still equal token indices (no compaction yet)
 
@@ -121,7 +121,8 @@ class CacheManager:
         already cached for the same tenant are shared; `length(seq)` says how many."""
         if not isinstance(subject, Subject):
             raise InputError("subject must be a kvguard.types.Subject")
-        seq = Sequence(SeqId(next(self._ids)), subject, [0] * self.cfg.num_layers)
+        seq = Sequence(SeqId(next(self._ids)), subject, [0] * self.cfg.num_layers,
+                       mass=torch.zeros(self.cfg.num_layers, self.cfg.num_kv_heads, 0))
         self._seqs[seq.id] = seq
         if tokens:
             salt = tenant_salt(self.cfg.prefix_secret, subject.tenant)
@@ -134,7 +135,7 @@ class CacheManager:
                 seq.pages.append(PageRef(pool, page, pool))
             n = len(seq.pages) * self.cfg.page_size
             seq.lengths = [n] * self.cfg.num_layers
-            seq.mass = torch.zeros(n)
+            seq.mass = torch.zeros(self.cfg.num_layers, self.cfg.num_kv_heads, n)
         return seq.id
 
     @_locked
@@ -198,8 +199,9 @@ class CacheManager:
             # fields [P, H, S, D]; src [T, H, D]
             pool.fields[layer][name][pages, :, off] = src
         seq.lengths[layer] = start + t
-        if seq.mass.numel() < start + t:
-            seq.mass = torch.cat([seq.mass, torch.zeros(start + t - seq.mass.numel())])
+        if seq.mass.shape[-1] < start + t:
+            grow = torch.zeros(*seq.mass.shape[:-1], start + t - seq.mass.shape[-1])
+            seq.mass = torch.cat([seq.mass, grow], dim=-1)
         if layer == c.num_layers - 1 or seq.lengths[layer] == min(seq.lengths):
             self._quantize_ready(seq)
         return True
@@ -329,7 +331,7 @@ class CacheManager:
         k, v = self.kv(seq_id, layer, dtype=torch.float32)
         out, mass = dense_attention(q, k, v, causal=causal, mass_queries=mass_q, scale=scale)
         if mass is not None:
-            seq.mass[: mass.numel()] += mass.cpu()
+            seq.mass[layer, :, : mass.shape[-1]] += mass.cpu()
         return out
 
     def _attend_paged(self, seq: Sequence, layer: int, q: torch.Tensor, scale: float | None, with_mass: bool):
@@ -347,7 +349,7 @@ class CacheManager:
         for idx, m in zip(where, masses):
             pos = (torch.tensor(idx).unsqueeze(1) * s + torch.arange(s)).flatten()
             keep = pos < n
-            seq.mass[pos[keep]] += m.cpu()[: len(pos)][keep]
+            seq.mass[layer][:, pos[keep]] += m.cpu()[:, : len(pos)][:, keep]
         return out
 
     # --- evict ----------------------------------------------------------------------------------
@@ -363,16 +365,21 @@ class CacheManager:
         if len(set(seq.lengths)) != 1:
             raise InputError("compact between steps: every layer must hold the same number of tokens")
         length, s = seq.lengths[0], self.cfg.page_size
-        keep = self.evictor.select(length, seq.mass[:length])
+        keep = self.evictor.select(length, seq.mass[..., :length])
         if keep is None:
             return None
-        ident = (keep == torch.arange(len(keep))).int()
-        same = int(ident.cumprod(0).sum())  # leading positions that do not move
+        c = self.cfg
+        if keep.dim() == 1:  # one set for the sequence: the same positions in every layer and head
+            keep = keep.expand(c.num_layers, c.num_kv_heads, keep.shape[0])
+        new_len = keep.shape[-1]
+        ident = (keep == torch.arange(new_len)).flatten(0, -2).all(0).int()
+        same = int(ident.cumprod(0).sum())  # leading positions that move in no layer or head
         first = same // s  # pages before this one stay as they are
         self._fetch_all(seq)
         old_refs = seq.pages[first:]
-        rel = (keep[keep >= first * s] - first * s).to(self.cfg.device)
-        new_len = len(keep)
+        # per layer and head, the surviving positions from page `first` on (rows are sorted
+        # and their first `same` >= first * s entries are 0, 1, 2, ...)
+        rel = (keep[..., first * s:] - first * s).to(c.device)  # [layers, H, new_len - first * s]
         n_new = math.ceil((new_len - first * s) / s)
         main_slots = [j for j in range(n_new) if self.codec.quantized and self._quantizable(seq, first + j, new_len)
                       and (first + j + 1) * s <= new_len]
@@ -390,10 +397,10 @@ class CacheManager:
             new_refs[j] = PageRef(HOT, p, HOT)
         for j, p in zip(main_slots, got_main):
             new_refs[j] = PageRef(MAIN, p, MAIN)
-        c = self.cfg
         for layer in range(c.num_layers):
             k, v = self._gather(old_refs, layer, c.dtype)  # [H, n_old*S, D]
-            k, v = k[:, rel], v[:, rel]
+            idx = rel[layer].unsqueeze(-1).expand(-1, -1, c.head_dim)
+            k, v = k.gather(1, idx), v.gather(1, idx)
             pad = n_new * s - k.shape[1]
             if pad:
                 z = torch.zeros(c.num_kv_heads, pad, c.head_dim, dtype=c.dtype, device=c.device)
@@ -412,7 +419,7 @@ class CacheManager:
                 freed += [_pid(name, p) for p in self._release(name, pages, seq.subject)]
         seq.pages = seq.pages[:first] + new_refs
         seq.lengths = [new_len] * c.num_layers
-        seq.mass = seq.mass[keep]
+        seq.mass = seq.mass.gather(-1, keep)
         seq.evicted += length - new_len
         seq.positional = False
         event = ev.TokensEvicted(

@@ -28,7 +28,7 @@ def decode(q: torch.Tensor, parts: list[tuple[dict[str, torch.Tensor], list[int]
            with_mass: bool):
     """q [1, Hq, D]; parts: (one layer's page fields, page ids, tokens held in them) per pool.
 
-    Returns out [1, Hq, D] and, with_mass, a list of mass [n_i * S] per part (summed over heads).
+    Returns out [1, Hq, D] and, with_mass, a list of mass [H, n_i * S] per part (per KV head).
     With two parts the mass of a KV head's keys is weighted by the part's share of the
     softmax averaged over that head's query group: exact with one part, and within the
     group's spread of shares otherwise (the kernel sums the group before we can weight it)."""
@@ -48,5 +48,5 @@ def decode(q: torch.Tensor, parts: list[tuple[dict[str, torch.Tensor], list[int]
     out = (torch.stack(outs) * w.unsqueeze(-1)).sum(0)
     if with_mass:
         h = masses[0].shape[0]
-        masses = [(m * w[i, 0].reshape(h, -1).mean(1, keepdim=True)).sum(0) for i, m in enumerate(masses)]
+        masses = [m * w[i, 0].reshape(h, -1).mean(1, keepdim=True) for i, m in enumerate(masses)]
     return out.to(q.dtype), masses

@@ -24,7 +24,8 @@ self-contained .html with plots into --out. The protocol is in docs/fidelity.md.
 
 EPILOG = """\
 methods: none int8 int8-window int4 fp8 h2o streamingllm snapkv h2o-prefix streamingllm-prefix
-         snapkv-prefix h2o-head-prefix snapkv-head-prefix sparse
+         snapkv-prefix h2o-shared snapkv-shared h2o-shared-prefix snapkv-shared-prefix
+         h2o-head-prefix snapkv-head-prefix sparse
 texts:   austen (Debian r-cran-janeaustenr), python-docs (Debian python3.11-doc),
          stdlib-code (this Python's standard library); Debian texts are fetched with
          'apt-get download' into --text-cache once.

@@ -8,9 +8,11 @@ Evictors run in one of two ways. "continuous" is how the cache serves: it
 compacts whenever a sequence passes its budget by a page, so the whole context,
 scored tokens included, lives within the budget. "prefix" (the `-prefix`
 methods) compresses the prefix once, after prefill, and then keeps every new
-token: the protocol of SnapKV and of the seeds' table. The `-head-prefix`
-methods simulate H2O and SnapKV choosing per layer and KV head, as published,
-which pages shared by all heads cannot do (headwise.py).
+token: the protocol of SnapKV and of the seeds' table. H2O and SnapKV keep a
+set of tokens per layer and KV head, as published; the `-shared` methods keep
+one set for all layers and heads (what kvguard did first), and the
+`-head-prefix` methods simulate per-head selection at read time (headwise.py),
+a cross-check of the cache's own per-head compaction.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class Method:
 
 def builtin_methods(budget: int = 256, page_size: int = 16) -> dict[str, Method]:
     """none, int8, int8-window, int4, fp8, h2o, streamingllm, snapkv (each also -prefix),
-    h2o-head-prefix, snapkv-head-prefix, sparse. `budget`: tokens kept by each evictor, and read by sparse (budget // page_size pages)."""
+    h2o-shared, snapkv-shared (each also -prefix), h2o-head-prefix, snapkv-head-prefix, sparse. `budget`: tokens kept by each evictor, and read by sparse (budget // page_size pages)."""
     half = budget // 2
     evictors = {
         "h2o": ({"budget": budget, "sink": 4, "window": half},
@@ -83,10 +85,19 @@ def builtin_methods(budget: int = 256, page_size: int = 16) -> dict[str, Method]
                               evict_prefix_only=True, description=f"{text}; the prefix only, once"))
     for name in ("h2o", "snapkv"):
         options, text = evictors[name]
+        shared = {**options, "per_head": False}
+        methods.append(Method(f"{name}-shared", "evictor", {"evictor": name, "evictor_options": shared},
+                              description=f"{text}, one keep set for all layers and heads; compacts "
+                                          "whenever past the budget"))
+        methods.append(Method(f"{name}-shared-prefix", "evictor", {"evictor": name, "evictor_options": shared},
+                              evict_prefix_only=True,
+                              description=f"{text}, one keep set for all layers and heads; the prefix only, once"))
+    for name in ("h2o", "snapkv"):
+        options, text = evictors[name]
         methods.append(Method(f"{name}-head-prefix", "simulation", {"evictor": name, "evictor_options": options},
                               evict_prefix_only=True, per_head=True,
                               description=f"{text}; the prefix once, each layer's KV head keeping its own "
-                                          "tokens (read-time simulation: frees nothing)"))
+                                          "tokens (read-time simulation of the above: frees nothing)"))
     methods.append(Method("sparse", "sparse", {"codec": "fp16"}, sparse_pages=max(1, budget // page_size),
                           description=f"Quest-style: each query reads its top {budget // page_size} pages "
                                       "by a key bound"))

@@ -103,3 +103,53 @@ def test_h2o_keeps_heavy_hitters(alice):
 def test_budget_smaller_than_sink_plus_window_is_refused(name):
     with pytest.raises(ConfigError, match="budget"):
         build({"name": name, "options": {"budget": 10, "sink": 4, "window": 16}})
+
+
+@pytest.mark.parametrize("case", EVICTOR_MATRIX[1:], ids=lambda c: c["name"])
+def test_per_head_compaction_keeps_each_heads_own_positions(case, alice):
+    """H2O and SnapKV choose per layer and KV head: each head's surviving K/V are exactly
+    the original K/V at that head's chosen positions, in order, and heads differ."""
+    m = build(case, auto_compact=False)
+    seq = m.open(alice)
+    k, v = outlier_kv(150, 2, 64, seed=11)
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(150, 4, 64, generator=g).half()
+    # a different heavy key per KV head: queries of group h lean on key 40 + 30 h
+    for h in range(2):
+        u = torch.randn(64, generator=g)
+        k[40 + 30 * h, h] = (u / u.norm() * 40).half()
+        q[:, 2 * h : 2 * h + 2] = (q[:, 2 * h : 2 * h + 2].float() + 2 * u).half()
+    for lo, hi in [(0, 100)] + [(i, i + 1) for i in range(100, 150)]:
+        for layer in range(2):
+            m.append(seq, layer, k[lo:hi], v[lo:hi])
+            m.attend(seq, layer, q[lo:hi])
+    mass = m._seq(seq).mass.clone()
+    keep = m.evictor.select(150, mass)
+    assert keep.shape == (2, 2, 48)
+    assert not torch.equal(keep[:, 0], keep[:, 1])  # the heads chose differently
+    assert m.compact(seq).kept == 48
+    for layer in range(2):
+        kk, vv = m.kv(seq, layer)
+        for h in range(2):
+            assert torch.equal(kk[h], k[keep[layer, h], h]) and torch.equal(vv[h], v[keep[layer, h], h])
+            assert (40 + 30 * h) in keep[layer, h].tolist()
+    # the mass travels with its tokens
+    assert torch.equal(m._seq(seq).mass, mass.gather(-1, keep))
+
+
+def test_one_keep_set_when_asked(alice):
+    case = {"name": "h2o", "options": {"budget": 48, "sink": 4, "window": 16, "per_head": False}}
+    m = build(case, auto_compact=False)
+    seq = m.open(alice)
+    k, v = outlier_kv(120, 2, 64, seed=13)
+    fill(m, seq, k, v, chunk=100)
+    keep = m.evictor.select(120, m._seq(seq).mass)
+    assert keep.shape == (48,)
+    m.compact(seq)
+    kk, _ = m.kv(seq, 1)
+    assert torch.equal(kk, k[keep].transpose(0, 1))
+
+
+def test_per_head_must_be_a_boolean():
+    with pytest.raises(ConfigError, match="per_head"):
+        build({"name": "h2o", "options": {"budget": 48, "sink": 4, "window": 16, "per_head": "yes"}})

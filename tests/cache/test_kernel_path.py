@@ -19,11 +19,11 @@ from kvguard.cache import CacheConfig, CacheManager
 from kvguard.types import Subject
 from tests.conftest import outlier_kv
 
-codec, evictor = "{codec}", {evictor!r}
+codec, evictor, per_head, tol = "{codec}", {evictor!r}, {per_head!r}, {tol!r}
 def run(use_kernels):
     cfg = CacheConfig(num_layers=2, num_kv_heads=2, num_query_heads=8, head_dim=64, num_pages=32, codec=codec,
                       fp_sink=4, fp_window=16, use_kernels=use_kernels, evictor=evictor,
-                      evictor_options={{"budget": 48, "sink": 4, "window": 16}} if evictor else {{}})
+                      evictor_options={{"budget": 48, "sink": 4, "window": 16, "per_head": per_head}} if evictor else {{}})
     m = CacheManager(cfg)
     seq = m.open(Subject("t", "u", "s"))
     k, v = outlier_kv(70, 2, 64, seed=3)
@@ -39,23 +39,31 @@ def run(use_kernels):
 ref_out, ref_fields, ref_mass, ref_len = run(False)
 out, fields, mass, length = run(True)
 rel = ((out - ref_out).norm() / ref_out.norm()).item()
-assert rel < 2e-3, rel
+assert rel < tol, rel
 assert length == ref_len
-for name in ref_fields:
+for name in ref_fields if not per_head else []:  # per head, a near-tied token may differ
     for a, b in zip(ref_fields[name], fields[name]):
         if a.dtype in (torch.int8, torch.uint8):
             assert (a.to(torch.int16) - b.to(torch.int16)).abs().max() <= 1  # ties may round either way
         else:
             assert torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-3)
-if evictor:
+if evictor and not per_head:
     assert ((mass - ref_mass).norm() / ref_mass.norm()).item() < 0.05
 print("ok", rel)
 """
 
 
-@pytest.mark.parametrize("codec, evictor", [("fp16", None), ("int8", None), ("int4", None), ("int8", "h2o")])
-def test_kernel_path_matches_reference_path(codec, evictor):
+# With two pools (16-bit and codec pages) the kernel path weights each KV head's mass by
+# its query group's mean share of the softmax (kvguard/cache/paged.py), within ~5 % of the
+# exact mass: one keep set (mass summed over heads) comes out the same, while per-head
+# keep sets may differ from the reference path's in a near-tied token, so that case is
+# held to the output after compaction within 2 %, not 0.2 %.
+@pytest.mark.parametrize("codec, evictor, per_head, tol", [
+    ("fp16", None, False, 2e-3), ("int8", None, False, 2e-3), ("int4", None, False, 2e-3),
+    ("int8", "h2o", False, 2e-3), ("int8", "h2o", True, 2e-2)])
+def test_kernel_path_matches_reference_path(codec, evictor, per_head, tol):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", SCRIPT.format(codec=codec, evictor=evictor)], cwd=ROOT, env=env,
+    script = SCRIPT.format(codec=codec, evictor=evictor, per_head=per_head, tol=tol)
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

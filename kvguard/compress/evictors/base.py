@@ -1,8 +1,15 @@
 """What every evictor is: a budget, protected sinks and recent window, and a score.
 
 An evictor chooses which token positions of a sequence survive a compaction; the
-cache then moves the survivors into fewer pages and frees the rest. The keep set
-is one for all layers and heads, because a page holds every layer's K and V.
+cache then moves the survivors into fewer pages and frees the rest.
+
+Evictors that score by attention mass choose per layer and KV head, as H2O and
+SnapKV do: each (layer, head) keeps its own `budget` positions, the same number
+for all, so the survivors still fill whole pages (slot j of a page then holds
+position keep[layer, head, j]; keys carry their rotary position already, and a
+compacted sequence needs no causal mask). With `per_head=False` they choose one
+set for the sequence from the mass summed over layers and heads. Positional
+evictors (StreamingLLM) choose one set, the same for every head.
 """
 
 from __future__ import annotations
@@ -26,8 +33,11 @@ class Evictor(ABC):
     budget: int = 256
     sink: int = 4
     window: int = 64
+    per_head: bool = True  # mass-based evictors: a keep set per layer and KV head
 
     def __post_init__(self) -> None:
+        if not isinstance(self.per_head, bool):
+            raise ValueError(f"{self.name}: per_head must be true or false, got {self.per_head!r}")
         for field in ("budget", "sink", "window"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -40,19 +50,26 @@ class Evictor(ABC):
 
     @abstractmethod
     def score(self, length: int, mass: torch.Tensor) -> torch.Tensor:
-        """Scores [length] of every position; higher stays. `mass` is the accumulated
-        attention mass per position (zeros when the evictor does not need it)."""
+        """Scores [..., length] of every position (higher stays), from `mass`
+        [..., length], the attention mass accumulated per position (per layer and KV
+        head in the cache; zeros when the evictor does not need it). A positional
+        evictor returns one row [length]."""
         ...
 
     def select(self, length: int, mass: torch.Tensor) -> torch.Tensor | None:
-        """Sorted positions to keep, or None when the sequence is within budget."""
+        """Positions to keep, sorted along the last dimension: [budget] for one set, or
+        [..., budget] (mass's leading dimensions) per layer and head. None when the
+        sequence is within budget."""
         if length <= self.budget:
             return None
+        mass = mass[..., :length].float()
+        if self.needs_mass and not self.per_head:
+            mass = mass.reshape(-1, length).sum(0)
         middle = self.budget - self.sink - self.window
-        idx = [torch.arange(self.sink)]
+        parts = [torch.arange(self.sink)]
         if middle > 0:
-            scores = self.score(length, mass)[self.sink : length - self.window]
-            top = torch.topk(scores.float().cpu(), middle, sorted=False).indices + self.sink
-            idx.append(top)
-        idx.append(torch.arange(length - self.window, length))
-        return torch.cat(idx).sort().values
+            scores = self.score(length, mass)[..., self.sink : length - self.window]
+            parts.append(torch.topk(scores.cpu(), middle, dim=-1, sorted=False).indices + self.sink)
+        parts.append(torch.arange(length - self.window, length))
+        lead = parts[1].shape[:-1] if middle > 0 else ()
+        return torch.cat([p.expand(*lead, p.shape[-1]) for p in parts], dim=-1).sort(dim=-1).values

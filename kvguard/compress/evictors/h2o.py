@@ -12,4 +12,4 @@ class H2O(Evictor):
     needs_mass = True
 
     def score(self, length, mass):
-        return mass[:length]
+        return mass[..., :length]

@@ -28,5 +28,6 @@ class SnapKV(Evictor):
             raise ValueError("snapkv: observe must be >= 1 and pool an odd number >= 1")
 
     def score(self, length, mass):
-        m = mass[:length].float().reshape(1, 1, -1)
-        return F.max_pool1d(m, self.pool, stride=1, padding=self.pool // 2).flatten()
+        m = mass[..., :length].float()
+        pooled = F.max_pool1d(m.reshape(-1, 1, length), self.pool, stride=1, padding=self.pool // 2)
+        return pooled.reshape(m.shape)
