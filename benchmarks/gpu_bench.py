@@ -3,6 +3,9 @@ ceilings, and decode-step times against their memory floors and PyTorch SDPA.
 
     PYTHONPATH=. python3 benchmarks/gpu_bench.py [--sweep [--adopt]] [--grid full|quick|long|none] [--out DIR]
     PYTHONPATH=. python3 benchmarks/gpu_bench.py --smoke      # CPU, Triton interpreter, tiny shapes
+    PYTHONPATH=. python3 benchmarks/gpu_bench.py --variants '{"name": {"int8": {...}}}' [--shapes ...] [--codecs ...]
+        # check named config overrides against the reference, then time them (with SDPA) per shape
+    ncu ... python3 benchmarks/gpu_bench.py --once llama3-8b:131072:8 --codecs int8   # one call, for a profiler
 
 Every time is one layer's decode step, measured by replaying a CUDA graph of R calls over R
 disjoint copies of the data (R chosen so that R copies are several times the L2), median of
@@ -224,7 +227,8 @@ def _fields_close(a, b) -> bool:
 # --- decode benchmark ------------------------------------------------------------------------------
 
 
-def bench_decode(model, length, batch, copy_bw, configs=None, with_baselines=True, read_bw=None) -> dict:
+def bench_decode(model, length, batch, copy_bw, configs=None, with_baselines=True, read_bw=None,
+                 codecs=("16bit",) + CODECS) -> dict:
     hq, h, d = MODELS[model]
     kv16 = pool_bytes("bf16", length * batch, h, d)
     reps = max(1, min(64, math.ceil((512e6 if GPU else 1) / kv16)))
@@ -255,9 +259,12 @@ def bench_decode(model, length, batch, copy_bw, configs=None, with_baselines=Tru
         calls = [lambda i=i: paged_decode(q[i], pages, perm[i], lens, **kw) for i in range(reps)]
         row[name] = time_calls(calls)
 
-    for cfg_name, cfg in (configs or {"": None}).items():
-        run(pool, "16bit" + cfg_name, config=cfg and cfg.get("16bit"))
+    if "16bit" in codecs:
+        for cfg_name, cfg in (configs or {"": None}).items():
+            run(pool, "16bit" + cfg_name, config=cfg and cfg.get("16bit"))
     for codec in CODECS:
+        if codec not in codecs:
+            continue
         pages = quantized_pool(pool, codec)
         for cfg_name, cfg in (configs or {"": None}).items():
             run(pages, codec + cfg_name, config=cfg and cfg.get(codec))
@@ -311,7 +318,7 @@ def sweep(copy_bw, adopt=False) -> list[str]:
     def cfg(pg, w, st, pps, words=True, maxnreg=0):
         # every key set: what a config leaves out comes from the defaults (a register cap too)
         return {"pages": pg, "num_warps": w, "num_stages": st, "programs_per_sm": pps, "words": words,
-                "maxnreg": maxnreg}
+                "maxnreg": maxnreg, "fill": "down", "warp_split": False}
 
     names = [f"p{pg}w{w}s{st}x{pps}{'' if words else 'b'}{f'r{r}' if r else ''}"
              for pg, w, st, pps, words, r in SWEEP_TILES]
@@ -347,6 +354,83 @@ def sweep(copy_bw, adopt=False) -> list[str]:
             table[codec] = cfg(*SWEEP_TILES[names.index(win)])
             lines.append(f"adopted for {codec}, head_dim {d}: {table[codec]}")
     return lines
+
+
+# --- named tile-config variants (--variants) -------------------------------------------------------
+
+
+def parse_shapes(text: str) -> list[tuple[str, int, int]]:
+    """'llama3-8b:131072:8,smollm2-135m:16384:1' -> [(model, L, B), ...]."""
+    out = []
+    for item in text.split(","):
+        m, length, b = item.split(":")
+        out.append((m, int(length), int(b)))
+    return out
+
+
+def variant_configs(spec: dict, d: int = 128) -> dict:
+    """{name: {codec or 'all', optionally + '@64' for head_dim <= 64 only: cfg}} -> {' ' + name:
+    {codec: cfg}} for bench_decode at head_dim d; a codec a variant leaves out runs with its
+    default config."""
+    sfx = ["", "@64"] if d <= 64 else [""]
+    grid = {}
+    for name, per in spec.items():
+        grid[" " + name] = {c: {k: v for x in sfx for key in ("all", c) for k, v in per.get(key + x, {}).items()}
+                            for c in ("16bit",) + CODECS}
+    return grid
+
+
+def check_variants(spec: dict, codecs) -> list[str]:
+    """Each variant against the reference at both models' head shapes, all codecs, odd lengths."""
+    lines, g = [], torch.Generator(device="cpu").manual_seed(1)
+    for model, (hq, h, d) in MODELS.items():
+        grid = variant_configs(spec, d)
+        b, maxp = 3, 40
+        k, v = outlier((b * maxp, h, S, d)), outlier((b * maxp, h, S, d))
+        lens = torch.tensor([maxp * S - 5, 1, maxp * S // 3], dtype=torch.int32, device=DEV)
+        table = torch.randperm(b * maxp, generator=g).reshape(b, maxp).to(torch.int32).to(DEV)
+        q = torch.randn(b, hq, d, device=DEV, dtype=torch.bfloat16)
+        for codec in codecs:
+            pages = {"k": k, "v": v} if codec == "16bit" else quantized_pool({"k": k, "v": v}, codec)
+            r_out, r_lse = paged_decode_ref(q, pages, table, lens)
+            for name, cfgs in grid.items():  # the split the shape gives (more than one here)
+                out, lse = paged_decode(q, pages, table, lens, config=cfgs[codec])
+                e = (rel(out, r_out), (lse - r_lse).abs().max().item())
+                if not (e[0] < 5e-3 and e[1] < 5e-2):
+                    lines.append(f"variant{name} {model} {codec}: FAIL out {e[0]:.1e} lse {e[1]:.1e}")
+    lines.append(f"variants checked: {'ALL OK' if not lines else 'FAILURES'}")
+    return lines
+
+
+def compiled_decode_kernels() -> list[str]:
+    """Registers and spills of every decode kernel compiled in this process (Triton's cache)."""
+    out = []
+    for fn in (paged_decode_module._decode_kernel, paged_decode_module._decode_kernel_warps):
+        for cache in getattr(fn, "device_caches", {}).values():
+            for key, k in cache[0].items():
+                md = k.metadata
+                out.append(f"{fn.__name__} warps={md.num_warps} stages={md.num_stages} "
+                           f"maxnreg={getattr(md, 'maxnreg', None)} regs={k.n_regs} spills={k.n_spills} "
+                           f"shared={md.shared} key={str(key)[-160:]}")
+    return out
+
+
+def run_variants(spec: dict, shapes, copy_bw, read_bw, codecs) -> list[str]:
+    lines = check_variants(spec, codecs)
+    print("\n".join(lines), flush=True)
+    rows = []
+    for model, length, batch in shapes:
+        grid = variant_configs(spec, MODELS[model][2])
+        names = list(grid)
+        row = bench_decode(model, length, batch, copy_bw, configs=grid, read_bw=read_bw, codecs=codecs)
+        rows.append(row)
+        for codec in codecs:
+            fl = row[f"floor_{codec}"]
+            cells = " ".join(f"{n.strip()}={row[codec + n] * 1e6:.1f}us/{row[codec + n] / fl:.2f}" for n in names)
+            sd = f" sdpa={row['sdpa'] * 1e6:.1f}us" if "sdpa" in row else ""
+            lines.append(f"{model} L={length} B={batch} {codec:5s}{sd} {cells}")
+            print(lines[-1], flush=True)
+    return lines + compiled_decode_kernels()
 
 
 def bench_quantize(copy_bw, warps=(None,)) -> list[str]:
@@ -386,13 +470,41 @@ def main():
     ap.add_argument("--grid", default="full", choices=("full", "quick", "long", "none"), help="decode shapes to time")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes: checks the script runs")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--variants", help="JSON {name: {codec or 'all': config}}: check and time these configs "
+                    "on --shapes, then stop")
+    ap.add_argument("--codecs", default=",".join(("16bit",) + CODECS), help="codecs for --variants")
+    ap.add_argument("--once", help="model:L:B: one decode call per codec of --codecs (config from --variants' "
+                    "first entry), for a profiler; no timing")
+    ap.add_argument("--shapes", default="llama3-8b:131072:1,llama3-8b:131072:8,llama3-8b:16384:64,"
+                    "smollm2-135m:131072:8,smollm2-135m:16384:1", help="model:L:B,... for --variants")
     args = ap.parse_args()
     info = {"device": torch.cuda.get_device_name() if GPU else "cpu", "torch": torch.__version__,
             "triton": triton.__version__}
     print(json.dumps(info), flush=True)
+    codecs = tuple(args.codecs.split(","))
+    if args.once:
+        (model, length, batch), = parse_shapes(args.once)
+        spec = json.loads(args.variants) if args.variants else {"default": {}}
+        hq, h, d = MODELS[model]
+        cfgs = next(iter(variant_configs(spec, d).values()))
+        pool = {"k": outlier((batch * length // S, h, S, d)), "v": outlier((batch * length // S, h, S, d))}
+        table = torch.randperm(batch * length // S, device=DEV).to(torch.int32).reshape(batch, -1)
+        lens = torch.full((batch,), length, dtype=torch.int32, device=DEV)
+        q = torch.randn(batch, hq, d, device=DEV, dtype=torch.bfloat16)
+        for codec in codecs:
+            pages = pool if codec == "16bit" else quantized_pool(pool, codec)
+            paged_decode(q, pages, table, lens, config=cfgs[codec])
+            torch.cuda.synchronize()
+        return
     ceil = ceilings()
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s (read+write), read-only {ceil['read_GBps']:.0f} GB/s, "
           f"bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
+    if args.variants:
+        lines = run_variants(json.loads(args.variants), parse_shapes(args.shapes), ceil["copy_GBps"],
+                             ceil["read_GBps"], codecs)
+        with open(os.path.join(args.out, "variants.txt"), "w") as f:
+            f.write("\n".join([json.dumps(info), f"ceilings {ceil}", args.variants] + lines) + "\n")
+        return
     extra = []
     if args.sweep:  # first, so that the checks below run the configs adopted here
         extra += sweep(ceil["copy_GBps"], args.adopt)

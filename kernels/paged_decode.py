@@ -2,11 +2,14 @@
 dequantized in registers, flash-decoding split over the context.
 
 Pass 1 (grid B x H x splits): a program takes one sequence, one KV head with all of
-its query heads (GQA: the group's heads are the rows of one tensor-core tile), and one
-slice of the context; it writes a partial (out, lse) per split, or the final result
-when there is one split. Pass 2 merges the splits by their lse. The number of splits
-comes from shapes only (no host sync, so the call can be captured in a CUDA graph):
-enough programs to fill the GPU.
+its query heads (GQA: the group's heads are the rows of one tensor-core tile, as many
+rows as the group rounded up to a power of two; Triton pads the MMA), and one slice of
+the context; it writes a partial (out, lse) per split, or the final result when there
+is one split. With warp_split, each warp of the program runs its own online softmax
+over its own pages of every step (_decode_kernel_warps: no reductions across warps in
+the loop), merged once at the end. Pass 2 merges the splits by their lse. The number of
+splits comes from shapes only (no host sync, so the call can be captured in a CUDA
+graph): enough programs to fill the GPU.
 
 H2O's per-key attention mass needs each key's probability under the final lse. Pass 1
 then also stores the base-2 logits [B, Hq, L] (4 bytes per query head and key, about
@@ -20,6 +23,7 @@ fp32. Values must lie within fp16's range, as the quantized codecs already requi
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -52,7 +56,7 @@ def _decode_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, ls
     lo = sp * split_tokens
     hi = tl.minimum(seq_len, lo + split_tokens)
 
-    r = tl.arange(0, GP)  # rows: query heads h*G .. h*G+G-1, padded to GP >= 16 for tl.dot
+    r = tl.arange(0, GP)  # rows: query heads h*G .. h*G+G-1, padded to GP (a power of two)
     hq = h * G + r
     row_ok = r < G
     d = tl.arange(0, D)
@@ -76,6 +80,75 @@ def _decode_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, ls
             tl.store(logits + qrow[:, None].to(tl.int64) * max_len + n[None, :], s,
                      mask=row_ok[:, None] & tok_ok[None, :])
 
+    _finish(acc, m, l, qrow, row_ok, d, out, lse, sp, ns, D, SPLIT)
+
+
+@triton.jit
+def _decode_kernel_warps(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, lse, logits,
+                         qk_scale, bt_stride, split_tokens, max_len,
+                         H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
+                         KIND: tl.constexpr, GROUP: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
+                         MASS: tl.constexpr, ON_GPU: tl.constexpr, W: tl.constexpr):
+    # As _decode_kernel, but each of the W warps runs its own online softmax over its own
+    # PAGES // W pages of every step (tensors [W, ...], the leading axis one warp each): no
+    # reduction across warps inside the loop; the W partial results merge once at the end.
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    ns = tl.num_programs(2)
+    BW: tl.constexpr = (PAGES // W) * S  # tokens per warp and step
+    BN: tl.constexpr = PAGES * S
+    seq_len = tl.load(seq_lens + b)
+    lo = sp * split_tokens
+    hi = tl.minimum(seq_len, lo + split_tokens)
+
+    r = tl.arange(0, GP)
+    hq = h * G + r
+    row_ok = r < G
+    d = tl.arange(0, D)
+    qrow = b * (H * G) + hq
+    qv = tl.load(q + qrow[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q3 = tl.broadcast_to(qv.to(tl.float16)[None, :, :], (W, GP, D))
+
+    m = tl.full([W, GP], float("-inf"), tl.float32)
+    l = tl.zeros([W, GP], tl.float32)
+    acc = tl.zeros([W, GP, D], tl.float32)
+    bt = block_table + b.to(tl.int64) * bt_stride
+    for start in range(lo, hi, BN):
+        pi = start // S + tl.arange(0, PAGES)
+        n = start + tl.arange(0, BN)
+        tok_ok = n < hi
+        page = tl.load(bt + pi, mask=pi * S < hi, other=0).to(tl.int64)
+        k, v, vs = load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, tok_ok.reshape(PAGES, S), h,
+                                  H, S, D, PAGES, KIND, GROUP, ON_GPU)
+        vis = tok_ok.reshape(W, 1, BW)
+        s = tl.dot(q3, tl.trans(k.reshape(W, BW, D), (0, 2, 1))) * qk_scale  # [W, GP, BW]
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 2))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a warp may not have seen a key yet
+        alpha = tl.exp2(m - m_use)
+        p = tl.exp2(s - m_use[:, :, None])
+        l = l * alpha + tl.sum(p, 2)
+        if KIND == 1:
+            pv = (p * vs.reshape(W, 1, BW)).to(tl.float16)
+        else:
+            pv = p.to(tl.float16)
+        acc = acc * alpha[:, :, None] + tl.dot(pv, v.reshape(W, BW, D))
+        m = m_new
+        if MASS:
+            tl.store(logits + qrow[None, :, None].to(tl.int64) * max_len + n.reshape(W, 1, BW), s,
+                     mask=row_ok[None, :, None] & vis)
+
+    mt = tl.max(m, 0)
+    mt = tl.where(mt == float("-inf"), 0.0, mt)
+    wgt = tl.exp2(m - mt[None, :])  # [W, GP]; 0 for a warp that saw no key
+    l = tl.sum(l * wgt, 0)
+    acc = tl.sum(acc * wgt[:, :, None], 0)
+    _finish(acc, mt, l, qrow, row_ok, d, out, lse, sp, ns, D, SPLIT)
+
+
+@triton.jit
+def _finish(acc, m, l, qrow, row_ok, d, out, lse, sp, ns, D: tl.constexpr, SPLIT: tl.constexpr):
     empty = l == 0.0  # split past the end of this sequence
     o = acc / tl.where(empty, 1.0, l)[:, None]
     lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))
@@ -89,20 +162,30 @@ def _decode_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, ls
 
 
 @triton.jit
-def _combine_kernel(part_out, part_lse, out, lse, NS, D: tl.constexpr, NSP: tl.constexpr):
-    # grid (B * Hq,): part_out [B*Hq, NS, D] fp32, part_lse [B*Hq, NS] base 2 -> out [B*Hq, D], lse natural
+def _combine_kernel(part_out, part_lse, out, lse, NS, D: tl.constexpr, CH: tl.constexpr):
+    # grid (B * Hq,): part_out [B*Hq, NS, D] fp32, part_lse [B*Hq, NS] base 2 -> out [B*Hq, D], lse natural.
+    # CH splits at a time with a running max: a tile of all splits at once would not fit in
+    # registers when a short batch is split hundreds of times.
     row = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, NSP)
     d = tl.arange(0, D)
-    ls = tl.load(part_lse + row * NS + i, mask=i < NS, other=float("-inf"))
-    mx = tl.max(ls, 0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.exp2(ls - mx)  # 0 for empty splits
-    tot = tl.sum(w, 0)
-    o = tl.load(part_out + (row * NS + i)[:, None] * D + d[None, :], mask=(i < NS)[:, None], other=0.0)
-    o = tl.sum(o * w[:, None], 0) / tl.where(tot == 0.0, 1.0, tot)
+    m = tl.full([], float("-inf"), tl.float32)
+    tot = tl.zeros([], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    for c0 in range(0, NS, CH):
+        i = c0 + tl.arange(0, CH)
+        ls = tl.load(part_lse + row * NS + i, mask=i < NS, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(ls, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_use)
+        w = tl.exp2(ls - m_use)  # 0 for empty splits
+        o = tl.load(part_out + (row * NS + i)[:, None] * D + d[None, :], mask=(i < NS)[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        tot = tot * alpha + tl.sum(w, 0)
+        m = m_new
+    m = tl.where(m == float("-inf"), 0.0, m)
+    o = acc / tl.where(tot == 0.0, 1.0, tot)
     tl.store(out + row * D + d, o.to(out.dtype.element_ty))
-    lse2 = mx + tl.log2(tl.where(tot == 0.0, 1.0, tot))
+    lse2 = m + tl.log2(tl.where(tot == 0.0, 1.0, tot))
     tl.store(lse + row, tl.where(tot == 0.0, float("-inf"), lse2 * 0.6931471805599453))
 
 
@@ -124,24 +207,34 @@ def _mass_kernel(logits, lse, seq_lens, mass, max_len, G: tl.constexpr, GP: tl.c
 
 
 # Tile shapes per codec: pages per loop step, warps per program, software-pipeline depth, how
-# many programs per SM the context split aims for, a register cap (more programs per SM; a few
-# bytes of spill) and whether int8/fp8 codes are loaded as int32 words. Chosen by
-# benchmarks/gpu_bench.py --sweep on an H200; SMALL_HEAD_CONFIG is for head_dim <= 64, where one
-# warp per program and one page per step won. The kernels are latency-bound: what helped was
-# more warps per SM and fewer cross-warp reductions; deeper pipelines (num_stages 5 and 7) and
-# 4-warp tiles were slower.
+# many programs per SM the context split aims for ('fill': 'down' rounds the split count down
+# to at most that many; 'waves' takes programs_per_sm as the programs an SM holds at once and
+# picks the split count that leaves the fewest slots idle), a register cap, whether int8/fp8
+# codes are loaded as int32 words, 'rows' ('group': the group's query heads rounded up to a
+# power of two; else 16), 'warp_split' (each warp its own pages and softmax) and 'asm' (False:
+# the portable int4 conversion instead of inline PTX). Chosen by benchmarks/gpu_bench.py
+# --variants on an H200; SMALL_HEAD_CONFIG is for head_dim <= 64. The kernels are latency- and
+# issue-bound: what helped was fewer padded rows, no cross-warp reductions in the loop, every
+# load prefetched by the pipeline and more warps per SM; deeper pipelines were not faster.
+# int4 with 16 tokens per warp per step (one page per warp) computed wrong outputs on the H200
+# (Triton 3.6, with or without the inline PTX), as did int4 with warp_split and inline PTX and
+# int4 with warp_split over 4 warps: those tiles are not used.
 DEFAULT_CONFIG = {
-    "16bit": {"pages": 4, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8},
-    "int8": {"pages": 2, "num_warps": 2, "num_stages": 3, "programs_per_sm": 16, "maxnreg": 128, "words": True},
-    "fp8": {"pages": 2, "num_warps": 2, "num_stages": 3, "programs_per_sm": 16, "maxnreg": 128, "words": True},
-    "int4": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8},
+    "16bit": {"pages": 4, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8, "rows": "group"},
+    "int8": {"pages": 2, "num_warps": 2, "num_stages": 3, "programs_per_sm": 6, "fill": "waves", "rows": "group",
+             "warp_split": True, "words": True},
+    "fp8": {"pages": 2, "num_warps": 2, "num_stages": 3, "programs_per_sm": 6, "fill": "waves", "rows": "group",
+            "warp_split": True, "words": True},
+    "int4": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8, "rows": "group"},
 }
 SMALL_HEAD_CONFIG = {
-    "16bit": {"pages": 1, "num_warps": 1, "num_stages": 3, "programs_per_sm": 11},
-    "int8": {"pages": 1, "num_warps": 1, "num_stages": 3, "programs_per_sm": 11, "words": True},
-    "fp8": {"pages": 1, "num_warps": 1, "num_stages": 3, "programs_per_sm": 11, "words": False},
-    # int4 with one page per step and one warp computed wrong outputs on the H200 (Triton 3.6)
-    "int4": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8},
+    "16bit": {"pages": 1, "num_warps": 1, "num_stages": 3, "programs_per_sm": 11, "rows": "group"},
+    "int8": {"pages": 2, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8, "fill": "waves", "rows": "group",
+             "warp_split": True, "words": False},
+    "fp8": {"pages": 2, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8, "fill": "waves", "rows": "group",
+            "warp_split": True, "words": False},
+    "int4": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 6, "fill": "waves", "rows": "group",
+             "warp_split": True, "asm": False},
 }
 _SM_COUNT: dict[int, int] = {}
 
@@ -156,15 +249,33 @@ def _num_sms(device: torch.device) -> int:
 
 
 def num_splits(batch: int, heads: int, max_len: int, device: torch.device, block_tokens: int,
-               programs_per_sm: int = 4, min_split: int = 256) -> tuple[int, int]:
-    """(splits, tokens per split): at most programs_per_sm programs per SM (rounded down: one
-    split more than fits would add a wave of few programs), splits no shorter than min_split
-    tokens, each a multiple of block_tokens."""
-    want = max(1, programs_per_sm * _num_sms(device) // (batch * heads))
-    want = min(want, max(1, max_len // min_split))
+               programs_per_sm: int = 4, min_split: int = 256, fill: str = "down") -> tuple[int, int]:
+    """(splits, tokens per split), splits no shorter than min_split tokens, each a multiple of
+    block_tokens. fill 'down': at most programs_per_sm programs per SM (rounded down: one split
+    more than fits would add a wave of few programs). fill 'waves': programs_per_sm is how many
+    programs an SM holds at once; the split count that wastes the fewest of those slots over
+    all waves (B x H programs per split), the fewest splits among equals."""
+    cap = max(1, max_len // min_split)
+    if fill == "waves":
+        want = _fewest_waves(batch * heads, programs_per_sm * _num_sms(device), cap)
+    else:
+        want = min(max(1, programs_per_sm * _num_sms(device) // (batch * heads)), cap)
     step = -(-max_len // want)
     step = -(-step // block_tokens) * block_tokens
     return -(-max_len // step), step
+
+
+@functools.lru_cache(maxsize=4096)
+def _fewest_waves(per_split: int, slots: int, cap: int) -> int:
+    # time ~ waves / splits (a split's share of the work shrinks as splits grow); a split count
+    # must save 5 % to win over fewer splits (each split adds a program prologue and a row of
+    # the merge); past a few waves more splits gain nothing
+    best, best_cost = 1, 1.0
+    for n in range(1, min(cap, max(1, slots // per_split) * 4) + 1):
+        cost = -(-n * per_split // slots) / n
+        if cost < best_cost * 0.95:
+            best, best_cost = n, cost
+    return best
 
 
 def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -196,12 +307,13 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
     dev = check_device(q, block_table, seq_lens, pages["k"])
     cfg = {**(SMALL_HEAD_CONFIG if d <= 64 else DEFAULT_CONFIG)[codec], **(config or {})}
     g = hq // h
-    gp = max(16, triton.next_power_of_2(g))
+    gp = triton.next_power_of_2(g) if cfg.get("rows") == "group" else max(16, triton.next_power_of_2(g))
     bn = cfg["pages"] * s
     max_len = block_table.shape[1] * s
     span = max_len if max_seq_len is None else max(1, min(max_seq_len, max_len))
     # splits of at least 4 loop steps: short contexts are bound by each program's chain of steps
-    ns, step = num_splits(b, h, span, dev, bn, cfg["programs_per_sm"], min_split=4 * bn)
+    ns, step = num_splits(b, h, span, dev, bn, cfg["programs_per_sm"], min_split=4 * bn,
+                          fill=cfg.get("fill", "down"))
     if "splits" in cfg:
         ns = cfg["splits"]
         step = -(-(-(-span // ns)) // bn) * bn
@@ -216,16 +328,20 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
     split = ns > 1
     p_out = torch.empty(b, hq, ns, d, device=dev, dtype=torch.float32) if split else out
     p_lse = torch.empty(b, hq, ns, device=dev, dtype=torch.float32) if split else lse
-    _decode_kernel[(b, h, ns)](q, *field_args(pages), block_table, seq_lens, p_out, p_lse, logits,
-                               scale * LOG2E, block_table.stride(0), step, max_len,
-                               H=h, G=g, GP=gp, S=s, D=d, KIND=KIND[codec], GROUP=ref.INT4_GROUP,
-                               PAGES=cfg["pages"], SPLIT=split, MASS=return_mass,
-                               ON_GPU=0 if interpreting() else 2 if words else 1,
-                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                               **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
+    warps = cfg.get("warp_split", False) and cfg["num_warps"] > 1
+    if warps and cfg["pages"] % cfg["num_warps"]:
+        raise KernelArgError(f"warp_split needs pages ({cfg['pages']}) divisible by num_warps ({cfg['num_warps']})")
+    kernel, extra = (_decode_kernel_warps, {"W": cfg["num_warps"]}) if warps else (_decode_kernel, {})
+    kernel[(b, h, ns)](q, *field_args(pages), block_table, seq_lens, p_out, p_lse, logits,
+                       scale * LOG2E, block_table.stride(0), step, max_len,
+                       H=h, G=g, GP=gp, S=s, D=d, KIND=KIND[codec], GROUP=ref.INT4_GROUP,
+                       PAGES=cfg["pages"], SPLIT=split, MASS=return_mass,
+                       ON_GPU=0 if interpreting() or not cfg.get("asm", True) else 2 if words else 1,
+                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                       **extra, **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     if split:
-        _combine_kernel[(b * hq,)](p_out, p_lse, out, lse, ns, D=d, NSP=max(2, triton.next_power_of_2(ns)),
-                                   num_warps=4)
+        ch = min(cfg.get("combine_chunk", 64), max(2, triton.next_power_of_2(ns)))
+        _combine_kernel[(b * hq,)](p_out, p_lse, out, lse, ns, D=d, CH=ch, num_warps=4)
     if not return_mass:
         return out, lse
     mass = torch.empty(b, h, max_len, device=dev, dtype=torch.float32)

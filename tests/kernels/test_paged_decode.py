@@ -61,6 +61,13 @@ def test_bf16_and_forced_splits(codec):
     _check(codec, torch.bfloat16, q, pages, table, lens, config={"splits": 3})
 
 
+@pytest.mark.parametrize("codec", ("int8", "int4"))
+def test_splits_merged_in_chunks(codec):
+    # more splits than the merge takes at once: the running max across chunks
+    q, pages, table, lens = _case(codec, torch.float16, 4, 64, [150, 97, 0], seed=9)
+    _check(codec, torch.float16, q, pages, table, lens, config={"splits": 5, "combine_chunk": 2})
+
+
 def test_scale_and_max_seq_len():
     q, pages, table, lens = _case("int8", torch.float16, 2, 64, [40, 33], seed=5)
     _check("int8", torch.float16, q, pages, table, lens, sm_scale=0.3 / math.sqrt(64), max_seq_len=48)
