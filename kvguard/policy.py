@@ -78,7 +78,7 @@ class Evictor(_Strict):
     window: Count = 64  # streamingllm: ignored, the window is budget - sink
     observe: Annotated[int, Field(gt=0, strict=True)] | None = None  # snapkv only
     pool: Annotated[int, Field(gt=0, strict=True)] | None = None  # snapkv only
-    per_head: bool = True  # h2o, snapkv: a keep set per layer and KV head (false: one for all)
+    per_head: Annotated[bool, Field(strict=True)] = True  # h2o, snapkv: a keep set per layer and KV head (false: one for all)
 
     @model_validator(mode="after")
     def _fits(self):

@@ -40,7 +40,7 @@ def test_cache_config_follows_the_policy():
     cfg = p.cache_config(SMOLLM2, num_pages=8)
     assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.num_query_heads) == (30, 3, 64, 9)
     assert (cfg.codec, cfg.fp_sink, cfg.fp_window, cfg.evictor) == ("int4", 4, 128, "h2o")
-    assert cfg.evictor_options == {"budget": 1024, "sink": 4, "window": 128}
+    assert cfg.evictor_options == {"budget": 1024, "sink": 4, "window": 128, "per_head": True}
     chat = load_policy(POLICIES / "chat.yaml").cache_config(SMOLLM2)
     assert chat.evictor_options == {"budget": 4096, "sink": 4, "window": 4092}
 
