@@ -51,7 +51,8 @@ def line_of(text: str, needle: str) -> int:
 
 BAD = [
     # (what changes, the line it is on, the field named, words of the message)
-    (("name: int8\n  fp_sink: 4\nevictor", "name: int3\n  fp_sink: 4\nevictor"), "name: int3", "codec.name", "'int8'"),
+    (("name: int8\n  fp_sink: 4\n  fp_window: 128\nevictor", "name: int3\n  fp_sink: 4\n  fp_window: 128\nevictor"),
+     "name: int3", "codec.name", "'int8'"),
     (("prefix_sharing: tenant", "prefix_share: tenant"), "prefix_share", "prefix_share", "not permitted"),
     (("budget: 4096", "budget: -5"), "budget: -5", "evictor.budget", "greater than 0"),
     (("budget: 4096", "budget: '4096'"), "budget: '4096'", "evictor.budget", "integer"),
@@ -60,7 +61,7 @@ BAD = [
      "fidelity.max_attention_deviation", "less than 1"),
     (("tiers: [device, cpu]", "tiers: [cpu, device]"), "tiers:", "tiers", "start with device"),
     (("  - codec: {name: fp16}", "  - codec: {name: fp32}"), "name: fp32", "downgrade[1].codec.name", "'fp16'"),
-    (("downgrade:\n  - codec: {name: int8, fp_sink: 4}\n  - codec: {name: fp16}\n", ""), "on_violation",
+    (("downgrade:\n  - codec: {name: int8, fp_sink: 4, fp_window: 128}\n  - codec: {name: fp16}\n", ""), "on_violation",
      "on_violation", "downgrade list"),
     (("  sink: 4\ntiers", "  sink: 4\n  window: 32\n  observe: 8\ntiers"), "name: streamingllm", "evictor",
      "snapkv's options"),
@@ -104,19 +105,19 @@ def test_calibrate_accepts_within_the_bound():
     p = load_policy(POLICIES / "chat.yaml")
     events = EventQueue()
     d = calibrate(p, Measurement(deviation=0.004, ppl_delta=0.01), tenant="acme", events=events)
-    assert (d.outcome, d.step, d.config) == ("accept", 0, "int8(sink 4)+streamingllm@4096/s4")
+    assert (d.outcome, d.step, d.config) == ("accept", 0, "int8(sink 4, window 128)+streamingllm@4096/s4")
     assert events.take_events() == [d]
 
 
 def test_calibrate_downgrades_to_the_first_step_within_the_bound():
     p = load_policy(POLICIES / "long-document.yaml")
     measured = {
-        "int8(sink 4)+h2o@1024/s4/w256": Measurement(0.05, 0.3),
-        "int8(sink 4)+h2o@1536/s4/w384": Measurement(0.02, 0.1),  # still beyond 1 %
-        "int8(sink 4)": Measurement(0.003, 0.004),
+        "int8(sink 4, window 128)+h2o@1024/s4/w256": Measurement(0.05, 0.3),
+        "int8(sink 4, window 128)+h2o@1536/s4/w384": Measurement(0.02, 0.1),  # still beyond 1 %
+        "int8(sink 4, window 128)": Measurement(0.003, 0.004),
     }
     d = calibrate(p, measured, tenant="acme")
-    assert (d.outcome, d.step, d.config) == ("downgrade", 2, "int8(sink 4)")
+    assert (d.outcome, d.step, d.config) == ("downgrade", 2, "int8(sink 4, window 128)")
     assert p.at(d.step).evictor is None
     assert (d.deviation, d.ppl_delta) == (0.05, 0.3)
     record = d.details()

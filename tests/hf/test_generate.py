@@ -117,5 +117,5 @@ def test_cache_from_a_policy(model, code_ids, alice):
         model(code_ids[:, :40], past_key_values=cache)
     cfg = cache.manager.cfg
     assert (cfg.codec, cfg.fp_sink, cfg.fp_window, cfg.evictor, cfg.page_size) == ("int4", 4, 128, "h2o", 16)
-    assert cfg.evictor_options == {"budget": 1024, "sink": 4, "window": 128}
+    assert cfg.evictor_options == {"budget": 1024, "sink": 4, "window": 128, "per_head": True}
     assert cfg.dtype == torch.float32 and cache.stats().tokens_held == 40  # the model's dtype, every token
