@@ -9,6 +9,11 @@ dropped afterwards): one caller handing over 1,000 records per append_many call
 and waiting for each; four callers doing the same with 250 records each (as the
 sidecar's request threads would); one record per submit() future;
 (3) verify_store over the SQLite log just written.
+
+Each end-to-end run is measured with the writer signing on a thread (LogConfig's
+default) and in a child process (sign_process=True, what the sidecar runs), and
+its ratio is taken against the raw sign rate measured right before and right
+after it (the mean of the two), so drift of a shared machine hits both sides.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ def details(i: int) -> dict:
             "digest": f"{i:064x}"}
 
 
-def raw_rates(n: int) -> tuple[float, float, int]:
+def raw_rates(n: int, verify: bool = True) -> tuple[float, float, int]:
     key = SigningKey.generate()
     r = Record("bench.kvguard.example/raw", 123456, "2025-01-31T12:00:00.123Z", "quantize", SUBJECT,
                details(1), "0" * 64, key.key_id)
@@ -49,17 +54,33 @@ def raw_rates(n: int) -> tuple[float, float, int]:
     for _ in range(n):
         sig = key.sign(msg)
     sign = n / (time.perf_counter() - t)
+    size = len(r.with_signature(sig, msg).leaf_bytes)
+    if not verify:
+        return sign, 0.0, size
     pub = key.public_key
     t = time.perf_counter()
     for _ in range(n):
         pub.verify(sig, msg)
-    return sign, n / (time.perf_counter() - t), len(r.with_signature(sig, msg).leaf_bytes)
+    return sign, n / (time.perf_counter() - t), size
 
 
-def end_to_end(url: str, n: int, mode: str) -> float:
+def _cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU of a process, all its threads (this process when pid is None)."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def end_to_end(url: str, n: int, mode: str, sign_process: bool) -> tuple[float, float, float]:
+    """Records/s, and CPU microseconds per record of this process and of the signer child."""
     store = AuditStore(url)
-    log = AuditLog(store, f"bench.kvguard.example/{uuid.uuid4().hex[:8]}", SigningKey.generate(), LogConfig())
+    log = AuditLog(store, f"bench.kvguard.example/{uuid.uuid4().hex[:8]}", SigningKey.generate(),
+                   LogConfig(sign_process=sign_process))
     log.append("policy", {}, {"warmup": True})
+    child = log._signproc._proc.pid if sign_process else None
+    cpu0, child0 = _cpu_seconds(), _cpu_seconds(child) if child else 0.0
     t = time.perf_counter()
     if mode == "append_many":
         for start in range(0, n, 1000):
@@ -77,9 +98,11 @@ def end_to_end(url: str, n: int, mode: str) -> float:
         for f in futures:
             f.result()
     rate = n / (time.perf_counter() - t)
+    cpu = (_cpu_seconds() - cpu0) / n * 1e6
+    child_cpu = (_cpu_seconds(child) - child0) / n * 1e6 if child else 0.0
     log.close()
     store.dispose()
-    return rate
+    return rate, cpu, child_cpu
 
 
 def verify_rate(url: str) -> tuple[float, int]:
@@ -119,9 +142,15 @@ def main() -> None:
             targets.append(("PostgreSQL", pg))
         try:
             for label, url in targets:
-                for mode in ("append_many", "4 callers", "submit"):
-                    rate = end_to_end(url, n, mode)
-                    rows.append((f"end to end, {label}, {mode}", rate, f"{rate / sign:.2f} x raw sign"))
+                for where in ("thread", "process"):
+                    for mode in ("append_many", "4 callers", "submit"):
+                        before = raw_rates(5000, verify=False)[0]
+                        rate, cpu, child_cpu = end_to_end(url, n, mode, where == "process")
+                        around = (before + raw_rates(5000, verify=False)[0]) / 2
+                        split = f"{cpu:.0f} + {child_cpu:.0f} signer" if child_cpu else f"{cpu:.0f}"
+                        rows.append((f"end to end, {label}, {mode}, sign in {where}", rate,
+                                     f"{rate / around:.2f} x raw sign ({around:,.0f}/s around it); "
+                                     f"CPU us/record {split}"))
             vrate, vn = verify_rate(sqlite)
             rows.append((f"verify_store, SQLite ({vn} records)", vrate, f"{vrate / verify:.2f} x raw verify"))
         finally:
@@ -129,11 +158,12 @@ def main() -> None:
                 with admin.connect() as c:
                     c.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
                 admin.dispose()
-    print(f"# {n} records per end-to-end run, ~{size}-byte records\n")
-    print(f"| {'measurement':<44} | {'records/s':>10} | ratio |")
-    print(f"|{'-' * 46}|{'-' * 12}|-------|")
+    print(f"# {n} records per end-to-end run, ~{size}-byte records; "
+          f"load average at the end {os.getloadavg()[0]:.2f}\n")
+    print(f"| {'measurement':<60} | {'records/s':>10} | ratio |")
+    print(f"|{'-' * 62}|{'-' * 12}|-------|")
     for label, rate, ratio in rows:
-        print(f"| {label:<44} | {rate:>10,.0f} | {ratio} |")
+        print(f"| {label:<60} | {rate:>10,.0f} | {ratio} |")
 
 
 if __name__ == "__main__":
