@@ -1,12 +1,12 @@
 """Per-(layer, KV head) eviction, simulated at read time.
 
-kvguard's evictors choose one keep set for every layer and head: a page holds
-them all, and only whole pages free memory. H2O and SnapKV as published choose
-per head. This cache measures what that costs: it holds every token and, after
-the prefix, lets each layer's KV head read only the prefix tokens its own
-attention mass would keep (the same evictor's `select`, run per head), plus
-every later token. It frees nothing, like sparse; its read ratio is the share
-of visible keys a head reads.
+The cross-check of the cache's own per-head compaction (H2O and SnapKV keep a
+set of tokens per layer and KV head, kvguard/compress/evictors/base.py): this
+cache holds every token and, after the prefix, lets each layer's KV head read
+only the prefix tokens its own attention mass would keep (the same evictor's
+`select`, run per head), plus every later token. It frees nothing, like sparse;
+its read ratio is the share of visible keys a head reads. Its perplexity should
+match the `-prefix` methods', which evict for real.
 """
 
 from __future__ import annotations
