@@ -488,12 +488,12 @@ def main():
         hq, h, d = MODELS[model]
         cfgs = next(iter(variant_configs(spec, d).values()))
         pool = {"k": outlier((batch * length // S, h, S, d)), "v": outlier((batch * length // S, h, S, d))}
-        table = torch.randperm(batch * length // S, device=DEV).to(torch.int32).reshape(batch, -1)
+        block_table = torch.randperm(batch * length // S, device=DEV).to(torch.int32).reshape(batch, -1)
         lens = torch.full((batch,), length, dtype=torch.int32, device=DEV)
         q = torch.randn(batch, hq, d, device=DEV, dtype=torch.bfloat16)
         for codec in codecs:
             pages = pool if codec == "16bit" else quantized_pool(pool, codec)
-            paged_decode(q, pages, table, lens, config=cfgs[codec])
+            paged_decode(q, pages, block_table, lens, config=cfgs[codec])
             torch.cuda.synchronize()
         return
     ceil = ceilings()

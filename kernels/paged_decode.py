@@ -209,22 +209,23 @@ def _mass_kernel(logits, lse, seq_lens, mass, max_len, G: tl.constexpr, GP: tl.c
 # Tile shapes per codec: pages per loop step, warps per program, software-pipeline depth, how
 # many programs per SM the context split aims for ('fill': 'down' rounds the split count down
 # to at most that many; 'waves' takes programs_per_sm as the programs an SM holds at once and
-# picks the split count that leaves the fewest slots idle), a register cap, whether int8/fp8
-# codes are loaded as int32 words, 'rows' ('group': the group's query heads rounded up to a
-# power of two; else 16), 'warp_split' (each warp its own pages and softmax) and 'asm' (False:
-# the portable int4 conversion instead of inline PTX). Chosen by benchmarks/gpu_bench.py
-# --variants on an H200; SMALL_HEAD_CONFIG is for head_dim <= 64. The kernels are latency- and
-# issue-bound: what helped was fewer padded rows, no cross-warp reductions in the loop, every
-# load prefetched by the pipeline and more warps per SM; deeper pipelines were not faster.
-# int4 with 16 tokens per warp per step (one page per warp) computed wrong outputs on the H200
-# (Triton 3.6, with or without the inline PTX), as did int4 with warp_split and inline PTX and
-# int4 with warp_split over 4 warps: those tiles are not used.
+# picks the split count that leaves the fewest slots idle), a register cap (with 'waves', one
+# that keeps the return_mass variant, a few registers larger, at the same programs per SM),
+# whether int8/fp8 codes are loaded as int32 words, 'rows' ('group': the group's query heads
+# rounded up to a power of two; else 16), 'warp_split' (each warp its own pages and softmax)
+# and 'asm' (False: the portable int4 conversion instead of inline PTX). Chosen by
+# benchmarks/gpu_bench.py --variants on an H200; SMALL_HEAD_CONFIG is for head_dim <= 64. The
+# kernels are latency- and issue-bound: what helped was fewer padded rows, no cross-warp
+# reductions in the loop, every load prefetched by the pipeline and more warps per SM; deeper
+# pipelines were not faster. int4 with 16 tokens per warp per step (one page per warp)
+# computed wrong outputs on the H200 (Triton 3.6, with or without the inline PTX), as did int4
+# with warp_split and inline PTX and int4 with warp_split over 4 warps: those tiles are not used.
 DEFAULT_CONFIG = {
     "16bit": {"pages": 4, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8, "rows": "group"},
     "int8": {"pages": 2, "num_warps": 2, "num_stages": 3, "programs_per_sm": 6, "fill": "waves", "rows": "group",
-             "warp_split": True, "words": True},
+             "warp_split": True, "words": True, "maxnreg": 168},
     "fp8": {"pages": 2, "num_warps": 2, "num_stages": 3, "programs_per_sm": 6, "fill": "waves", "rows": "group",
-            "warp_split": True, "words": True},
+            "warp_split": True, "words": True, "maxnreg": 168},
     "int4": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8, "rows": "group"},
 }
 SMALL_HEAD_CONFIG = {
@@ -234,7 +235,7 @@ SMALL_HEAD_CONFIG = {
     "fp8": {"pages": 2, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8, "fill": "waves", "rows": "group",
             "warp_split": True, "words": False},
     "int4": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 6, "fill": "waves", "rows": "group",
-             "warp_split": True, "asm": False},
+             "warp_split": True, "asm": False, "maxnreg": 168},
 }
 _SM_COUNT: dict[int, int] = {}
 
