@@ -271,9 +271,12 @@ class AuditLog:
         self._commit([item], self._sign([item], self.tree.size, self._prev))
         self._next_seq, self._next_prev = self.tree.size, self._prev
 
-    def _sign(self, items: list[Item], seq: int, prev: str) -> list[Record]:
+    def _sign(self, items: list[Item], seq: int, prev: str, here: bool = False) -> list[Record]:
+        """Sign `items` as records seq, seq + 1, ... chained from prev; `here` signs in this
+        thread even with a signer process (the committer must never wait on the process,
+        whose answers wait on the committer's queue)."""
         when = fields.format_time(self._clock())
-        if self._signproc is not None:
+        if self._signproc is not None and not here:
             return self._signproc.sign(self._key, self.origin, seq, when, prev, _parts(items))
         return sign_chain(self._key, self.origin, seq, when, prev, _parts(items))
 
@@ -304,7 +307,7 @@ class AuditLog:
                 raise StoreError(
                     f"log {self.origin} was rotated to key {self._active_key_id} by another writer")
             if records[0].seq != self.tree.size or records[0].prev != self._prev:
-                records = self._sign(items, self.tree.size, self._prev)  # signed on a stale tail
+                records = self._sign(items, self.tree.size, self._prev, here=True)  # signed on a stale tail
                 self._resync.set()
             rotation = items[-1].new_key
             last = records[-1].seq

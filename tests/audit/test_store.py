@@ -101,11 +101,13 @@ def test_logs_of_different_origins_do_not_interfere(store, signing_key, origin):
         assert verify_store(store, log.origin, [signing_key.public_key]).size == 40
 
 
-def test_concurrent_writers_of_one_log_never_fork(db_url, signing_key, origin):
-    # Two writers, each with its own engine and in-memory tail, appending to one log at once.
+@pytest.mark.parametrize("sign_process", [False, True], ids=["sign-in-thread", "sign-in-process"])
+def test_concurrent_writers_of_one_log_never_fork(db_url, signing_key, origin, sign_process):
+    # Two writers, each with its own engine and in-memory tail, appending to one log at once;
+    # with a signer process, slices signed ahead on a stale tail are re-signed at commit.
     stores = [AuditStore(db_url) for _ in range(2)]
     open_log(stores[0], origin, signing_key).close()
-    logs = [open_log(s, origin, signing_key) for s in stores]
+    logs = [open_log(s, origin, signing_key, sign_process=sign_process, sign_slice=2) for s in stores]
     done: list[list] = [[], []]
 
     def write(i):
