@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from audit.keys import SigningKey
 from audit.store import AuditStore
 from audit.verify import verify_store
@@ -21,8 +23,9 @@ WRITER = textwrap.dedent("""
     from audit.log import AuditLog, LogConfig
     from audit.store import AuditStore
 
-    url, origin, key_path = sys.argv[1:4]
-    log = AuditLog(AuditStore(url), origin, SigningKey.load(key_path), LogConfig(checkpoint_every=64))
+    url, origin, key_path, sign_process = sys.argv[1:5]
+    log = AuditLog(AuditStore(url), origin, SigningKey.load(key_path),
+                   LogConfig(checkpoint_every=64, sign_process=sign_process == "process"))
     n = 0
     while True:  # keep several batches in flight; print each seq once its commit returned
         futures = [log.submit("evict", {}, {"pages": [n + i]}) for i in range(16)]
@@ -32,11 +35,12 @@ WRITER = textwrap.dedent("""
 """)
 
 
-def test_acknowledged_records_survive_sigkill(db_url, origin, tmp_path):
+@pytest.mark.parametrize("sign", ["thread", "process"])
+def test_acknowledged_records_survive_sigkill(db_url, origin, tmp_path, sign):
     key = SigningKey.generate()
     key.save(tmp_path / "log.key")
     proc = subprocess.Popen(
-        [sys.executable, "-c", WRITER, db_url, origin, str(tmp_path / "log.key")],
+        [sys.executable, "-c", WRITER, db_url, origin, str(tmp_path / "log.key"), sign],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
