@@ -324,8 +324,8 @@ class CacheManager:
             raise InputError(f"{q.shape[0]} queries but the sequence holds {seq.lengths[layer]} positions")
         mass_q = 0
         if self.evictor is not None and self.evictor.needs_mass:
-            observe = getattr(self.evictor, "observe", None)
-            mass_q = q.shape[0] if observe is None else (min(observe, q.shape[0]) if q.shape[0] > 1 else 0)
+            observe = getattr(self.evictor, "observe", None)  # SnapKV: the last `observe` queries vote
+            mass_q = q.shape[0] if observe is None else min(observe, q.shape[0])
         if c.use_kernels and q.shape[0] == 1:
             return self._attend_paged(seq, layer, q, scale, mass_q > 0)
         k, v = self.kv(seq_id, layer, dtype=torch.float32)
@@ -419,7 +419,9 @@ class CacheManager:
                 freed += [_pid(name, p) for p in self._release(name, pages, seq.subject)]
         seq.pages = seq.pages[:first] + new_refs
         seq.lengths = [new_len] * c.num_layers
-        seq.mass = seq.mass.gather(-1, keep)
+        # H2O's mass accumulates for good; SnapKV's votes are those of the queries since the
+        # last compaction (its observation window in decode), so they start again from zero
+        seq.mass = torch.zeros_like(seq.mass[..., :new_len]) if self.evictor.fresh_votes else seq.mass.gather(-1, keep)
         seq.evicted += length - new_len
         seq.positional = False
         event = ev.TokensEvicted(

@@ -133,8 +133,9 @@ def test_per_head_compaction_keeps_each_heads_own_positions(case, alice):
         for h in range(2):
             assert torch.equal(kk[h], k[keep[layer, h], h]) and torch.equal(vv[h], v[keep[layer, h], h])
             assert (40 + 30 * h) in keep[layer, h].tolist()
-    # the mass travels with its tokens
-    assert torch.equal(m._seq(seq).mass, mass.gather(-1, keep))
+    # H2O's mass travels with its tokens; SnapKV's votes start again after a compaction
+    after = m._seq(seq).mass
+    assert torch.equal(after, torch.zeros_like(after) if m.evictor.fresh_votes else mass.gather(-1, keep))
 
 
 def test_one_keep_set_when_asked(alice):
@@ -153,3 +154,18 @@ def test_one_keep_set_when_asked(alice):
 def test_per_head_must_be_a_boolean():
     with pytest.raises(ConfigError, match="per_head"):
         build({"name": "h2o", "options": {"budget": 48, "sink": 4, "window": 16, "per_head": "yes"}})
+
+
+def test_snapkv_decode_queries_vote_after_a_compaction(alice):
+    m = build(EVICTOR_MATRIX[2], auto_compact=False)
+    seq = m.open(alice)
+    k, v = outlier_kv(130, 2, 64, seed=14)
+    fill(m, seq, k[:120], v[:120], chunk=100)
+    m.compact(seq)
+    assert m._seq(seq).mass.abs().sum() == 0
+    q = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(15)).half()
+    for layer in range(2):
+        m.append(seq, layer, k[120:121], v[120:121])
+        m.attend(seq, layer, q)
+    mass = m._seq(seq).mass
+    assert mass.shape == (2, 2, 49) and torch.allclose(mass.sum(-1), torch.full((2, 2), 2.0))  # group of 2 queries

@@ -29,6 +29,8 @@ class Evictor(ABC):
     name: ClassVar[str]
     # True when the evictor needs each key's attention mass from `attend`.
     needs_mass: ClassVar[bool] = False
+    # True when the mass is votes of the queries since the last compaction, not a running total.
+    fresh_votes: ClassVar[bool] = False
 
     budget: int = 256
     sink: int = 4

@@ -2,9 +2,11 @@
 keys they attend to; votes are max-pooled over neighbouring positions so that
 whole phrases survive, and the top-scored keys plus the window are kept.
 
-The cache accumulates the votes only from the prefill's observation window
-(`mass_queries` = observe); positions written after the prefill score zero, so
-later compactions drop the oldest of them first.
+The votes of a prefill chunk are those of its last `observe` queries, as in the
+paper, which compresses the prompt once. A cache that keeps decoding compacts
+again whenever it passes its budget by a page; then the decode queries since the
+previous compaction are the observation window, and the votes start from zero
+after each compaction.
 """
 
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from .base import Evictor
 class SnapKV(Evictor):
     name = "snapkv"
     needs_mass = True
+    fresh_votes = True
     observe: int = 32
     pool: int = 7
 
