@@ -43,7 +43,7 @@ class LogConfig:
     checkpoint_every: int = 1000
     checkpoint_interval_ms: int = 1000
     max_batch: int = 4096  # records per transaction, at most
-    sign_slice: int = 512  # records signed before the committer may start on them
+    sign_slice: int = 256  # records signed before the committer may start on them
     cache_level: int = 8  # tree levels below this are re-read from the store (audit.tree)
     conflict_retries: int = 20
     # Build and sign records in a child process (audit.signproc): the GIL then serves only
