@@ -20,9 +20,9 @@ from typing import Any
 from . import fields as f
 from .canonical import loads, record_bytes, subject_bytes
 from .errors import RecordFormatError
+from .merkle import leaf_hash as merkle_leaf_hash
 
 _FIELDS = ("v", "origin", "seq", "time", "op", "subject", "details", "prev", "key_id", "sig")
-_LEAF_PREFIX = hashlib.sha256(b"\x00")  # RFC 9162 leaf hash prefix, copied per record
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +112,7 @@ class Record:
     @property
     def leaf_hash(self) -> bytes:
         if not self._leaf_hash:
-            object.__setattr__(self, "_leaf_hash", hashlib.sha256(b"\x00" + self.leaf_bytes).digest())
+            object.__setattr__(self, "_leaf_hash", merkle_leaf_hash(self.leaf_bytes))
         return self._leaf_hash
 
     @property
@@ -207,6 +207,4 @@ def sign_leaf(key, origin: str, seq: int, time: str, op: str, details_json: byte
     tail = b'"subject":%b,"time":"%b","v":%d}' % (subject_json, time.encode(), f.FORMAT_VERSION)
     b64 = base64.b64encode(key.sign(head + tail))
     leaf = b'%b"sig":"%b",%b' % (head, b64, tail)
-    h = _LEAF_PREFIX.copy()
-    h.update(leaf)
-    return leaf, b64.decode("ascii"), h.digest()
+    return leaf, b64.decode("ascii"), merkle_leaf_hash(leaf)

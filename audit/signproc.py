@@ -64,6 +64,11 @@ class SignerProcess:
         self._receiver = threading.Thread(target=self._receive, name="audit-sign-receiver", daemon=True)
         self._receiver.start()
 
+    @property
+    def pid(self) -> int | None:
+        """The child's process id."""
+        return self._proc.pid
+
     def submit(self, key: SigningKey, origin: str, seq: int, time: str, prev: str | None,
                parts: list[Part]) -> "Future[list[Record]]":
         """Records seq, seq + 1, ... for `parts`, chained from `prev` (None: from the last
@@ -164,7 +169,7 @@ class SignerProcess:
             self._closing = True
             try:
                 self._conn.send(("stop",))
-            except (OSError, ValueError):
+            except (OSError, ValueError):  # the child is gone already: nothing to stop
                 pass
         self._receiver.join(timeout=5)
         self._conn.close()

@@ -12,7 +12,6 @@ Proof generation follows RFC 9162 §2.1.3.1 (PATH) and §2.1.4.1 (SUBPROOF).
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -195,7 +194,6 @@ class HashTree:
 def _perfect_root(leaves: Sequence[bytes]) -> bytes:
     """Root of a power-of-two run of leaf hashes, pairing level by level."""
     level = list(leaves)
-    sha256 = hashlib.sha256
     while len(level) > 1:
-        level = [sha256(b"\x01" + level[i] + level[i + 1]).digest() for i in range(0, len(level), 2)]
+        level = [node_hash(level[i], level[i + 1]) for i in range(0, len(level), 2)]
     return level[0]

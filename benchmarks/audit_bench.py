@@ -79,7 +79,7 @@ def end_to_end(url: str, n: int, mode: str, sign_process: bool) -> tuple[float, 
     log = AuditLog(store, f"bench.kvguard.example/{uuid.uuid4().hex[:8]}", SigningKey.generate(),
                    LogConfig(sign_process=sign_process))
     log.append("policy", {}, {"warmup": True})
-    child = log._signproc._proc.pid if sign_process else None
+    child = log._signproc.pid if sign_process else None
     cpu0, child0 = _cpu_seconds(), _cpu_seconds(child) if child else 0.0
     t = time.perf_counter()
     if mode == "append_many":

@@ -87,7 +87,7 @@ def test_the_child_exits_when_its_parent_is_killed(tmp_path):
         from audit.signproc import SignerProcess
         if __name__ == "__main__":
             s = SignerProcess()
-            print(s._proc.pid, flush=True)
+            print(s.pid, flush=True)
             time.sleep(60)
     """)
     path = tmp_path / "parent.py"
