@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from . import quantize as ref
-from ._checks import (INDEX_DTYPES, KIND, SIXTEEN_BIT, KernelArgError, check, check_device, check_pages, field_args,
-                      interpreting)
+from ._checks import (INDEX_DTYPES, KIND, SIXTEEN_BIT, KernelArgError, check, check_device, check_int4_tile,
+                      check_pages, field_args, interpreting)
 from ._pages import attend_block, load_pages_f16
 
 LOG2E = 1.4426950408889634
@@ -218,9 +218,8 @@ def _mass_kernel(logits, lse, seq_lens, mass, max_len, G: tl.constexpr, GP: tl.c
 # benchmarks/gpu_bench.py --variants on an H200; SMALL_HEAD_CONFIG is for head_dim <= 64. The
 # kernels are latency- and issue-bound: what helped was fewer padded rows, no cross-warp
 # reductions in the loop, every load prefetched by the pipeline and more warps per SM; deeper
-# pipelines were not faster. int4 with 16 tokens per warp per step (one page per warp)
-# computed wrong outputs on the H200 (Triton 3.6, with or without the inline PTX), as did int4
-# with warp_split and inline PTX and int4 with warp_split over 4 warps: those tiles are not used.
+# pipelines were not faster. int4 tiles whose P @ V product reduces over fewer than
+# MIN_INT4_PV_TOKENS tokens are refused (see kernels/_checks.py).
 DEFAULT_CONFIG = {
     "16bit": {"pages": 4, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8, "rows": "group"},
     "int8": {"pages": 2, "num_warps": 2, "num_stages": 3, "programs_per_sm": 6, "fill": "waves", "rows": "group",
@@ -333,6 +332,7 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
     warps = cfg.get("warp_split", False) and cfg["num_warps"] > 1
     if warps and cfg["pages"] % cfg["num_warps"]:
         raise KernelArgError(f"warp_split needs pages ({cfg['pages']}) divisible by num_warps ({cfg['num_warps']})")
+    check_int4_tile(codec, bn // cfg["num_warps"] if warps else bn)
     kernel, extra = (_decode_kernel_warps, {"W": cfg["num_warps"]}) if warps else (_decode_kernel, {})
     kernel[(b, h, ns)](q, *field_args(pages), block_table, seq_lens, p_out, p_lse, logits,
                        scale * LOG2E, block_table.stride(0), step, max_len,

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from . import quantize as ref
-from ._checks import (INDEX_DTYPES, KIND, SIXTEEN_BIT, KernelArgError, check, check_device, check_pages, field_args,
-                      interpreting)
+from ._checks import (INDEX_DTYPES, KIND, SIXTEEN_BIT, KernelArgError, check, check_device, check_int4_tile,
+                      check_pages, field_args, interpreting)
 from ._pages import attend_block, load_pages_f16
 from .paged_decode import LOG2E
 
@@ -79,6 +79,7 @@ def paged_prefill(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: 
         raise KernelArgError(f"need T={t} <= seq_len={seq_len} <= max_pages*S={block_table.shape[0] * s}")
     dev = check_device(q, block_table, pages["k"])
     cfg = {**DEFAULT_CONFIG, **(config or {})}
+    check_int4_tile(codec, cfg["pages"] * s)
     g = hq // h
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     out = torch.empty_like(q)

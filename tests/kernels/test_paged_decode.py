@@ -68,6 +68,38 @@ def test_splits_merged_in_chunks(codec):
     _check(codec, torch.float16, q, pages, table, lens, config={"splits": 5, "combine_chunk": 2})
 
 
+# int4 tile shapes the kernel accepts. Compiled on a GPU these catch what the interpreter cannot
+# show: Triton 3.6 computed the int4 P @ V product wrongly whenever a warp's step held one page
+# (16 tokens), the same wrong numbers on every run (see kernels/_checks.py).
+INT4_TILES = {
+    "2d_p4w2": {"pages": 4, "num_warps": 2, "warp_split": False},
+    "2d_p2w1": {"pages": 2, "num_warps": 1, "warp_split": False},
+    "split_p4w2": {"pages": 4, "num_warps": 2, "warp_split": True},
+    "split_p8w4": {"pages": 8, "num_warps": 4, "warp_split": True},
+}
+INT4_16_TOKEN_TILES = {
+    "2d_p1w1": {"pages": 1, "num_warps": 1, "warp_split": False},
+    "split_p2w2": {"pages": 2, "num_warps": 2, "warp_split": True},
+    "split_p4w4": {"pages": 4, "num_warps": 4, "warp_split": True},
+}
+
+
+@pytest.mark.parametrize("tile", INT4_TILES)
+@pytest.mark.parametrize("dim", (64, 128))
+def test_int4_tiles(tile, dim):
+    q, pages, table, lens = _case("int4", torch.float16, 4, dim, [150, 37, 1], seed=11)
+    _check("int4", torch.float16, q, pages, table, lens, config={**INT4_TILES[tile], "splits": 2})
+
+
+@pytest.mark.parametrize("tile", INT4_16_TOKEN_TILES)
+def test_int4_refuses_one_page_per_warp(tile):
+    q, pages, table, lens = _case("int4", torch.float16, 4, 64, [40, 3], seed=12)
+    with pytest.raises(KernelArgError, match="at least 32 tokens"):
+        paged_decode(q, pages, table, lens, config=INT4_16_TOKEN_TILES[tile])
+    q8, pages8, _, _ = _case("int8", torch.float16, 4, 64, [40, 3], seed=12)  # other codecs are not affected
+    paged_decode(q8, pages8, table, lens, config=INT4_16_TOKEN_TILES[tile])
+
+
 def test_scale_and_max_seq_len():
     q, pages, table, lens = _case("int8", torch.float16, 2, 64, [40, 33], seed=5)
     _check("int8", torch.float16, q, pages, table, lens, sm_scale=0.3 / math.sqrt(64), max_seq_len=48)

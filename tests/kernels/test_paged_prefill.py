@@ -51,3 +51,13 @@ def test_errors():
         paged_prefill(q, pages, table[None], 20)
     with pytest.raises(KernelArgError, match="q must have shape"):
         paged_prefill(q[..., :32].contiguous(), pages, table, 20)
+
+
+def test_int4_refuses_one_page_steps():
+    # a step of one page is a 16-token P @ V reduction, which Triton 3.6 gets wrong over int4 pages
+    q, pages, table = _case("int4", torch.float16, 2, 64, 8)
+    with pytest.raises(KernelArgError, match="at least 32 tokens"):
+        paged_prefill(q, pages, table, 20, config={"pages": 1})
+    out, _ = paged_prefill(q, pages, table, 20, config={"pages": 2})
+    r_out, _ = paged_prefill_ref(q, pages, table, 20)
+    assert rel_ok(out, r_out, TOL[torch.float16, True])
