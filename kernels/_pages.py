@@ -17,7 +17,8 @@ FP16_MAX = tl.constexpr(65504.0)
 # ON_GPU (a constexpr every kernel takes) selects PTX fast paths that compute the same values
 # as the portable code beside them, which the interpreter runs: inline assembly and libdevice
 # do not exist there. load_pages_f16 also takes ON_GPU = 2: int8/fp8 codes loaded as int32
-# words (rows must be 4-byte aligned).
+# words (rows must be 4-byte aligned), and for int4 ON_GPU = 3: bytes to channel-ordered fp16
+# pairs (u4_pairs_to_f16), -3 the same by portable code.
 
 
 @triton.jit
@@ -55,6 +56,41 @@ def u4_to_f16(b):
         "sub.f16x2 $2, $2, k;\n"
         "sub.f16x2 $3, $3, k; }",
         "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
+def u4_pairs_to_f16(b, ON_GPU: tl.constexpr):
+    """bytes [..., D/2] of 4-bit codes (channel 2i in the low nibble of byte i) -> [..., D/2, 2]
+    fp16 (reshape to [..., D]: channel order), exactly. On the GPU each byte becomes one 32-bit
+    register holding its two channels as an fp16 pair, the pair the tensor cores take: one PRMT
+    puts the byte into both halves, one LOP3 keeps the low nibble in the low half under 0x6400
+    (the fp16 number 1024 + c, ulp 1) and the high nibble, in place at bits 4-7, in the high
+    half under 0x5400 (64 + c, ulp 1/16), and one packed subtraction of (1024, 64) leaves the
+    two codes; four bytes per instruction group. The second asm only names the two halves of
+    that register (no instruction). u4_to_f16 returns low and high nibbles as separate
+    results, whose registers then need a PRMT each to be paired again."""
+    if ON_GPU:
+        w = tl.inline_asm_elementwise(
+            "{ .reg .b32 t, k;\n"
+            "mov.b32 k, 0x54006400;\n"
+            "prmt.b32 t, $4, 0, 0x4040;\n"
+            "lop3.b32 t, t, 0x00f0000f, k, 0xea;\n"
+            "sub.f16x2 $0, t, k;\n"
+            "prmt.b32 t, $4, 0, 0x4141;\n"
+            "lop3.b32 t, t, 0x00f0000f, k, 0xea;\n"
+            "sub.f16x2 $1, t, k;\n"
+            "prmt.b32 t, $4, 0, 0x4242;\n"
+            "lop3.b32 t, t, 0x00f0000f, k, 0xea;\n"
+            "sub.f16x2 $2, t, k;\n"
+            "prmt.b32 t, $4, 0, 0x4343;\n"
+            "lop3.b32 t, t, 0x00f0000f, k, 0xea;\n"
+            "sub.f16x2 $3, t, k; }",
+            "=r,=r,=r,=r,r", [b], dtype=tl.int32, is_pure=True, pack=4)
+        lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [w],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        lo, hi = codes_to_f16(b & 15, 0.0), codes_to_f16(b >> 4, 0.0)
+    return tl.join(lo, hi)
 
 
 @triton.jit
@@ -158,6 +194,25 @@ def load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, ok, h,
         # a page's 16 scales in one unmasked load (a per-token mask would split it into 2-byte
         # loads, which the loop's software pipeline cannot prefetch); missing tokens are zeroed after
         vs = tl.where(ok, tl.load(vsp + rows).to(tl.float32), 0.0).reshape(PAGES * S)
+    elif ON_GPU == 3 or ON_GPU == -3:  # int4 bytes to channel-ordered pairs (-3: portable)
+        D2: tl.constexpr = D // 2
+        NG: tl.constexpr = D // GROUP
+        c = tl.arange(0, D2)
+        kb = tl.load(kp + rows[:, :, None] * D2 + c[None, None, :], mask=m3, other=0)  # [PAGES, S, D/2] u8
+        vb = tl.load(vp + rows[:, :, None] * D2 + c[None, None, :], mask=m3, other=0)
+        ks = tl.load(ksp + ph[:, None, None] * D + d[None, None, :])  # [PAGES, 1, D]
+        kz = tl.load(kzp + ph[:, None, None] * D + d[None, None, :])
+        k = u4_pairs_to_f16(kb, ON_GPU > 0).reshape(PAGES, S, D) * ks + kz
+        if ON_GPU > 0:  # V goes to the tensor cores transposed (token pairs): no use for channel pairs
+            vlo, vhi = u4_to_f16(vb)
+        else:
+            vlo, vhi = codes_to_f16(vb & 15, 0.0), codes_to_f16(vb >> 4, 0.0)
+        vc = tl.join(vlo, vhi).reshape(PAGES, S, NG, GROUP)
+        g = tl.arange(0, NG)
+        gi = rows[:, :, None, None] * NG + g[None, None, :, None]  # [PAGES, S, NG, 1]
+        vsc = tl.load(vsp + gi, mask=ok[:, :, None, None], other=0.0)
+        vz = tl.load(vzp + gi, mask=ok[:, :, None, None], other=0.0)
+        v = (vc * vsc + vz).reshape(PAGES, S, D)
     else:
         D2: tl.constexpr = D // 2
         NG: tl.constexpr = D // GROUP

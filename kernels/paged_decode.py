@@ -7,7 +7,9 @@ rows as the group rounded up to a power of two; Triton pads the MMA), and one sl
 the context; it writes a partial (out, lse) per split, or the final result when there
 is one split. With warp_split, each warp of the program runs its own online softmax
 over its own pages of every step (_decode_kernel_warps: no reductions across warps in
-the loop), merged once at the end. Pass 2 merges the splits by their lse. The number of
+the loop), merged once at the end. With transposed (_decode_kernel_t, int4's tile) the
+same, with the products turned around so that a warp's tokens, not the padded group,
+fill the rows of the tensor-core tile. Pass 2 merges the splits by their lse. The number of
 splits comes from shapes only (no host sync, so the call can be captured in a CUDA
 graph): enough programs to fill the GPU.
 
@@ -148,6 +150,72 @@ def _decode_kernel_warps(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, o
 
 
 @triton.jit
+def _decode_kernel_t(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, lse, logits,
+                     qk_scale, bt_stride, split_tokens, max_len,
+                     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
+                     KIND: tl.constexpr, GROUP: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
+                     MASS: tl.constexpr, ON_GPU: tl.constexpr, W: tl.constexpr):
+    # As _decode_kernel_warps (each of the W warps its own pages and softmax), with the
+    # products transposed: logits^T = K q^T ([BW, GP] per warp) and out^T += V^T p^T ([D, GP]).
+    # The tokens fill the MMA's 16 rows and the group's query heads its 8 columns: no padded
+    # rows (whose duplicated registers cost a register move per MMA operand), half the MMAs of
+    # a group of 4 padded to 16 rows, and the softmax and rescale work on [BW, GP] and [D, GP].
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    ns = tl.num_programs(2)
+    BW: tl.constexpr = (PAGES // W) * S
+    BN: tl.constexpr = PAGES * S
+    seq_len = tl.load(seq_lens + b)
+    lo = sp * split_tokens
+    hi = tl.minimum(seq_len, lo + split_tokens)
+
+    r = tl.arange(0, GP)
+    hq = h * G + r
+    row_ok = r < G
+    d = tl.arange(0, D)
+    qrow = b * (H * G) + hq
+    qv = tl.load(q + qrow[None, :] * D + d[:, None], mask=row_ok[None, :], other=0.0).to(tl.float32)  # [D, GP]
+    qt = tl.broadcast_to(qv.to(tl.float16)[None, :, :], (W, D, GP))
+
+    m = tl.full([W, GP], float("-inf"), tl.float32)
+    l = tl.zeros([W, GP], tl.float32)
+    acc = tl.zeros([W, D, GP], tl.float32)
+    bt = block_table + b.to(tl.int64) * bt_stride
+    for start in range(lo, hi, BN):
+        pi = start // S + tl.arange(0, PAGES)
+        n = start + tl.arange(0, BN)
+        tok_ok = n < hi
+        page = tl.load(bt + pi, mask=pi * S < hi, other=0).to(tl.int64)
+        k, v, vs = load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, tok_ok.reshape(PAGES, S), h,
+                                  H, S, D, PAGES, KIND, GROUP, ON_GPU)
+        vis = tok_ok.reshape(W, BW, 1)
+        s = tl.dot(k.reshape(W, BW, D), qt) * qk_scale  # [W, BW, GP]
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_use)
+        p = tl.exp2(s - m_use[:, None, :])
+        l = l * alpha + tl.sum(p, 1)
+        if KIND == 1:
+            pv = (p * vs.reshape(W, BW, 1)).to(tl.float16)
+        else:
+            pv = p.to(tl.float16)
+        acc = acc * alpha[:, None, :] + tl.dot(tl.trans(v.reshape(W, BW, D), (0, 2, 1)), pv)
+        m = m_new
+        if MASS:
+            tl.store(logits + qrow[None, None, :].to(tl.int64) * max_len + n.reshape(W, BW, 1), s,
+                     mask=row_ok[None, None, :] & vis)
+
+    mt = tl.max(m, 0)
+    mt = tl.where(mt == float("-inf"), 0.0, mt)
+    wgt = tl.exp2(m - mt[None, :])  # [W, GP]
+    l = tl.sum(l * wgt, 0)
+    acc = tl.trans(tl.sum(acc * wgt[:, None, :], 0))  # [GP, D]
+    _finish(acc, mt, l, qrow, row_ok, d, out, lse, sp, ns, D, SPLIT)
+
+
+@triton.jit
 def _finish(acc, m, l, qrow, row_ok, d, out, lse, sp, ns, D: tl.constexpr, SPLIT: tl.constexpr):
     empty = l == 0.0  # split past the end of this sequence
     o = acc / tl.where(empty, 1.0, l)[:, None]
@@ -213,8 +281,10 @@ def _mass_kernel(logits, lse, seq_lens, mass, max_len, G: tl.constexpr, GP: tl.c
 # picks the split count that leaves the fewest slots idle), a register cap (with 'waves', one
 # that keeps the return_mass variant, a few registers larger, at the same programs per SM),
 # whether int8/fp8 codes are loaded as int32 words, 'rows' ('group': the group's query heads
-# rounded up to a power of two; else 16), 'warp_split' (each warp its own pages and softmax)
-# and 'asm' (False: the portable int4 conversion instead of inline PTX). Chosen by
+# rounded up to a power of two; else 16), 'warp_split' (each warp its own pages and softmax),
+# 'transposed' (as warp_split, with K q^T and V^T p^T: _decode_kernel_t), 'pairs' (int4: keys
+# converted straight to channel pairs, see kernels/_pages.py) and 'asm' (False: the portable
+# int4 conversion instead of inline PTX). Chosen by
 # benchmarks/gpu_bench.py --variants on an H200; SMALL_HEAD_CONFIG is for head_dim <= 64. The
 # kernels are latency- and issue-bound: what helped was fewer padded rows, no cross-warp
 # reductions in the loop, every load prefetched by the pipeline and more warps per SM; deeper
@@ -226,7 +296,8 @@ DEFAULT_CONFIG = {
              "warp_split": True, "words": True, "maxnreg": 168},
     "fp8": {"pages": 2, "num_warps": 2, "num_stages": 3, "programs_per_sm": 6, "fill": "waves", "rows": "group",
             "warp_split": True, "words": True, "maxnreg": 168},
-    "int4": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8, "rows": "group"},
+    "int4": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 6, "fill": "waves", "rows": "group",
+             "transposed": True, "pairs": True, "maxnreg": 168},
 }
 SMALL_HEAD_CONFIG = {
     "16bit": {"pages": 1, "num_warps": 1, "num_stages": 3, "programs_per_sm": 11, "rows": "group"},
@@ -234,8 +305,8 @@ SMALL_HEAD_CONFIG = {
              "warp_split": True, "words": False},
     "fp8": {"pages": 2, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8, "fill": "waves", "rows": "group",
             "warp_split": True, "words": False},
-    "int4": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 6, "fill": "waves", "rows": "group",
-             "warp_split": True, "asm": False, "maxnreg": 168},
+    "int4": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8, "fill": "waves", "rows": "group",
+             "transposed": True, "pairs": True, "maxnreg": 128},
 }
 _SM_COUNT: dict[int, int] = {}
 
@@ -277,6 +348,15 @@ def _fewest_waves(per_split: int, slots: int, cap: int) -> int:
         if cost < best_cost * 0.95:
             best, best_cost = n, cost
     return best
+
+
+def _on_gpu(codec: str, cfg: dict, words: bool) -> int:
+    """load_pages_f16's ON_GPU (see kernels/_pages.py); int8/fp8 words need the inline PTX, so
+    the interpreter reads bytes."""
+    asm = not interpreting() and cfg.get("asm", True)
+    if codec == "int4" and cfg.get("pairs"):
+        return 3 if asm else -3
+    return 0 if not asm else 2 if words else 1
 
 
 def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -332,13 +412,18 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
     warps = cfg.get("warp_split", False) and cfg["num_warps"] > 1
     if warps and cfg["pages"] % cfg["num_warps"]:
         raise KernelArgError(f"warp_split needs pages ({cfg['pages']}) divisible by num_warps ({cfg['num_warps']})")
-    check_int4_tile(codec, bn // cfg["num_warps"] if warps else bn)
-    kernel, extra = (_decode_kernel_warps, {"W": cfg["num_warps"]}) if warps else (_decode_kernel, {})
+    if cfg.get("transposed"):
+        if cfg["pages"] % cfg["num_warps"]:
+            raise KernelArgError(f"transposed needs pages ({cfg['pages']}) divisible by num_warps ({cfg['num_warps']})")
+        kernel, extra = _decode_kernel_t, {"W": cfg["num_warps"]}
+    else:
+        kernel, extra = (_decode_kernel_warps, {"W": cfg["num_warps"]}) if warps else (_decode_kernel, {})
+    check_int4_tile(codec, bn // cfg["num_warps"] if warps or cfg.get("transposed") else bn)
     kernel[(b, h, ns)](q, *field_args(pages), block_table, seq_lens, p_out, p_lse, logits,
                        scale * LOG2E, block_table.stride(0), step, max_len,
                        H=h, G=g, GP=gp, S=s, D=d, KIND=KIND[codec], GROUP=ref.INT4_GROUP,
                        PAGES=cfg["pages"], SPLIT=split, MASS=return_mass,
-                       ON_GPU=0 if interpreting() or not cfg.get("asm", True) else 2 if words else 1,
+                       ON_GPU=_on_gpu(codec, cfg, words),
                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                        **extra, **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     if split:

@@ -72,15 +72,19 @@ def test_splits_merged_in_chunks(codec):
 # show: Triton 3.6 computed the int4 P @ V product wrongly whenever a warp's step held one page
 # (16 tokens), the same wrong numbers on every run (see kernels/_checks.py).
 INT4_TILES = {
-    "2d_p4w2": {"pages": 4, "num_warps": 2, "warp_split": False},
-    "2d_p2w1": {"pages": 2, "num_warps": 1, "warp_split": False},
-    "split_p4w2": {"pages": 4, "num_warps": 2, "warp_split": True},
-    "split_p8w4": {"pages": 8, "num_warps": 4, "warp_split": True},
+    "2d_p4w2": {"pages": 4, "num_warps": 2, "warp_split": False, "transposed": False},
+    "2d_p2w1": {"pages": 2, "num_warps": 1, "warp_split": False, "transposed": False},
+    "split_p4w2": {"pages": 4, "num_warps": 2, "warp_split": True, "transposed": False},
+    "split_p8w4": {"pages": 8, "num_warps": 4, "warp_split": True, "transposed": False},
+    "t_p4w2": {"pages": 4, "num_warps": 2, "transposed": True},
+    "t_p2w1": {"pages": 2, "num_warps": 1, "transposed": True},
+    "t_p8w4_bytes": {"pages": 8, "num_warps": 4, "transposed": True, "pairs": False},
 }
 INT4_16_TOKEN_TILES = {
-    "2d_p1w1": {"pages": 1, "num_warps": 1, "warp_split": False},
-    "split_p2w2": {"pages": 2, "num_warps": 2, "warp_split": True},
-    "split_p4w4": {"pages": 4, "num_warps": 4, "warp_split": True},
+    "2d_p1w1": {"pages": 1, "num_warps": 1, "warp_split": False, "transposed": False},
+    "split_p2w2": {"pages": 2, "num_warps": 2, "warp_split": True, "transposed": False},
+    "split_p4w4": {"pages": 4, "num_warps": 4, "warp_split": True, "transposed": False},
+    "t_p2w2": {"pages": 2, "num_warps": 2, "transposed": True},
 }
 
 
