@@ -44,6 +44,7 @@ class LogConfig:
     checkpoint_interval_ms: int = 1000
     max_batch: int = 4096  # records per transaction, at most
     sign_slice: int = 256  # records signed before the committer may start on them
+    tail_slice: int = 64  # the last slice of a burst: what is stored after its last signature
     cache_level: int = 8  # tree levels below this are re-read from the store (audit.tree)
     conflict_retries: int = 20
     # Build and sign records in a child process (audit.signproc): the GIL then serves only
@@ -53,10 +54,27 @@ class LogConfig:
 
 
 def _item(op: str, subject: dict | None, details: dict | None, future: Future | None = None) -> Item:
-    """A caller's record, validated and its chain-independent parts encoded on the caller's
-    thread, so a bad record fails at the call and the signer only assembles and signs."""
+    """A caller's record, validated on the caller's thread, so a bad record fails at the call.
+    Its chain-independent parts are encoded there too (`_encode`), so the signer only
+    assembles and signs."""
     subject, details = fields.check_subject(subject), fields.check_details(details)
-    return Item(fields.check_op(op), subject, details, future, encoded=encode_parts(subject, details))
+    return Item(fields.check_op(op), subject, details, future)
+
+
+def _encode(items: list[Item]) -> list[Item]:
+    for item in items:
+        item.encoded = encode_parts(item.subject, item.details)
+    return items
+
+
+def _slices(n: int, size: int, tail: int) -> list[tuple[int, int]]:
+    """(start, end) of slices of at most `size`; the last at most `tail` long when there
+    is more than that, so little is left to store once the last signature is made."""
+    bounds = [(start, min(start + size, n)) for start in range(0, n, size)]
+    start, end = bounds[-1]
+    if n > tail and end - start > tail:
+        bounds[-1:] = [(start, end - tail), (end - tail, end)]
+    return bounds
 
 
 def _parts(items: list[Item]) -> list:
@@ -119,7 +137,7 @@ class AuditLog:
                details: dict[str, Any] | None = None) -> "Future[Record]":
         """Queue a record without waiting; the future resolves to it once it is durably stored."""
         item = _item(op, subject, details, Future())
-        self._enqueue([item])
+        self._enqueue(_encode([item]))
         return item.future
 
     def append(self, op: str, subject: dict[str, str] | None = None,
@@ -128,14 +146,16 @@ class AuditLog:
         return self.append_many([(op, subject, details)])[0]
 
     def append_many(self, items: Iterable[tuple[str, dict | None, dict | None]]) -> list[Record]:
-        """Store records in order; returns once all are durable (usually in one commit)."""
+        """Store records in order, one after another in the log; returns once all are
+        durable. Every record is validated before any is queued, so a bad one fails the
+        call and stores nothing."""
         batch = [_item(op, subject, details) for op, subject, details in items]
         if not batch:
             return []
         waiter = Waiter(len(batch))
         for item in batch:
             item.waiter = waiter
-        self._enqueue(batch)
+        self._enqueue(batch, encode=True)
         waiter.wait()
         return [item.result for item in batch]
 
@@ -174,13 +194,23 @@ class AuditLog:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _enqueue(self, items: list[Item]) -> None:
+    def _enqueue(self, items: list[Item], encode: bool = False) -> None:
+        """Queue a call's items, contiguous in the log. With `encode`, the items are encoded
+        and queued a slice at a time, so the first slice is being signed while this thread
+        encodes the rest."""
         with self._gate:  # against _refuse: an item is either drained or refused, never stranded
             if self._failed is not None:
                 raise StoreError(f"audit writer for {self.origin} stopped: {self._failed}")
             if self._closed:
                 raise StoreError(f"audit log {self.origin} is closed")
-            self._queue.put(items)  # one queue entry per call, so a call's records share a commit
+            if not encode:
+                self._queue.put(items)
+                return
+            size = self.config.sign_slice
+            for start in range(0, len(items), size):
+                self._queue.put(_encode(items[start:start + size]))
+                if start == 0 and len(items) > size:
+                    time.sleep(0)  # let the signer thread take the GIL and start on it
 
     # -- signer thread -------------------------------------------------------------
 
@@ -225,8 +255,12 @@ class AuditLog:
     def _hand_over(self, items: list[Item]) -> None:
         # In slices, so the committer starts on the first while the rest is signed; it
         # merges whatever slices queue up meanwhile into one transaction (group commit).
-        for start in range(0, len(items), self.config.sign_slice):
-            part = items[start:start + self.config.sign_slice]
+        if not items:
+            return
+        # a short last slice only when nothing else is queued: then someone waits for it
+        tail = self.config.tail_slice if self._queue.empty() else len(items)
+        for start, end in _slices(len(items), self.config.sign_slice, tail):
+            part = items[start:end]
             if self._resync.is_set():  # a batch was re-signed: restart from the committed tail
                 self._settle()
             if self._signproc is not None:

@@ -1,9 +1,10 @@
 """The queue between the log's callers and its writer: queued records and their answers.
 
-Each call puts one entry (a list of Items) on the queue, so a call's records share
-a commit; STOP ends the writer. submit() answers with a Future; append() and
-append_many() share one Waiter per call, because a Future per record costs more
-than signing it once thousands of records are pending.
+Each call puts its records on the queue in order (append_many: in slices, back to
+back), so a call's records are contiguous in the log; STOP ends the writer.
+submit() answers with a Future; append() and append_many() share one Waiter per
+call, because a Future per record costs more than signing it once thousands of
+records are pending.
 """
 
 from __future__ import annotations

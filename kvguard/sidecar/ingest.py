@@ -87,5 +87,4 @@ class Ingestor:
             details = dict(e.get("details") or {})
             details["process"] = client_id
             items.append((op, self.subject(e.get("subject") or {}, cache), details))
-        futures = [self.log.submit(op, subject, details) for op, subject, details in items]
-        return [f.result().seq for f in futures]
+        return [record.seq for record in self.log.append_many(items)]

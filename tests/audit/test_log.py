@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from audit.checkpoint import open_checkpoint
 from audit.errors import RecordFormatError, StoreError, VerificationError
 from audit.keys import SigningKey
+from audit.log import _slices
 from audit.merkle import leaf_hash, verify_consistency, verify_inclusion
 from audit.record import Record
 from audit.verify import verify_store
@@ -138,3 +140,45 @@ def test_nothing_queued_behind_close_waits_forever(audit_log):
         return  # the writer had already stopped: refused at the call
     with pytest.raises(StoreError, match="closed"):
         future.result(timeout=10)
+
+
+@pytest.mark.parametrize("n, size, tail", [(1, 256, 64), (64, 256, 64), (65, 256, 64), (256, 256, 64),
+                                           (1000, 256, 64), (1024, 256, 64), (300, 256, 300), (7, 3, 2)])
+def test_slices_cover_the_batch_with_a_short_last_one(n, size, tail):
+    bounds = _slices(n, size, tail)
+    assert [s for s, _ in bounds] == [0] + [e for _, e in bounds[:-1]] and bounds[-1][1] == n
+    assert all(0 < e - s <= size for s, e in bounds)
+    assert bounds[-1][1] - bounds[-1][0] <= tail or n <= tail
+
+
+@pytest.mark.parametrize("sign_process", [False, True], ids=["thread", "process"])
+def test_a_calls_records_are_contiguous_beside_other_writers(store, origin, signing_key, sign_process):
+    """append_many queues a long call a slice at a time; nothing lands between its slices."""
+    with open_log(store, origin, signing_key, sign_slice=16, tail_slice=4, sign_process=sign_process) as log:
+        stop = threading.Event()
+
+        def other() -> None:
+            while not stop.is_set():
+                log.append_many([("evict", {}, {"n": -1})] * 3)
+
+        threads = [threading.Thread(target=other) for _ in range(2)]
+        [t.start() for t in threads]
+        try:
+            calls = [log.append_many([("offload", {}, {"call": c, "n": i}) for i in range(100)])
+                     for c in range(5)]
+        finally:
+            stop.set()
+            [t.join() for t in threads]
+        assert log.size > 500
+    for records in calls:
+        assert [r.details["n"] for r in records] == list(range(100))
+        assert [r.seq for r in records] == list(range(records[0].seq, records[0].seq + 100))
+    verify_store(store, origin, [signing_key.public_key])
+
+
+def test_a_bad_record_late_in_a_long_call_stores_nothing(store, origin, signing_key):
+    with open_log(store, origin, signing_key, sign_slice=8) as log:
+        items = [("evict", {}, {"n": i}) for i in range(100)] + [("evict", {}, {"prompt": "x"})]
+        with pytest.raises(RecordFormatError):
+            log.append_many(items)
+        assert log.append("evict").seq == 0
