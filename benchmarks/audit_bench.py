@@ -8,7 +8,9 @@ commit, on SQLite (WAL, synchronous=FULL) and PostgreSQL (a scratch database,
 dropped afterwards): one caller handing over 1,000 records per append_many call
 and waiting for each; four callers doing the same with 250 records each (as the
 sidecar's request threads would); one record per submit() future;
-(3) verify_store over the SQLite log just written.
+(3) verify_store over the SQLite log just written; (4) storage alone: records signed
+beforehand, stored through AuditStore.append one slice per transaction, its cost per
+record beside a raw signature's.
 
 Each end-to-end run is measured with the writer signing on a thread (LogConfig's
 default) and in a child process (sign_process=True, what the sidecar runs), and
@@ -30,9 +32,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from audit import fields  # noqa: E402
 from audit.keys import SigningKey  # noqa: E402
 from audit.log import AuditLog, LogConfig  # noqa: E402
-from audit.record import Record  # noqa: E402
+from audit.record import Record, encode_parts  # noqa: E402
+from audit.signproc import sign_chain  # noqa: E402
 from audit.store import AuditStore, migrate  # noqa: E402
 from audit.verify import verify_store  # noqa: E402
 
@@ -105,6 +109,23 @@ def end_to_end(url: str, n: int, mode: str, sign_process: bool) -> tuple[float, 
     return rate, cpu, child_cpu
 
 
+def store_only(url: str, n: int, slice_size: int) -> float:
+    """Records/s of AuditStore.append alone (records signed beforehand, one transaction per
+    `slice_size` records, as the committer receives them): what storage costs per record."""
+    key = SigningKey.generate()
+    origin = f"bench.kvguard.example/{uuid.uuid4().hex[:8]}"
+    parts = [("quantize", SUBJECT, d, encode_parts(SUBJECT, d)) for d in map(details, range(n))]
+    records = sign_chain(key, origin, 0, fields.format_time(0), fields.ZERO_HASH, parts)
+    store = AuditStore(url)
+    store.create_log(origin, key.public_key, 0)
+    t = time.perf_counter()
+    for start in range(0, n, slice_size):
+        store.append(origin, records[start:start + slice_size], start)
+    rate = n / (time.perf_counter() - t)
+    store.dispose()
+    return rate
+
+
 def verify_rate(url: str) -> tuple[float, int]:
     store = AuditStore(url)
     origin = [o for o in store.origins()][0]
@@ -142,6 +163,9 @@ def main() -> None:
             targets.append(("PostgreSQL", pg))
         try:
             for label, url in targets:
+                rate = store_only(url, min(n, 20_000), LogConfig().sign_slice)
+                rows.append((f"store only, {label}, {LogConfig().sign_slice}-record transactions", rate,
+                             f"{1e6 / rate:.1f} us/record = {sign / rate:.2f} x a raw signature"))
                 for where in ("thread", "process"):
                     for mode in ("append_many", "4 callers", "submit"):
                         before = raw_rates(5000, verify=False)[0]
