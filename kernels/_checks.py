@@ -116,15 +116,15 @@ def field_args(pages: dict[str, torch.Tensor]) -> list[torch.Tensor]:
 KIND = {"16bit": 0, "int8": 1, "fp8": 1, "int4": 2}
 
 
-# Triton 3.6 miscompiles these: the int4 loader joins low and high nibbles (tl.join), from which
-# Triton infers 4-bit sources and gives both tensor-core operands of every dot kWidth 8 (eight
-# consecutive K elements per thread); a product that reduces over 16 elements, one m16n8k16
-# step, has room for only 4, and its result is wrong (no error, no race: the same wrong numbers
-# on every run and with any pipeline depth). Q @ K^T reduces over head_dim (>= 64) and is
-# right; P @ V reduces over the tokens of a warp's step, 16 with one page per warp. Seen on an
+# Triton 3.6 miscompiles these: the int4 loader joins low and high nibbles (tl.join), after which
+# Triton gives both tensor-core operands of every dot kWidth 8 (eight consecutive K elements per
+# thread; seen in the TTGIR, where int8 pages get 4); a product that reduces over 16 elements,
+# one m16n8k16 step, has room for only 4, and its result is wrong (no error, no race: the same
+# wrong numbers on every run and with any pipeline depth). Q @ K^T reduces over head_dim (>= 64)
+# and is right; P @ V reduces over the tokens of a warp's step, 16 with one page per warp. Seen on an
 # H200 with the 2-D tile of 1 page and 1 warp and with warp_split at 1 page per warp (2 pages
 # over 2 warps, 4 over 4), with or without the inline PTX; fixed upstream ("Fix MMAv2 kWidth for
-# small-K upcast operands", triton-lang/triton#11691).
+# small-K upcast operands", triton-lang/triton#11691). benchmarks/triton_small_k.py shows it alone.
 MIN_INT4_PV_TOKENS = 32
 
 
