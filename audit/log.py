@@ -45,6 +45,10 @@ class LogConfig:
     max_batch: int = 4096  # records per transaction, at most
     sign_slice: int = 256  # records signed before the committer may start on them
     tail_slice: int = 64  # the last slice of a burst: what is stored after its last signature
+    # Records queued for the signer, at most: past it callers wait (a caller that never waits
+    # for its futures must not grow the queue until memory runs out). A larger call is let
+    # in alone, when the queue is empty.
+    max_queued: int = 65536
     cache_level: int = 8  # tree levels below this are re-read from the store (audit.tree)
     conflict_retries: int = 20
     # Build and sign records in a child process (audit.signproc): the GIL then serves only
@@ -109,6 +113,7 @@ class AuditLog:
         self._resync = threading.Event()
         self._failed: BaseException | None = None
         self._gate, self._closed = threading.Lock(), False
+        self._room, self._queued = threading.Condition(), 0  # records in self._queue
         self._signproc = SignerProcess() if config.sign_process else None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._commits: queue.Queue = queue.Queue(maxsize=64)
@@ -195,22 +200,35 @@ class AuditLog:
         self.close()
 
     def _enqueue(self, items: list[Item], encode: bool = False) -> None:
-        """Queue a call's items, contiguous in the log. With `encode`, the items are encoded
-        and queued a slice at a time, so the first slice is being signed while this thread
-        encodes the rest."""
-        with self._gate:  # against _refuse: an item is either drained or refused, never stranded
-            if self._failed is not None:
-                raise StoreError(f"audit writer for {self.origin} stopped: {self._failed}")
-            if self._closed:
-                raise StoreError(f"audit log {self.origin} is closed")
-            if not encode:
-                self._queue.put(items)
-                return
-            size = self.config.sign_slice
-            for start in range(0, len(items), size):
-                self._queue.put(_encode(items[start:start + size]))
-                if start == 0 and len(items) > size:
-                    time.sleep(0)  # let the signer thread take the GIL and start on it
+        """Queue a call's items, contiguous in the log, once there is room (max_queued). With
+        `encode`, the items are encoded and queued a slice at a time, so the first slice is
+        being signed while this thread encodes the rest."""
+        n, queued = len(items), 0
+        with self._room:
+            self._room.wait_for(lambda: self._queued == 0 or self._queued + n <= self.config.max_queued)
+            self._queued += n
+        try:
+            with self._gate:  # against _refuse: an item is either drained or refused, never stranded
+                if self._failed is not None:
+                    raise StoreError(f"audit writer for {self.origin} stopped: {self._failed}")
+                if self._closed:
+                    raise StoreError(f"audit log {self.origin} is closed")
+                size = n if not encode else self.config.sign_slice
+                for start in range(0, n, size):
+                    part = items[start:start + size]
+                    self._queue.put(_encode(part) if encode else part)
+                    queued += len(part)
+                    if start == 0 and n > size:
+                        time.sleep(0)  # let the signer thread take the GIL and start on it
+        finally:
+            if queued < n:
+                self._took(n - queued)
+
+    def _took(self, n: int) -> None:
+        """`n` records left the queue (taken by the signer, refused, or never queued)."""
+        with self._room:
+            self._queued -= n
+            self._room.notify_all()
 
     # -- signer thread -------------------------------------------------------------
 
@@ -226,6 +244,7 @@ class AuditLog:
                     self._answer([], self._checkpoint)
                     continue
                 batch = take_batch(self._queue, first, self.config.max_batch)
+                self._took(len(batch) - (batch[-1] is STOP))
                 run: list[Item] = []
                 for i, item in enumerate(batch):
                     if item is STOP:
@@ -251,6 +270,9 @@ class AuditLog:
         with self._gate:
             self._closed = True
         refuse_all(self._queue, items, StoreError(f"audit log {self.origin} is closed"))
+        with self._room:  # closed under the gate first, so nothing was queued after the drain
+            self._queued = 0
+            self._room.notify_all()
 
     def _hand_over(self, items: list[Item]) -> None:
         # In slices, so the committer starts on the first while the rest is signed; it

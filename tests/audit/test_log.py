@@ -182,3 +182,27 @@ def test_a_bad_record_late_in_a_long_call_stores_nothing(store, origin, signing_
         with pytest.raises(RecordFormatError):
             log.append_many(items)
         assert log.append("evict").seq == 0
+
+
+def test_callers_wait_for_room_in_the_queue(store, origin, signing_key):
+    """A caller that never waits for its futures is held back at max_queued records; a call
+    larger than that is let in alone."""
+    with open_log(store, origin, signing_key, max_queued=50, sign_slice=16) as log:
+        seen, stop = [], threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                seen.append(log._queued)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            futures = [log.submit("evict", {}, {"n": i}) for i in range(2000)]
+            assert [f.result(timeout=60).seq for f in futures] == list(range(2000))
+        finally:
+            stop.set()
+            watcher.join()
+        assert seen and max(seen) <= 50
+        assert len(log.append_many([("evict", {}, {"n": i}) for i in range(200)])) == 200
+        assert log._queued == 0
+    verify_store(store, origin, [signing_key.public_key])
