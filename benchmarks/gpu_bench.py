@@ -412,7 +412,8 @@ def check_variants(spec: dict, codecs) -> list[str]:
 def compiled_decode_kernels() -> list[str]:
     """Registers and spills of every decode kernel compiled in this process (Triton's cache)."""
     out = []
-    for fn in (paged_decode_module._decode_kernel, paged_decode_module._decode_kernel_warps):
+    for fn in (paged_decode_module._decode_kernel, paged_decode_module._decode_kernel_warps,
+               paged_decode_module._decode_kernel_t):
         for cache in getattr(fn, "device_caches", {}).values():
             for key, k in cache[0].items():
                 md = k.metadata

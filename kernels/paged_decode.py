@@ -42,13 +42,15 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _decode_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, lse, logits,
-                   qk_scale, bt_stride, split_tokens, max_len,
+def _decode_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, lse, logits, fin_out, fin_lse,
+                   counters, qk_scale, bt_stride, split_tokens, max_len,
                    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
                    KIND: tl.constexpr, GROUP: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
-                   MASS: tl.constexpr, ON_GPU: tl.constexpr):
+                   MASS: tl.constexpr, ON_GPU: tl.constexpr, FUSED: tl.constexpr, CH: tl.constexpr):
     # q [B, Hq, D]; block_table [B, *]; out [B, Hq, D] (or [B, Hq, NS, D] fp32 if SPLIT);
-    # lse [B, Hq] natural log (or [B, Hq, NS] base 2 if SPLIT); logits [B, Hq, max_len] if MASS
+    # lse [B, Hq] natural log (or [B, Hq, NS] base 2 if SPLIT); logits [B, Hq, max_len] if MASS;
+    # with FUSED (and SPLIT) the last program of each (b, h) merges the splits into fin_out,
+    # fin_lse [B, Hq, (D)], counting finished programs in counters [B * H] (see _finish)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -82,15 +84,17 @@ def _decode_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, ls
             tl.store(logits + qrow[:, None].to(tl.int64) * max_len + n[None, :], s,
                      mask=row_ok[:, None] & tok_ok[None, :])
 
-    _finish(acc, m, l, qrow, row_ok, d, out, lse, sp, ns, D, SPLIT)
+    _finish(acc, m, l, qrow, row_ok, d, out, lse, sp, ns, fin_out, fin_lse, counters, b * H + h, D, SPLIT,
+            FUSED, CH)
 
 
 @triton.jit
-def _decode_kernel_warps(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, lse, logits,
-                         qk_scale, bt_stride, split_tokens, max_len,
+def _decode_kernel_warps(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, lse, logits, fin_out,
+                         fin_lse, counters, qk_scale, bt_stride, split_tokens, max_len,
                          H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
                          KIND: tl.constexpr, GROUP: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
-                         MASS: tl.constexpr, ON_GPU: tl.constexpr, W: tl.constexpr):
+                         MASS: tl.constexpr, ON_GPU: tl.constexpr, W: tl.constexpr, FUSED: tl.constexpr,
+                         CH: tl.constexpr):
     # As _decode_kernel, but each of the W warps runs its own online softmax over its own
     # PAGES // W pages of every step (tensors [W, ...], the leading axis one warp each): no
     # reduction across warps inside the loop; the W partial results merge once at the end.
@@ -146,15 +150,17 @@ def _decode_kernel_warps(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, o
     wgt = tl.exp2(m - mt[None, :])  # [W, GP]; 0 for a warp that saw no key
     l = tl.sum(l * wgt, 0)
     acc = tl.sum(acc * wgt[:, :, None], 0)
-    _finish(acc, mt, l, qrow, row_ok, d, out, lse, sp, ns, D, SPLIT)
+    _finish(acc, mt, l, qrow, row_ok, d, out, lse, sp, ns, fin_out, fin_lse, counters, b * H + h, D, SPLIT,
+            FUSED, CH)
 
 
 @triton.jit
-def _decode_kernel_t(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, lse, logits,
-                     qk_scale, bt_stride, split_tokens, max_len,
+def _decode_kernel_t(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, lse, logits, fin_out,
+                     fin_lse, counters, qk_scale, bt_stride, split_tokens, max_len,
                      H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
                      KIND: tl.constexpr, GROUP: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
-                     MASS: tl.constexpr, ON_GPU: tl.constexpr, W: tl.constexpr):
+                     MASS: tl.constexpr, ON_GPU: tl.constexpr, W: tl.constexpr, FUSED: tl.constexpr,
+                     CH: tl.constexpr):
     # As _decode_kernel_warps (each of the W warps its own pages and softmax), with the
     # products transposed: logits^T = K q^T ([BW, GP] per warp) and out^T += V^T p^T ([D, GP]).
     # The tokens fill the MMA's 16 rows and the group's query heads its 8 columns: no padded
@@ -212,11 +218,13 @@ def _decode_kernel_t(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, 
     wgt = tl.exp2(m - mt[None, :])  # [W, GP]
     l = tl.sum(l * wgt, 0)
     acc = tl.trans(tl.sum(acc * wgt[:, None, :], 0))  # [GP, D]
-    _finish(acc, mt, l, qrow, row_ok, d, out, lse, sp, ns, D, SPLIT)
+    _finish(acc, mt, l, qrow, row_ok, d, out, lse, sp, ns, fin_out, fin_lse, counters, b * H + h, D, SPLIT,
+            FUSED, CH)
 
 
 @triton.jit
-def _finish(acc, m, l, qrow, row_ok, d, out, lse, sp, ns, D: tl.constexpr, SPLIT: tl.constexpr):
+def _finish(acc, m, l, qrow, row_ok, d, out, lse, sp, ns, fin_out, fin_lse, counters, cidx,
+            D: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr, CH: tl.constexpr):
     empty = l == 0.0  # split past the end of this sequence
     o = acc / tl.where(empty, 1.0, l)[:, None]
     lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))
@@ -224,9 +232,49 @@ def _finish(acc, m, l, qrow, row_ok, d, out, lse, sp, ns, D: tl.constexpr, SPLIT
         prow = qrow.to(tl.int64) * ns + sp
         tl.store(out + prow[:, None] * D + d[None, :], o, mask=row_ok[:, None])
         tl.store(lse + prow, lse2, mask=row_ok)
+        if FUSED:
+            # every thread's partial is stored before one thread's release at GPU scope (the
+            # barrier, then the atomic's acq_rel); the program that finishes last for this (b, h)
+            # acquires all of them, merges, and sets the counter back to 0 for the next call
+            tl.debug_barrier()
+            done = tl.atomic_add(counters + cidx, 1, sem="acq_rel", scope="gpu")
+            if done == ns - 1:
+                _merge_splits(out, lse, fin_out, fin_lse, qrow, row_ok, ns, D, CH)
+                tl.atomic_xchg(counters + cidx, 0, sem="relaxed", scope="gpu")
     else:
         tl.store(out + qrow[:, None] * D + d[None, :], o.to(out.dtype.element_ty), mask=row_ok[:, None])
         tl.store(lse + qrow, lse2 * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits(part_out, part_lse, out, lse, qrow, row_ok, NS, D: tl.constexpr, CH: tl.constexpr):
+    # rows qrow [GP] of part_out [rows, NS, D] fp32 and part_lse [rows, NS] base 2 -> out [rows, D]
+    # in out's dtype, lse natural; CH splits at a time with a running max, as _combine_kernel.
+    # Partials other programs wrote are read through L2 (.cg), never an older copy in this SM's L1.
+    d = tl.arange(0, D)
+    base = qrow.to(tl.int64) * NS
+    m = tl.full([qrow.shape[0]], float("-inf"), tl.float32)
+    tot = tl.zeros([qrow.shape[0]], tl.float32)
+    acc = tl.zeros([qrow.shape[0], D], tl.float32)
+    for c0 in range(0, NS, CH):
+        i = c0 + tl.arange(0, CH)
+        ok = row_ok[:, None] & (i < NS)[None, :]
+        idx = base[:, None] + i[None, :]  # [GP, CH]
+        ls = tl.load(part_lse + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(ls, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_use)
+        w = tl.exp2(ls - m_use[:, None])  # 0 for empty splits
+        o = tl.load(part_out + idx[:, :, None] * D + d[None, None, :], mask=ok[:, :, None], other=0.0,
+                    cache_modifier=".cg")
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 1)
+        tot = tot * alpha + tl.sum(w, 1)
+        m = m_new
+    m = tl.where(m == float("-inf"), 0.0, m)
+    o = acc / tl.where(tot == 0.0, 1.0, tot)[:, None]
+    tl.store(out + qrow[:, None] * D + d[None, :], o.to(out.dtype.element_ty), mask=row_ok[:, None])
+    lse2 = m + tl.log2(tl.where(tot == 0.0, 1.0, tot))
+    tl.store(lse + qrow, tl.where(tot == 0.0, float("-inf"), lse2 * 0.6931471805599453), mask=row_ok)
 
 
 @triton.jit
@@ -283,8 +331,11 @@ def _mass_kernel(logits, lse, seq_lens, mass, max_len, G: tl.constexpr, GP: tl.c
 # whether int8/fp8 codes are loaded as int32 words, 'rows' ('group': the group's query heads
 # rounded up to a power of two; else 16), 'warp_split' (each warp its own pages and softmax),
 # 'transposed' (as warp_split, with K q^T and V^T p^T: _decode_kernel_t), 'pairs' (int4: keys
-# converted straight to channel pairs, see kernels/_pages.py) and 'asm' (False: the portable
-# int4 conversion instead of inline PTX). Chosen by
+# converted straight to channel pairs, see kernels/_pages.py), 'asm' (False: the portable
+# int4 conversion instead of inline PTX), 'min_steps' (loop steps a split has at least, 4 unless
+# given) and 'fused_merge' (the last program of each sequence and KV head merges the splits
+# instead of _combine_kernel, 'fused_chunk' splits at a time; off: slower, see
+# docs/benchmarks.md). Chosen by
 # benchmarks/gpu_bench.py --variants on an H200; SMALL_HEAD_CONFIG is for head_dim <= 64. The
 # kernels are latency- and issue-bound: what helped was fewer padded rows, no cross-warp
 # reductions in the loop, every load prefetched by the pipeline and more warps per SM; deeper
@@ -359,6 +410,22 @@ def _on_gpu(codec: str, cfg: dict, words: bool) -> int:
     return 0 if not asm else 2 if words else 1
 
 
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters for the fused merge, at least n, one buffer per device and stream:
+    each call leaves them at 0 again, so calls queued on one stream can share them. Calls that
+    may run at the same time must come from different streams (a CUDA graph keeps the buffer of
+    the stream it was captured on)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    c = _COUNTERS.get(key)
+    if c is None or c.numel() < n:
+        c = _COUNTERS[key] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+    return c
+
+
 def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
                  sm_scale: float | None = None, return_mass: bool = False, max_seq_len: int | None = None,
                  config: dict | None = None):
@@ -393,7 +460,7 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
     max_len = block_table.shape[1] * s
     span = max_len if max_seq_len is None else max(1, min(max_seq_len, max_len))
     # splits of at least 4 loop steps: short contexts are bound by each program's chain of steps
-    ns, step = num_splits(b, h, span, dev, bn, cfg["programs_per_sm"], min_split=4 * bn,
+    ns, step = num_splits(b, h, span, dev, bn, cfg["programs_per_sm"], min_split=cfg.get("min_steps", 4) * bn,
                           fill=cfg.get("fill", "down"))
     if "splits" in cfg:
         ns = cfg["splits"]
@@ -419,14 +486,16 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
     else:
         kernel, extra = (_decode_kernel_warps, {"W": cfg["num_warps"]}) if warps else (_decode_kernel, {})
     check_int4_tile(codec, bn // cfg["num_warps"] if warps or cfg.get("transposed") else bn)
-    kernel[(b, h, ns)](q, *field_args(pages), block_table, seq_lens, p_out, p_lse, logits,
+    fused = split and bool(cfg.get("fused_merge"))
+    counters = _merge_counters(dev, b * h) if fused else lse
+    kernel[(b, h, ns)](q, *field_args(pages), block_table, seq_lens, p_out, p_lse, logits, out, lse, counters,
                        scale * LOG2E, block_table.stride(0), step, max_len,
                        H=h, G=g, GP=gp, S=s, D=d, KIND=KIND[codec], GROUP=ref.INT4_GROUP,
                        PAGES=cfg["pages"], SPLIT=split, MASS=return_mass,
-                       ON_GPU=_on_gpu(codec, cfg, words),
+                       ON_GPU=_on_gpu(codec, cfg, words), FUSED=fused, CH=cfg.get("fused_chunk", 8),
                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                        **extra, **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
-    if split:
+    if split and not fused:
         ch = min(cfg.get("combine_chunk", 128), max(2, triton.next_power_of_2(ns)))
         _combine_kernel[(b * hq,)](p_out, p_lse, out, lse, ns, D=d, CH=ch, num_warps=4)
     if not return_mass:

@@ -104,6 +104,37 @@ def test_int4_refuses_one_page_per_warp(tile):
     paged_decode(q8, pages8, table, lens, config=INT4_16_TOKEN_TILES[tile])
 
 
+# int8/fp8 tiles: warp_split (P @ V with the group padded into the MMA rows) and transposed
+# (K q^T, V^T p^T: a warp's tokens in the rows), one or two pages per warp, codes as int32 words
+# on a GPU (bytes under the interpreter) or as bytes
+QUANT_TILES = {
+    "split_p2w2": {"pages": 2, "num_warps": 2, "warp_split": True, "transposed": False},
+    "t_p2w2": {"pages": 2, "num_warps": 2, "warp_split": False, "transposed": True},
+    "t_p2w2_bytes": {"pages": 2, "num_warps": 2, "warp_split": False, "transposed": True, "words": False},
+    "t_p4w2": {"pages": 4, "num_warps": 2, "warp_split": False, "transposed": True},
+    "t_p4w4": {"pages": 4, "num_warps": 4, "warp_split": False, "transposed": True},
+}
+
+
+@pytest.mark.parametrize("codec", ("int8", "fp8"))
+@pytest.mark.parametrize("tile", QUANT_TILES)
+@pytest.mark.parametrize("dim", (64, 128))
+def test_int8_fp8_tiles(codec, tile, dim):
+    q, pages, table, lens = _case(codec, torch.float16, 4, dim, [150, 37, 1], seed=14)
+    _check(codec, torch.float16, q, pages, table, lens, config={**QUANT_TILES[tile], "splits": 2})
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_fused_merge(codec):
+    # the last program of each (sequence, KV head) merges the splits: more splits than one chunk
+    # of the merge, a split past a sequence's end, an empty sequence; a second call checks that
+    # the first left its counters at 0, a larger batch that they grow
+    cfg = {"splits": 5, "fused_merge": True, "fused_chunk": 2}
+    for seed, lens in ((15, [150, 97, 0]), (16, [150, 97, 0]), (17, [40, 1, 160, 77, 9])):
+        q, pages, table, lens = _case(codec, torch.float16, 4, 64, lens, seed=seed)
+        _check(codec, torch.float16, q, pages, table, lens, config=cfg)
+
+
 def test_scale_and_max_seq_len():
     q, pages, table, lens = _case("int8", torch.float16, 2, 64, [40, 33], seed=5)
     _check("int8", torch.float16, q, pages, table, lens, sm_scale=0.3 / math.sqrt(64), max_seq_len=48)
