@@ -7,11 +7,11 @@ rows as the group rounded up to a power of two; Triton pads the MMA), and one sl
 the context; it writes a partial (out, lse) per split, or the final result when there
 is one split. With warp_split, each warp of the program runs its own online softmax
 over its own pages of every step (_decode_kernel_warps: no reductions across warps in
-the loop), merged once at the end. With transposed (_decode_kernel_t, int4's tile) the
-same, with the products turned around so that a warp's tokens, not the padded group,
-fill the rows of the tensor-core tile. Pass 2 merges the splits by their lse. The number of
-splits comes from shapes only (no host sync, so the call can be captured in a CUDA
-graph): enough programs to fill the GPU.
+the loop), merged once at the end. With transposed (_decode_kernel_t, the tile of the
+quantized codecs) the same, with the products turned around so that a warp's tokens, not
+the padded group, fill the rows of the tensor-core tile. Pass 2 merges the splits by their
+lse. The number of splits comes from shapes only (no host sync, so the call can be
+captured in a CUDA graph): enough programs to fill the GPU.
 
 H2O's per-key attention mass needs each key's probability under the final lse. Pass 1
 then also stores the base-2 logits [B, Hq, L] (4 bytes per query head and key, about
@@ -339,23 +339,26 @@ def _mass_kernel(logits, lse, seq_lens, mass, max_len, G: tl.constexpr, GP: tl.c
 # benchmarks/gpu_bench.py --variants on an H200; SMALL_HEAD_CONFIG is for head_dim <= 64. The
 # kernels are latency- and issue-bound: what helped was fewer padded rows, no cross-warp
 # reductions in the loop, every load prefetched by the pipeline and more warps per SM; deeper
-# pipelines were not faster. int4 tiles whose P @ V product reduces over fewer than
+# pipelines were not faster. Transposed tiles with one page per warp were slower than with two
+# for int8 (and at head_dim 64 for fp8 too); fp8 at head_dim 128 ran best with one page per warp
+# and 8 programs per SM. Two pages per warp make a split's steps twice as long, hence
+# 'min_steps' 2 (B = 1 at 16K was slower with 4). int4 tiles whose P @ V product reduces over fewer than
 # MIN_INT4_PV_TOKENS tokens are refused (see kernels/_checks.py).
 DEFAULT_CONFIG = {
     "16bit": {"pages": 4, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8, "rows": "group"},
-    "int8": {"pages": 2, "num_warps": 2, "num_stages": 3, "programs_per_sm": 6, "fill": "waves", "rows": "group",
-             "warp_split": True, "words": True, "maxnreg": 168},
-    "fp8": {"pages": 2, "num_warps": 2, "num_stages": 3, "programs_per_sm": 6, "fill": "waves", "rows": "group",
-            "warp_split": True, "words": True, "maxnreg": 168},
+    "int8": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 6, "fill": "waves", "rows": "group",
+             "transposed": True, "words": True, "maxnreg": 168, "min_steps": 2},
+    "fp8": {"pages": 2, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8, "fill": "waves", "rows": "group",
+            "transposed": True, "words": True, "maxnreg": 128},
     "int4": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 6, "fill": "waves", "rows": "group",
              "transposed": True, "pairs": True, "maxnreg": 168},
 }
 SMALL_HEAD_CONFIG = {
     "16bit": {"pages": 1, "num_warps": 1, "num_stages": 3, "programs_per_sm": 11, "rows": "group"},
-    "int8": {"pages": 2, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8, "fill": "waves", "rows": "group",
-             "warp_split": True, "words": False},
-    "fp8": {"pages": 2, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8, "fill": "waves", "rows": "group",
-            "warp_split": True, "words": False},
+    "int8": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8, "fill": "waves", "rows": "group",
+             "transposed": True, "words": True, "maxnreg": 128, "min_steps": 2},
+    "fp8": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8, "fill": "waves", "rows": "group",
+            "transposed": True, "words": True, "maxnreg": 128, "min_steps": 2},
     "int4": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8, "fill": "waves", "rows": "group",
              "transposed": True, "pairs": True, "maxnreg": 128},
 }
