@@ -269,10 +269,9 @@ class AuditLog:
         """Fail whatever was queued after close() or a fatal error, so no caller waits forever."""
         with self._gate:
             self._closed = True
+        taken = len(items)  # already counted out by the signer
         refuse_all(self._queue, items, StoreError(f"audit log {self.origin} is closed"))
-        with self._room:  # closed under the gate first, so nothing was queued after the drain
-            self._queued = 0
-            self._room.notify_all()
+        self._took(len(items) - taken)  # what the drain took off the queue
 
     def _hand_over(self, items: list[Item]) -> None:
         # In slices, so the committer starts on the first while the rest is signed; it
