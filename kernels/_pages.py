@@ -194,48 +194,45 @@ def load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, ok, h,
         # a page's 16 scales in one unmasked load (a per-token mask would split it into 2-byte
         # loads, which the loop's software pipeline cannot prefetch); missing tokens are zeroed after
         vs = tl.where(ok, tl.load(vsp + rows).to(tl.float32), 0.0).reshape(PAGES * S)
-    elif ON_GPU == 3 or ON_GPU == -3:  # int4 bytes to channel-ordered pairs (-3: portable)
+    else:  # int4; ON_GPU 3 (-3: by portable code) converts keys straight to channel-ordered pairs
         D2: tl.constexpr = D // 2
-        NG: tl.constexpr = D // GROUP
         c = tl.arange(0, D2)
         kb = tl.load(kp + rows[:, :, None] * D2 + c[None, None, :], mask=m3, other=0)  # [PAGES, S, D/2] u8
         vb = tl.load(vp + rows[:, :, None] * D2 + c[None, None, :], mask=m3, other=0)
-        ks = tl.load(ksp + ph[:, None, None] * D + d[None, None, :])  # [PAGES, 1, D]
-        kz = tl.load(kzp + ph[:, None, None] * D + d[None, None, :])
-        k = u4_pairs_to_f16(kb, ON_GPU > 0).reshape(PAGES, S, D) * ks + kz
-        if ON_GPU > 0:  # V goes to the tensor cores transposed (token pairs): no use for channel pairs
-            vlo, vhi = u4_to_f16(vb)
+        if ON_GPU == 3 or ON_GPU == -3:
+            ks = tl.load(ksp + ph[:, None, None] * D + d[None, None, :])  # [PAGES, 1, D]
+            kz = tl.load(kzp + ph[:, None, None] * D + d[None, None, :])
+            kc = u4_pairs_to_f16(kb, ON_GPU > 0).reshape(PAGES, S, D)
         else:
-            vlo, vhi = codes_to_f16(vb & 15, 0.0), codes_to_f16(vb >> 4, 0.0)
-        vc = tl.join(vlo, vhi).reshape(PAGES, S, NG, GROUP)
-        g = tl.arange(0, NG)
-        gi = rows[:, :, None, None] * NG + g[None, None, :, None]  # [PAGES, S, NG, 1]
-        vsc = tl.load(vsp + gi, mask=ok[:, :, None, None], other=0.0)
-        vz = tl.load(vzp + gi, mask=ok[:, :, None, None], other=0.0)
-        v = (vc * vsc + vz).reshape(PAGES, S, D)
-    else:
-        D2: tl.constexpr = D // 2
-        NG: tl.constexpr = D // GROUP
-        c = tl.arange(0, D2)
-        kb = tl.load(kp + rows[:, :, None] * D2 + c[None, None, :], mask=m3, other=0)  # [PAGES, S, D/2] u8
-        vb = tl.load(vp + rows[:, :, None] * D2 + c[None, None, :], mask=m3, other=0)
-        if ON_GPU:
-            klo, khi = u4_to_f16(kb)
-            vlo, vhi = u4_to_f16(vb)
-        else:
-            klo, khi = codes_to_f16(kb & 15, 0.0), codes_to_f16(kb >> 4, 0.0)
-            vlo, vhi = codes_to_f16(vb & 15, 0.0), codes_to_f16(vb >> 4, 0.0)
-        kc = tl.join(klo, khi).reshape(PAGES, S, D)  # low nibble = even channel
-        ks = tl.load(ksp + ph[:, None, None] * D + d[None, None, :])  # [PAGES, 1, D]
-        kz = tl.load(kzp + ph[:, None, None] * D + d[None, None, :])
+            if ON_GPU > 0:
+                klo, khi = u4_to_f16(kb)
+            else:
+                klo, khi = codes_to_f16(kb & 15, 0.0), codes_to_f16(kb >> 4, 0.0)
+            kc = tl.join(klo, khi).reshape(PAGES, S, D)  # low nibble = even channel
+            ks = tl.load(ksp + ph[:, None, None] * D + d[None, None, :])  # [PAGES, 1, D]
+            kz = tl.load(kzp + ph[:, None, None] * D + d[None, None, :])
         k = kc * ks + kz
-        vc = tl.join(vlo, vhi).reshape(PAGES, S, NG, GROUP)
-        g = tl.arange(0, NG)
-        gi = rows[:, :, None, None] * NG + g[None, None, :, None]  # [PAGES, S, NG, 1]
-        vsc = tl.load(vsp + gi, mask=ok[:, :, None, None], other=0.0)
-        vz = tl.load(vzp + gi, mask=ok[:, :, None, None], other=0.0)
-        v = (vc * vsc + vz).reshape(PAGES, S, D)
+        # V goes to the tensor cores transposed (token pairs): no use for channel pairs
+        if ON_GPU > 0:
+            vlo, vhi = u4_to_f16(vb)
+        else:
+            vlo, vhi = codes_to_f16(vb & 15, 0.0), codes_to_f16(vb >> 4, 0.0)
+        v = _int4_values(vlo, vhi, vsp, vzp, rows, ok, PAGES, S, D, GROUP)
     return k.reshape(PAGES * S, D), v.reshape(PAGES * S, D), vs
+
+
+@triton.jit
+def _int4_values(vlo, vhi, vsp, vzp, rows, ok, PAGES: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
+                 GROUP: tl.constexpr):
+    """int4 values [PAGES, S, D] from their low and high nibbles (even and odd channels) and the
+    per-token scale and zero of each GROUP channels."""
+    NG: tl.constexpr = D // GROUP
+    vc = tl.join(vlo, vhi).reshape(PAGES, S, NG, GROUP)
+    g = tl.arange(0, NG)
+    gi = rows[:, :, None, None] * NG + g[None, None, :, None]  # [PAGES, S, NG, 1]
+    vsc = tl.load(vsp + gi, mask=ok[:, :, None, None], other=0.0)
+    vz = tl.load(vzp + gi, mask=ok[:, :, None, None], other=0.0)
+    return (vc * vsc + vz).reshape(PAGES, S, D)
 
 
 @triton.jit
