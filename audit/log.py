@@ -82,8 +82,7 @@ def _slices(n: int, size: int, tail: int) -> list[tuple[int, int]]:
 
 
 def _parts(items: list[Item]) -> list:
-    return [(item.op, item.subject, item.details, item.encoded or encode_parts(item.subject, item.details))
-            for item in items]
+    return [(item.op, item.subject, item.details, item.encoded) for item in items]
 
 
 def _now_ms() -> int:
@@ -142,7 +141,7 @@ class AuditLog:
                details: dict[str, Any] | None = None) -> "Future[Record]":
         """Queue a record without waiting; the future resolves to it once it is durably stored."""
         item = _item(op, subject, details, Future())
-        self._enqueue(_encode([item]))
+        self._enqueue([item])
         return item.future
 
     def append(self, op: str, subject: dict[str, str] | None = None,
@@ -160,7 +159,7 @@ class AuditLog:
         waiter = Waiter(len(batch))
         for item in batch:
             item.waiter = waiter
-        self._enqueue(batch, encode=True)
+        self._enqueue(batch)
         waiter.wait()
         return [item.result for item in batch]
 
@@ -199,10 +198,10 @@ class AuditLog:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _enqueue(self, items: list[Item], encode: bool = False) -> None:
-        """Queue a call's items, contiguous in the log, once there is room (max_queued). With
-        `encode`, the items are encoded and queued a slice at a time, so the first slice is
-        being signed while this thread encodes the rest."""
+    def _enqueue(self, items: list[Item]) -> None:
+        """Queue a call's items, contiguous in the log, once there is room (max_queued). They
+        are encoded and queued a slice at a time, so the first slice of a long call is being
+        signed while this thread encodes the rest."""
         n, queued = len(items), 0
         with self._room:
             self._room.wait_for(lambda: self._queued == 0 or self._queued + n <= self.config.max_queued)
@@ -213,10 +212,10 @@ class AuditLog:
                     raise StoreError(f"audit writer for {self.origin} stopped: {self._failed}")
                 if self._closed:
                     raise StoreError(f"audit log {self.origin} is closed")
-                size = n if not encode else self.config.sign_slice
+                size = self.config.sign_slice
                 for start in range(0, n, size):
                     part = items[start:start + size]
-                    self._queue.put(_encode(part) if encode else part)
+                    self._queue.put(_encode(part))
                     queued += len(part)
                     if start == 0 and n > size:
                         time.sleep(0)  # let the signer thread take the GIL and start on it

@@ -52,7 +52,7 @@ class Item:
     new_key: SigningKey | None = None  # a key rotation
     checkpoint: bool = False  # a forced checkpoint
     done: bool = False  # answered
-    encoded: tuple[bytes, bytes] | None = None  # (details, subject) JSON, if the caller encoded them
+    encoded: tuple[bytes, bytes] | None = None  # (details, subject) JSON, set as it is queued
 
     @property
     def control(self) -> bool:
