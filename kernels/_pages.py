@@ -140,11 +140,29 @@ def codes_to_f16(c, BIAS: tl.constexpr):
 
 
 @triton.jit
+def _ld(ptr, mask, other):
+    """tl.load, unmasked when mask is None (a constexpr: the steps of a loop that are known full)."""
+    if mask is None:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=mask, other=other)
+
+
+@triton.jit
+def _keep(ok, x, other):
+    if ok is None:
+        return x
+    else:
+        return tl.where(ok, x, other)
+
+
+@triton.jit
 def load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, ok, h,
                    H: tl.constexpr, S: tl.constexpr, D: tl.constexpr, PAGES: tl.constexpr,
                    KIND: tl.constexpr, GROUP: tl.constexpr, ON_GPU: tl.constexpr):
-    """page [PAGES] int64 page ids, ok [PAGES, S] which tokens exist -> k, v [PAGES*S, D] fp16
-    and vs [PAGES*S] fp32, the per-token V scale still to apply (int8/fp8; ones otherwise).
+    """page [PAGES] int64 page ids, ok [PAGES, S] which tokens exist (None: all of them) ->
+    k, v [PAGES*S, D] fp16 and vs [PAGES*S] fp32, the per-token V scale still to apply (int8/fp8;
+    ones otherwise): load_keys_f16 and load_values_f16 together.
 
     fp16 is what the tensor cores take: codes are exact in it and a dequantized key rounds
     once or twice (2^-11 relative). int8/fp8 values stay exact codes; their per-token scale
@@ -152,56 +170,36 @@ def load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, ok, h,
     ([PAGES, 1, D]) and broadcast over its tokens. V of missing tokens is zero so that
     0-probability x garbage never makes a NaN; K of missing tokens is masked by the caller.
     """
+    k = load_keys_f16(kp, ksp, kzp, page, ok, h, H, S, D, PAGES, KIND, ON_GPU)
+    v, vs = load_values_f16(vp, vsp, vzp, page, ok, h, H, S, D, PAGES, KIND, GROUP, ON_GPU)
+    return k, v, vs
+
+
+@triton.jit
+def load_keys_f16(kp, ksp, kzp, page, ok, h, H: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
+                  PAGES: tl.constexpr, KIND: tl.constexpr, ON_GPU: tl.constexpr):
+    """K of load_pages_f16: [PAGES*S, D] fp16, dequantized."""
     ph = page * H + h  # [PAGES] (page, head) rows of the scale tensors
-    s = tl.arange(0, S)
-    rows = ph[:, None] * S + s[None, :]  # [PAGES, S] token rows of the pool
+    rows = ph[:, None] * S + tl.arange(0, S)[None, :]  # [PAGES, S] token rows of the pool
     d = tl.arange(0, D)
-    m3 = ok[:, :, None]
-    vs = tl.full([PAGES * S], 1.0, tl.float32)
+    if ok is None:
+        m3 = None
+    else:
+        m3 = ok[:, :, None]
     if KIND == 0:
-        k = tl.load(kp + rows[:, :, None] * D + d[None, None, :], mask=m3, other=0.0)
-        v = tl.load(vp + rows[:, :, None] * D + d[None, None, :], mask=m3, other=0.0)
+        k = _ld(kp + rows[:, :, None] * D + d[None, None, :], m3, 0.0)
         if kp.dtype.element_ty == tl.bfloat16:  # via fp32: the interpreter has no bf16 arithmetic
             k = k.to(tl.float32)
-            v = v.to(tl.float32)
         k = k.to(tl.float16)
-        v = v.to(tl.float16)
-    elif KIND == 1 and ON_GPU >= 2:
-        W: tl.constexpr = D // 4
-        wi = rows[:, :, None] * W + tl.arange(0, W)[None, None, :]  # [PAGES, S, D/4] int32 words
-        kw = tl.load(kp.to(tl.pointer_type(tl.int32)) + wi, mask=m3, other=0)
-        vw = tl.load(vp.to(tl.pointer_type(tl.int32)) + wi, mask=m3, other=0)
-        FP8: tl.constexpr = kp.dtype.element_ty != tl.int8
-        ks = tl.load(ksp + ph[:, None, None] * D + d[None, None, :])  # [PAGES, 1, D]
-        k = i8_words_to_f16(kw, FP8).reshape(PAGES, S, D) * ks
-        v = i8_words_to_f16(vw, FP8).reshape(PAGES, S, D)
-        # a page's 16 scales in one unmasked load (a per-token mask would split it into 2-byte
-        # loads, which the loop's software pipeline cannot prefetch); missing tokens are zeroed after
-        vs = tl.where(ok, tl.load(vsp + rows).to(tl.float32), 0.0).reshape(PAGES * S)
     elif KIND == 1:
-        kc = tl.load(kp + rows[:, :, None] * D + d[None, None, :], mask=m3, other=0.0)  # [PAGES, S, D]
-        vc = tl.load(vp + rows[:, :, None] * D + d[None, None, :], mask=m3, other=0.0)
-        if kp.dtype.element_ty == tl.int8:
-            if ON_GPU:
-                kc = i8_to_f16(kc)
-                vc = i8_to_f16(vc)
-            else:  # c + 128 as a byte is c ^ 0x80
-                kc = codes_to_f16(kc.to(tl.uint8, bitcast=True) ^ 0x80, 128.0)
-                vc = codes_to_f16(vc.to(tl.uint8, bitcast=True) ^ 0x80, 128.0)
         ks = tl.load(ksp + ph[:, None, None] * D + d[None, None, :])  # [PAGES, 1, D]
-        k = kc.to(tl.float16) * ks
-        v = vc.to(tl.float16)
-        # a page's 16 scales in one unmasked load (a per-token mask would split it into 2-byte
-        # loads, which the loop's software pipeline cannot prefetch); missing tokens are zeroed after
-        vs = tl.where(ok, tl.load(vsp + rows).to(tl.float32), 0.0).reshape(PAGES * S)
+        k = _codes8_f16(kp, rows, m3, D, ON_GPU) * ks
     else:  # int4; ON_GPU 3 (-3: by portable code) converts keys straight to channel-ordered pairs
         D2: tl.constexpr = D // 2
-        c = tl.arange(0, D2)
-        kb = tl.load(kp + rows[:, :, None] * D2 + c[None, None, :], mask=m3, other=0)  # [PAGES, S, D/2] u8
-        vb = tl.load(vp + rows[:, :, None] * D2 + c[None, None, :], mask=m3, other=0)
+        kb = _ld(kp + rows[:, :, None] * D2 + tl.arange(0, D2)[None, None, :], m3, 0)  # [PAGES, S, D/2] u8
+        ks = tl.load(ksp + ph[:, None, None] * D + d[None, None, :])  # [PAGES, 1, D]
+        kz = tl.load(kzp + ph[:, None, None] * D + d[None, None, :])
         if ON_GPU == 3 or ON_GPU == -3:
-            ks = tl.load(ksp + ph[:, None, None] * D + d[None, None, :])  # [PAGES, 1, D]
-            kz = tl.load(kzp + ph[:, None, None] * D + d[None, None, :])
             kc = u4_pairs_to_f16(kb, ON_GPU > 0).reshape(PAGES, S, D)
         else:
             if ON_GPU > 0:
@@ -209,16 +207,61 @@ def load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, ok, h,
             else:
                 klo, khi = codes_to_f16(kb & 15, 0.0), codes_to_f16(kb >> 4, 0.0)
             kc = tl.join(klo, khi).reshape(PAGES, S, D)  # low nibble = even channel
-            ks = tl.load(ksp + ph[:, None, None] * D + d[None, None, :])  # [PAGES, 1, D]
-            kz = tl.load(kzp + ph[:, None, None] * D + d[None, None, :])
         k = kc * ks + kz
-        # V goes to the tensor cores transposed (token pairs): no use for channel pairs
+    return k.reshape(PAGES * S, D)
+
+
+@triton.jit
+def load_values_f16(vp, vsp, vzp, page, ok, h, H: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
+                    PAGES: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr, ON_GPU: tl.constexpr):
+    """V of load_pages_f16: v [PAGES*S, D] fp16 (int8/fp8: the codes) and vs [PAGES*S] fp32."""
+    rows = (page * H + h)[:, None] * S + tl.arange(0, S)[None, :]  # [PAGES, S] token rows of the pool
+    d = tl.arange(0, D)
+    if ok is None:
+        m3 = None
+    else:
+        m3 = ok[:, :, None]
+    vs = tl.full([PAGES * S], 1.0, tl.float32)
+    if KIND == 0:
+        v = _ld(vp + rows[:, :, None] * D + d[None, None, :], m3, 0.0)
+        if vp.dtype.element_ty == tl.bfloat16:
+            v = v.to(tl.float32)
+        v = v.to(tl.float16)
+    elif KIND == 1:
+        v = _codes8_f16(vp, rows, m3, D, ON_GPU)
+        # a page's 16 scales in one unmasked load (a per-token mask would split it into 2-byte
+        # loads, which the loop's software pipeline cannot prefetch); missing tokens are zeroed after
+        vs = _keep(ok, tl.load(vsp + rows).to(tl.float32), 0.0).reshape(PAGES * S)
+    else:  # int4: V goes to the tensor cores transposed (token pairs): no use for channel pairs
+        D2: tl.constexpr = D // 2
+        vb = _ld(vp + rows[:, :, None] * D2 + tl.arange(0, D2)[None, None, :], m3, 0)
         if ON_GPU > 0:
             vlo, vhi = u4_to_f16(vb)
         else:
             vlo, vhi = codes_to_f16(vb & 15, 0.0), codes_to_f16(vb >> 4, 0.0)
         v = _int4_values(vlo, vhi, vsp, vzp, rows, ok, PAGES, S, D, GROUP)
-    return k.reshape(PAGES * S, D), v.reshape(PAGES * S, D), vs
+    return v.reshape(PAGES * S, D), vs
+
+
+@triton.jit
+def _codes8_f16(cp, rows, m3, D: tl.constexpr, ON_GPU: tl.constexpr):
+    """int8 or fp8 codes of token rows [PAGES, S] -> [PAGES, S, D] fp16, exactly. ON_GPU >= 2: as
+    int32 words (4-byte aligned rows) and inline PTX; 1: bytes and inline PTX; 0: portable."""
+    d = tl.arange(0, D)
+    if ON_GPU >= 2:
+        W: tl.constexpr = D // 4
+        wi = rows[:, :, None] * W + tl.arange(0, W)[None, None, :]  # [PAGES, S, D/4] int32 words
+        w = _ld(cp.to(tl.pointer_type(tl.int32)) + wi, m3, 0)
+        c = i8_words_to_f16(w, cp.dtype.element_ty != tl.int8).reshape(rows.shape[0], rows.shape[1], D)
+    else:
+        c = _ld(cp + rows[:, :, None] * D + d[None, None, :], m3, 0.0)  # [PAGES, S, D]
+        if cp.dtype.element_ty == tl.int8:
+            if ON_GPU:
+                c = i8_to_f16(c)
+            else:  # c + 128 as a byte is c ^ 0x80
+                c = codes_to_f16(c.to(tl.uint8, bitcast=True) ^ 0x80, 128.0)
+        c = c.to(tl.float16)
+    return c
 
 
 @triton.jit
@@ -230,8 +273,12 @@ def _int4_values(vlo, vhi, vsp, vzp, rows, ok, PAGES: tl.constexpr, S: tl.conste
     vc = tl.join(vlo, vhi).reshape(PAGES, S, NG, GROUP)
     g = tl.arange(0, NG)
     gi = rows[:, :, None, None] * NG + g[None, None, :, None]  # [PAGES, S, NG, 1]
-    vsc = tl.load(vsp + gi, mask=ok[:, :, None, None], other=0.0)
-    vz = tl.load(vzp + gi, mask=ok[:, :, None, None], other=0.0)
+    if ok is None:
+        m4 = None
+    else:
+        m4 = ok[:, :, None, None]
+    vsc = _ld(vsp + gi, m4, 0.0)
+    vz = _ld(vzp + gi, m4, 0.0)
     return (vc * vsc + vz).reshape(PAGES, S, D)
 
 

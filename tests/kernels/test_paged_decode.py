@@ -79,6 +79,9 @@ INT4_TILES = {
     "t_p4w2": {"pages": 4, "num_warps": 2, "transposed": True},
     "t_p2w1": {"pages": 2, "num_warps": 1, "transposed": True},
     "t_p8w4_bytes": {"pages": 8, "num_warps": 4, "transposed": True, "pairs": False},
+    "t_p4w2_peel": {"pages": 4, "num_warps": 2, "transposed": True, "peel": True},
+    "t_p2w1_peel": {"pages": 2, "num_warps": 1, "transposed": True, "peel": True},
+    "t_p4w2_nopeel": {"pages": 4, "num_warps": 2, "transposed": True, "peel": False},
 }
 INT4_16_TOKEN_TILES = {
     "2d_p1w1": {"pages": 1, "num_warps": 1, "warp_split": False, "transposed": False},
@@ -113,6 +116,12 @@ QUANT_TILES = {
     "t_p2w2_bytes": {"pages": 2, "num_warps": 2, "warp_split": False, "transposed": True, "words": False},
     "t_p4w2": {"pages": 4, "num_warps": 2, "warp_split": False, "transposed": True},
     "t_p4w4": {"pages": 4, "num_warps": 4, "warp_split": False, "transposed": True},
+    # full steps without token masks and one masked step for the rest; one warp per program
+    "t_p4w2_peel": {"pages": 4, "num_warps": 2, "warp_split": False, "transposed": True, "peel": True},
+    "t_p2w2_bytes_peel": {"pages": 2, "num_warps": 2, "warp_split": False, "transposed": True, "words": False,
+                          "peel": True},
+    "t_p2w1_peel": {"pages": 2, "num_warps": 1, "warp_split": False, "transposed": True, "peel": True},
+    "t_p2w2_nopeel": {"pages": 2, "num_warps": 2, "warp_split": False, "transposed": True, "peel": False},
 }
 
 
