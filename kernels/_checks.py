@@ -91,7 +91,7 @@ def check_pages(pages: dict[str, torch.Tensor]) -> tuple[str, int, int, int, int
     if codec == "16bit":
         check(pages["v"], "pages['v']", dtype=k.dtype, shape=(p, h, s, d))
     elif codec in ("int8", "fp8"):
-        check(pages["v"], "pages['v']", dtype=k.dtype, shape=(p, h, s, d))
+        check(pages["v"], "pages['v']", dtype=k.dtype, shape=(p, h, d, s))  # channel-major
         check(pages["k_scale"], "pages['k_scale']", dtype=torch.float16, shape=(p, h, d))
         check(pages["v_scale"], "pages['v_scale']", dtype=torch.float16, shape=(p, h, s))
     else:

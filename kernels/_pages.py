@@ -213,8 +213,10 @@ def load_keys_f16(kp, ksp, kzp, page, ok, h, H: tl.constexpr, S: tl.constexpr, D
 
 @triton.jit
 def load_values_f16(vp, vsp, vzp, page, ok, h, H: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-                    PAGES: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr, ON_GPU: tl.constexpr):
-    """V of load_pages_f16: v [PAGES*S, D] fp16 (int8/fp8: the codes) and vs [PAGES*S] fp32."""
+                    PAGES: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr, ON_GPU: tl.constexpr,
+                    VT: tl.constexpr = False):
+    """V of load_pages_f16: v [PAGES*S, D] fp16 (int8/fp8: the codes) and vs [PAGES*S] fp32.
+    VT (int8/fp8 only): v as stored, channel-major [PAGES, D, S], for V^T @ p^T."""
     rows = (page * H + h)[:, None] * S + tl.arange(0, S)[None, :]  # [PAGES, S] token rows of the pool
     d = tl.arange(0, D)
     if ok is None:
@@ -228,7 +230,13 @@ def load_values_f16(vp, vsp, vzp, page, ok, h, H: tl.constexpr, S: tl.constexpr,
             v = v.to(tl.float32)
         v = v.to(tl.float16)
     elif KIND == 1:
-        v = _codes8_f16(vp, rows, m3, D, ON_GPU)
+        # channel rows [PAGES, D] of the page-heads; codes [PAGES, D, S]
+        # (a page's codes all exist in memory: loaded whole, missing tokens zeroed after)
+        v = _codes8_f16(vp, (page * H + h)[:, None] * D + d[None, :], None, S, ON_GPU)
+        if ok is not None:
+            v = tl.where(ok[:, None, :], v, 0.0)
+        if not VT:
+            v = tl.permute(v, (0, 2, 1))
         # a page's 16 scales in one unmasked load (a per-token mask would split it into 2-byte
         # loads, which the loop's software pipeline cannot prefetch); missing tokens are zeroed after
         vs = _keep(ok, tl.load(vsp + rows).to(tl.float32), 0.0).reshape(PAGES * S)
@@ -240,21 +248,26 @@ def load_values_f16(vp, vsp, vzp, page, ok, h, H: tl.constexpr, S: tl.constexpr,
         else:
             vlo, vhi = codes_to_f16(vb & 15, 0.0), codes_to_f16(vb >> 4, 0.0)
         v = _int4_values(vlo, vhi, vsp, vzp, rows, ok, PAGES, S, D, GROUP)
-    return v.reshape(PAGES * S, D), vs
+    if VT:
+        tl.static_assert(KIND == 1, "VT: int8/fp8 values only")
+        return v, vs
+    else:
+        return v.reshape(PAGES * S, D), vs
 
 
 @triton.jit
-def _codes8_f16(cp, rows, m3, D: tl.constexpr, ON_GPU: tl.constexpr):
-    """int8 or fp8 codes of token rows [PAGES, S] -> [PAGES, S, D] fp16, exactly. ON_GPU >= 2: as
-    int32 words (4-byte aligned rows) and inline PTX; 1: bytes and inline PTX; 0: portable."""
-    d = tl.arange(0, D)
+def _codes8_f16(cp, rows, m3, N: tl.constexpr, ON_GPU: tl.constexpr):
+    """int8 or fp8 codes of the rows [R0, R1] (N codes each) -> [R0, R1, N] fp16, exactly.
+    ON_GPU >= 2: as int32 words (4-byte aligned rows) and inline PTX; 1: bytes and inline PTX;
+    0: portable. m3 [R0, R1, 1]: which rows to load (None: all; the others read as 0)."""
+    n = tl.arange(0, N)
     if ON_GPU >= 2:
-        W: tl.constexpr = D // 4
-        wi = rows[:, :, None] * W + tl.arange(0, W)[None, None, :]  # [PAGES, S, D/4] int32 words
+        W: tl.constexpr = N // 4
+        wi = rows[:, :, None] * W + tl.arange(0, W)[None, None, :]  # [R0, R1, N/4] int32 words
         w = _ld(cp.to(tl.pointer_type(tl.int32)) + wi, m3, 0)
-        c = i8_words_to_f16(w, cp.dtype.element_ty != tl.int8).reshape(rows.shape[0], rows.shape[1], D)
+        c = i8_words_to_f16(w, cp.dtype.element_ty != tl.int8).reshape(rows.shape[0], rows.shape[1], N)
     else:
-        c = _ld(cp + rows[:, :, None] * D + d[None, None, :], m3, 0.0)  # [PAGES, S, D]
+        c = _ld(cp + rows[:, :, None] * N + n[None, None, :], m3, 0.0)  # [R0, R1, N]
         if cp.dtype.element_ty == tl.int8:
             if ON_GPU:
                 c = i8_to_f16(c)
@@ -299,7 +312,7 @@ def load_tokens_f32(kp, ksp, kzp, vp, vsp, vzp, page, slot, ok, h,
     elif KIND == 1:
         kc = tl.load(kp + row[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
         ks = tl.load(ksp + ph[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-        vc = tl.load(vp + row[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        vc = tl.load(vp + (ph[:, None] * D + d[None, :]) * S + slot[:, None], mask=m2, other=0.0).to(tl.float32)
         vs = tl.load(vsp + row, mask=ok, other=0.0).to(tl.float32)
         k = kc * ks
         v = vc * vs[:, None]
@@ -403,7 +416,7 @@ def store_page(kq, ksp, kzp, vq, vsp, vzp, ph, xk, xv,
         vc, vs = quant_sym(xv, 1, QMAX, ROUND, ON_GPU)  # per token: vs [S]
         tok = (ph * S + s)[:, None] * D + d[None, :]
         tl.store(kq + tok, kc.to(kq.dtype.element_ty))
-        tl.store(vq + tok, vc.to(vq.dtype.element_ty))
+        tl.store(vq + (ph * D + d[None, :]) * S + s[:, None], vc.to(vq.dtype.element_ty))  # channel-major
         tl.store(ksp + ph * D + d, ks)
         tl.store(vsp + ph * S + s, vs)
     else:

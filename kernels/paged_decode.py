@@ -231,7 +231,8 @@ def _t_step(acc, m, l, qt, start, hi, bt, kp, ksp, kzp, vp, vsp, vzp, logits, qr
     s = tl.dot(k.reshape(W, BW, D), qt) * qk_scale  # [W, BW, GP]
     if MASKED:
         s = tl.where(ok.reshape(W, BW, 1), s, float("-inf"))
-    v, vs = load_values_f16(vp, vsp, vzp, page, ok, h, H, S, D, PAGES, KIND, GROUP, ON_GPU)
+    # int8/fp8 values come as stored, V^T per page ([PAGES, D, S]); the others [PAGES*S, D]
+    v, vs = load_values_f16(vp, vsp, vzp, page, ok, h, H, S, D, PAGES, KIND, GROUP, ON_GPU, KIND == 1)
     m_new = tl.maximum(m, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - m_use)
@@ -241,7 +242,11 @@ def _t_step(acc, m, l, qt, start, hi, bt, kp, ksp, kzp, vp, vsp, vzp, logits, qr
         pv = (p * vs.reshape(W, BW, 1)).to(tl.float16)
     else:
         pv = p.to(tl.float16)
-    acc = acc * alpha[:, None, :] + tl.dot(tl.trans(v.reshape(W, BW, D), (0, 2, 1)), pv)
+    if KIND == 1:
+        vt = tl.permute(v.reshape(W, PAGES // W, D, S), (0, 2, 1, 3)).reshape(W, D, BW)
+    else:
+        vt = tl.trans(v.reshape(W, BW, D), (0, 2, 1))
+    acc = acc * alpha[:, None, :] + tl.dot(vt, pv)
     if MASS:
         n = (start + tl.arange(0, PAGES * S)).reshape(W, BW, 1)
         at = logits + qrow[None, None, :].to(tl.int64) * max_len + n
@@ -365,15 +370,15 @@ def _mass_kernel(logits, lse, seq_lens, mass, max_len, G: tl.constexpr, GP: tl.c
 # int4 conversion instead of inline PTX), 'min_steps' (loop steps a split has at least, 4 unless
 # given) and 'fused_merge' (the last program of each sequence and KV head merges the splits
 # instead of _combine_kernel, 'fused_chunk' splits at a time; off: slower, see
-# docs/benchmarks.md). Chosen by
+# docs/benchmarks.md) and 'peel' (transposed: full steps without token masks). Chosen by
 # benchmarks/gpu_bench.py --variants on an H200; SMALL_HEAD_CONFIG is for head_dim <= 64. The
-# kernels are latency- and issue-bound: what helped was fewer padded rows, no cross-warp
-# reductions in the loop, every load prefetched by the pipeline and more warps per SM; deeper
-# pipelines were not faster. Transposed tiles with one page per warp were slower than with two
-# for int8 (and at head_dim 64 for fp8 too); fp8 at head_dim 128 ran best with one page per warp
-# and 8 programs per SM. Two pages per warp make a split's steps twice as long, hence
-# 'min_steps' 2 (B = 1 at 16K was slower with 4). int4 tiles whose P @ V product reduces over fewer than
-# MIN_INT4_PV_TOKENS tokens are refused (see kernels/_checks.py).
+# kernels are latency-bound: what helped was fewer instructions per token (padded rows, masks and
+# shared-memory transposes removed: int8/fp8 values are stored channel-major so that V^T comes
+# straight from the page), no cross-warp reductions or barriers in the loop (one warp per program
+# where registers allow), every load prefetched by the pipeline and more warps per SM; deeper
+# pipelines were not faster. Two pages per warp make a split's steps twice as long, hence
+# 'min_steps' 2 (B = 1 at 16K was slower with 4). int4 tiles whose P @ V product reduces over
+# fewer than MIN_INT4_PV_TOKENS tokens are refused (see kernels/_checks.py).
 DEFAULT_CONFIG = {
     "16bit": {"pages": 4, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8, "rows": "group"},
     "int8": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 6, "fill": "waves", "rows": "group",
@@ -385,9 +390,9 @@ DEFAULT_CONFIG = {
 }
 SMALL_HEAD_CONFIG = {
     "16bit": {"pages": 1, "num_warps": 1, "num_stages": 3, "programs_per_sm": 11, "rows": "group"},
-    "int8": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8, "fill": "waves", "rows": "group",
+    "int8": {"pages": 2, "num_warps": 1, "num_stages": 3, "programs_per_sm": 16, "fill": "waves", "rows": "group",
              "transposed": True, "peel": True, "words": True, "maxnreg": 128, "min_steps": 2},
-    "fp8": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 8, "fill": "waves", "rows": "group",
+    "fp8": {"pages": 2, "num_warps": 1, "num_stages": 3, "programs_per_sm": 16, "fill": "waves", "rows": "group",
             "transposed": True, "peel": True, "words": True, "maxnreg": 128, "min_steps": 2},
     "int4": {"pages": 2, "num_warps": 1, "num_stages": 3, "programs_per_sm": 16, "fill": "waves", "rows": "group",
              "transposed": True, "peel": True, "pairs": True, "maxnreg": 128},
@@ -501,8 +506,9 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
         ns = -(-span // step)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
 
-    # codes as int32 words need 4-byte aligned rows (true of whole page tensors)
-    words = cfg.get("words", False) and all(pages[f].data_ptr() % 4 == 0 for f in ("k", "v"))
+    # codes as int32 words need 4-byte aligned rows (true of whole page tensors): V's rows are a
+    # channel's s codes
+    words = cfg.get("words", False) and s % 4 == 0 and all(pages[f].data_ptr() % 4 == 0 for f in ("k", "v"))
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, device=dev, dtype=torch.float32)
     logits = torch.empty(b, hq, max_len, device=dev, dtype=torch.float32) if return_mass else lse

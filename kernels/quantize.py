@@ -62,15 +62,17 @@ def unpack4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def encode_int8(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = torch.int8) -> dict[str, torch.Tensor]:
+    """Value codes are stored channel-major, [N, H, D, S] (see kernels/__init__.py)."""
     qmax = 127.0 if dtype == torch.int8 else FP8_MAX
     kq, ks = symmetric_quant(k, dim=2, qmax=qmax, dtype=dtype)  # ks [N, H, D]
     vq, vs = symmetric_quant(v, dim=3, qmax=qmax, dtype=dtype)  # vs [N, H, S]
-    return {"k": kq, "k_scale": ks, "v": vq, "v_scale": vs}
+    return {"k": kq, "k_scale": ks, "v": vq.transpose(2, 3).contiguous(), "v_scale": vs}
 
 
 def decode_int8(f: dict[str, torch.Tensor], out_dtype=torch.float32):
+    """-> k, v [N, H, S, D]."""
     k = symmetric_dequant(f["k"], f["k_scale"], dim=2, out_dtype=out_dtype)
-    v = symmetric_dequant(f["v"], f["v_scale"], dim=3, out_dtype=out_dtype)
+    v = symmetric_dequant(f["v"].transpose(2, 3), f["v_scale"], dim=3, out_dtype=out_dtype)
     return k, v
 
 

@@ -18,7 +18,7 @@ class Int8Codec(Codec):
         return {
             "k": ((heads, page_size, head_dim), self.code_dtype),
             "k_scale": ((heads, head_dim), torch.float16),
-            "v": ((heads, page_size, head_dim), self.code_dtype),
+            "v": ((heads, head_dim, page_size), self.code_dtype),  # channel-major (kernels/__init__.py)
             "v_scale": ((heads, page_size), torch.float16),
         }
 
