@@ -97,7 +97,9 @@ def check_pages(pages: dict[str, torch.Tensor]) -> tuple[str, int, int, int, int
     else:
         if d % ref.INT4_GROUP:
             raise KernelArgError(f"int4 needs head_dim divisible by {ref.INT4_GROUP}, got {d}")
-        check(pages["v"], "pages['v']", dtype=torch.uint8, shape=(p, h, s, d // 2))
+        if s < 2:
+            raise KernelArgError(f"int4 needs page_size >= 2 (two tokens a byte), got {s}")
+        check(pages["v"], "pages['v']", dtype=torch.uint8, shape=(p, h, d, s // 2))  # channel-major
         for f in ("k_scale", "k_zero"):
             check(pages[f], f"pages['{f}']", dtype=torch.float16, shape=(p, h, d))
         for f in ("v_scale", "v_zero"):

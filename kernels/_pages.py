@@ -216,7 +216,7 @@ def load_values_f16(vp, vsp, vzp, page, ok, h, H: tl.constexpr, S: tl.constexpr,
                     PAGES: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr, ON_GPU: tl.constexpr,
                     VT: tl.constexpr = False):
     """V of load_pages_f16: v [PAGES*S, D] fp16 (int8/fp8: the codes) and vs [PAGES*S] fp32.
-    VT (int8/fp8 only): v as stored, channel-major [PAGES, D, S], for V^T @ p^T."""
+    VT (quantized codecs): v as stored, channel-major [PAGES, D, S], for V^T @ p^T."""
     rows = (page * H + h)[:, None] * S + tl.arange(0, S)[None, :]  # [PAGES, S] token rows of the pool
     d = tl.arange(0, D)
     if ok is None:
@@ -240,16 +240,20 @@ def load_values_f16(vp, vsp, vzp, page, ok, h, H: tl.constexpr, S: tl.constexpr,
         # a page's 16 scales in one unmasked load (a per-token mask would split it into 2-byte
         # loads, which the loop's software pipeline cannot prefetch); missing tokens are zeroed after
         vs = _keep(ok, tl.load(vsp + rows).to(tl.float32), 0.0).reshape(PAGES * S)
-    else:  # int4: V goes to the tensor cores transposed (token pairs): no use for channel pairs
-        D2: tl.constexpr = D // 2
-        vb = _ld(vp + rows[:, :, None] * D2 + tl.arange(0, D2)[None, None, :], m3, 0)
-        if ON_GPU > 0:
-            vlo, vhi = u4_to_f16(vb)
-        else:
-            vlo, vhi = codes_to_f16(vb & 15, 0.0), codes_to_f16(vb >> 4, 0.0)
-        v = _int4_values(vlo, vhi, vsp, vzp, rows, ok, PAGES, S, D, GROUP)
+    else:  # int4: channel-major bytes [PAGES, D, S/2], each the fp16 token pair of V^T's operand
+        S2: tl.constexpr = S // 2
+        NG: tl.constexpr = D // GROUP
+        crow = (page * H + h)[:, None] * D + d[None, :]  # [PAGES, D]
+        vb = tl.load(vp + crow[:, :, None] * S2 + tl.arange(0, S2)[None, None, :])  # whole: see KIND 1
+        vc = u4_pairs_to_f16(vb, ON_GPU > 0).reshape(PAGES, NG, GROUP, S)
+        gi = rows[:, None, None, :] * NG + tl.arange(0, NG)[None, :, None, None]  # [PAGES, NG, 1, S]
+        v = (vc * tl.load(vsp + gi) + tl.load(vzp + gi)).reshape(PAGES, D, S)
+        if ok is not None:
+            v = tl.where(ok[:, None, :], v, 0.0)
+        if not VT:
+            v = tl.permute(v, (0, 2, 1))
     if VT:
-        tl.static_assert(KIND == 1, "VT: int8/fp8 values only")
+        tl.static_assert(KIND != 0, "VT: quantized values only")
         return v, vs
     else:
         return v.reshape(PAGES * S, D), vs
@@ -275,24 +279,6 @@ def _codes8_f16(cp, rows, m3, N: tl.constexpr, ON_GPU: tl.constexpr):
                 c = codes_to_f16(c.to(tl.uint8, bitcast=True) ^ 0x80, 128.0)
         c = c.to(tl.float16)
     return c
-
-
-@triton.jit
-def _int4_values(vlo, vhi, vsp, vzp, rows, ok, PAGES: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-                 GROUP: tl.constexpr):
-    """int4 values [PAGES, S, D] from their low and high nibbles (even and odd channels) and the
-    per-token scale and zero of each GROUP channels."""
-    NG: tl.constexpr = D // GROUP
-    vc = tl.join(vlo, vhi).reshape(PAGES, S, NG, GROUP)
-    g = tl.arange(0, NG)
-    gi = rows[:, :, None, None] * NG + g[None, None, :, None]  # [PAGES, S, NG, 1]
-    if ok is None:
-        m4 = None
-    else:
-        m4 = ok[:, :, None, None]
-    vsc = _ld(vsp + gi, m4, 0.0)
-    vz = _ld(vzp + gi, m4, 0.0)
-    return (vc * vsc + vz).reshape(PAGES, S, D)
 
 
 @triton.jit
@@ -324,8 +310,9 @@ def load_tokens_f32(kp, ksp, kzp, vp, vsp, vzp, page, slot, ok, h,
         ks = tl.load(ksp + ph[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
         kz = tl.load(kzp + ph[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
         k = kc * ks + kz
-        vb = tl.load(vp + row[:, None] * D2 + c[None, :], mask=m2, other=0)
-        vc = tl.join(vb & 15, vb >> 4).reshape(N, D).to(tl.float32)
+        # values channel-major: token slot of channel d is a nibble of byte (ph*D + d)*S/2 + slot/2
+        vb = tl.load(vp + (ph[:, None] * D + d[None, :]) * (S // 2) + (slot // 2)[:, None], mask=m2, other=0)
+        vc = tl.where((slot % 2 == 0)[:, None], vb & 15, vb >> 4).to(tl.float32)
         gi = row[:, None] * (D // GROUP) + d[None, :] // GROUP  # [N, D] index of each channel's group
         vs = tl.load(vsp + gi, mask=m2, other=0.0).to(tl.float32)
         vz = tl.load(vzp + gi, mask=m2, other=0.0).to(tl.float32)
@@ -426,7 +413,8 @@ def store_page(kq, ksp, kzp, vq, vsp, vzp, ph, xk, xv,
         c = tl.arange(0, D // 2)
         tok = (ph * S + s)[:, None] * (D // 2) + c[None, :]
         tl.store(kq + tok, pack4(kc, S, D))
-        tl.store(vq + tok, pack4(vc, S, D))
+        j = tl.arange(0, S // 2)  # values channel-major: [D, S/2] bytes, token 2j in the low nibble
+        tl.store(vq + (ph * D + d[:, None]) * (S // 2) + j[None, :], pack4(tl.trans(vc.reshape(S, D)), D, S))
         tl.store(ksp + ph * D + d, ks)
         tl.store(kzp + ph * D + d, kz)
         g = (ph * S + s)[:, None] * NG + tl.arange(0, NG)[None, :]

@@ -231,8 +231,8 @@ def _t_step(acc, m, l, qt, start, hi, bt, kp, ksp, kzp, vp, vsp, vzp, logits, qr
     s = tl.dot(k.reshape(W, BW, D), qt) * qk_scale  # [W, BW, GP]
     if MASKED:
         s = tl.where(ok.reshape(W, BW, 1), s, float("-inf"))
-    # int8/fp8 values come as stored, V^T per page ([PAGES, D, S]); the others [PAGES*S, D]
-    v, vs = load_values_f16(vp, vsp, vzp, page, ok, h, H, S, D, PAGES, KIND, GROUP, ON_GPU, KIND == 1)
+    # quantized values come as stored, V^T per page ([PAGES, D, S]); 16-bit ones [PAGES*S, D]
+    v, vs = load_values_f16(vp, vsp, vzp, page, ok, h, H, S, D, PAGES, KIND, GROUP, ON_GPU, KIND != 0)
     m_new = tl.maximum(m, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - m_use)
@@ -242,7 +242,7 @@ def _t_step(acc, m, l, qt, start, hi, bt, kp, ksp, kzp, vp, vsp, vzp, logits, qr
         pv = (p * vs.reshape(W, BW, 1)).to(tl.float16)
     else:
         pv = p.to(tl.float16)
-    if KIND == 1:
+    if KIND != 0:
         vt = tl.permute(v.reshape(W, PAGES // W, D, S), (0, 2, 1, 3)).reshape(W, D, BW)
     else:
         vt = tl.trans(v.reshape(W, BW, D), (0, 2, 1))

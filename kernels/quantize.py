@@ -83,14 +83,16 @@ def encode_int4(k: torch.Tensor, v: torch.Tensor, group: int = INT4_GROUP) -> di
     vc, vs, vz = asymmetric_quant4(vg, dim=4)  # vs, vz [N, H, S, D//G]
     return {
         "k": pack4(kc), "k_scale": ks, "k_zero": kz,
-        "v": pack4(vc.reshape(n, h, s, d)), "v_scale": vs, "v_zero": vz,
+        # channel-major [N, H, D, S//2]: a byte holds tokens 2j (low nibble) and 2j + 1 of a channel
+        "v": pack4(vc.reshape(n, h, s, d).transpose(2, 3)).contiguous(), "v_scale": vs, "v_zero": vz,
     }
 
 
 def decode_int4(f: dict[str, torch.Tensor], out_dtype=torch.float32, group: int = INT4_GROUP):
+    """-> k, v [N, H, S, D]."""
     kc = unpack4(f["k"]).float()
     k = kc * f["k_scale"].float().unsqueeze(2) + f["k_zero"].float().unsqueeze(2)
-    vc = unpack4(f["v"]).float()
+    vc = unpack4(f["v"]).float().transpose(2, 3)
     n, h, s, d = vc.shape
     vg = vc.reshape(n, h, s, d // group, group)
     v = vg * f["v_scale"].float().unsqueeze(-1) + f["v_zero"].float().unsqueeze(-1)

@@ -169,12 +169,13 @@ def test_errors():
         paged_decode(q, {**pages, "v_scale": pages["v_scale"].float()}, table, lens)
 
 
-@pytest.mark.parametrize("codec", ("int8", "fp8"))
-def test_int8_values_are_channel_major(codec):
-    # value codes [P, H, D, S]: a channel's tokens contiguous; pages in the token-major layout
-    # of the keys are refused, not read as garbage
+@pytest.mark.parametrize("codec", ("int8", "fp8", "int4"))
+def test_values_are_channel_major(codec):
+    # value codes [P, H, D, S] (int4: [P, H, D, S/2], two tokens a byte): a channel's tokens
+    # contiguous; pages in the token-major layout of the keys are refused, not read as garbage
     q, pages, table, lens = _case(codec, torch.float16, 4, 64, [40, 3], seed=8)
-    assert pages["v"].shape[2:] == (64, 16)
-    row_major = pages["v"].transpose(2, 3).contiguous()
-    with pytest.raises(KernelArgError, match=r"pages\['v'\] must have shape \[\d+, 2, 64, 16\]"):
-        paged_decode(q, {**pages, "v": row_major}, table, lens)
+    per_channel = 8 if codec == "int4" else 16
+    assert pages["v"].shape[2:] == (64, per_channel)
+    token_major = pages["v"].reshape(*pages["v"].shape[:2], 16, -1)
+    with pytest.raises(KernelArgError, match=rf"pages\['v'\] must have shape \[\d+, 2, 64, {per_channel}\]"):
+        paged_decode(q, {**pages, "v": token_major}, table, lens)

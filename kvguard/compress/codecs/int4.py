@@ -18,6 +18,8 @@ class Int4Codec(Codec):
     def check(self, heads, page_size, head_dim):
         if head_dim % 2 or head_dim % self.group:
             raise ValueError(f"int4 needs head_dim divisible by 2 and by its group {self.group}, got {head_dim}")
+        if page_size % 2:
+            raise ValueError(f"int4 packs two tokens' values a byte: page_size must be even, got {page_size}")
 
     def fields(self, heads, page_size, head_dim, dtype):
         half, groups = head_dim // 2, head_dim // self.group
@@ -25,7 +27,7 @@ class Int4Codec(Codec):
             "k": ((heads, page_size, half), torch.uint8),
             "k_scale": ((heads, head_dim), torch.float16),
             "k_zero": ((heads, head_dim), torch.float16),
-            "v": ((heads, page_size, half), torch.uint8),
+            "v": ((heads, head_dim, page_size // 2), torch.uint8),  # channel-major (kernels/__init__.py)
             "v_scale": ((heads, page_size, groups), torch.float16),
             "v_zero": ((heads, page_size, groups), torch.float16),
         }
