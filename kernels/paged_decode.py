@@ -370,19 +370,23 @@ def _mass_kernel(logits, lse, seq_lens, mass, max_len, G: tl.constexpr, GP: tl.c
 # int4 conversion instead of inline PTX), 'min_steps' (loop steps a split has at least, 4 unless
 # given) and 'fused_merge' (the last program of each sequence and KV head merges the splits
 # instead of _combine_kernel, 'fused_chunk' splits at a time; off: slower, see
-# docs/benchmarks.md) and 'peel' (transposed: full steps without token masks). Chosen by
+# docs/benchmarks.md), 'peel' (transposed: full steps without token masks) and 'one_sequence' (keys
+# that replace the others when the batch is one sequence: its splits' chains of steps are the
+# whole latency; a one-warp tile with splits of at least 4 steps was faster there and slower at
+# B = 8 for int8 at head_dim 128). Chosen by
 # benchmarks/gpu_bench.py --variants on an H200; SMALL_HEAD_CONFIG is for head_dim <= 64. The
 # kernels are latency-bound: what helped was fewer instructions per token (padded rows, masks and
-# shared-memory transposes removed: int8/fp8 values are stored channel-major so that V^T comes
+# shared-memory transposes removed: quantized values are stored channel-major so that V^T comes
 # straight from the page), no cross-warp reductions or barriers in the loop (one warp per program
 # where registers allow), every load prefetched by the pipeline and more warps per SM; deeper
-# pipelines were not faster. Two pages per warp make a split's steps twice as long, hence
-# 'min_steps' 2 (B = 1 at 16K was slower with 4). int4 tiles whose P @ V product reduces over
+# pipelines were not faster. Two warps of two pages make a step 64 tokens long, hence 'min_steps'
+# 2 (B = 1 at 16K was slower with 4). int4 tiles whose P @ V product reduces over
 # fewer than MIN_INT4_PV_TOKENS tokens are refused (see kernels/_checks.py).
 DEFAULT_CONFIG = {
     "16bit": {"pages": 4, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8, "rows": "group"},
     "int8": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 6, "fill": "waves", "rows": "group",
-             "transposed": True, "peel": True, "words": True, "maxnreg": 168, "min_steps": 2},
+             "transposed": True, "peel": True, "words": True, "maxnreg": 168, "min_steps": 2,
+             "one_sequence": {"pages": 2, "num_warps": 1, "programs_per_sm": 12, "maxnreg": 0, "min_steps": 4}},
     "fp8": {"pages": 2, "num_warps": 1, "num_stages": 3, "programs_per_sm": 12, "fill": "waves", "rows": "group",
             "transposed": True, "peel": True, "words": True, "maxnreg": 168},
     "int4": {"pages": 2, "num_warps": 1, "num_stages": 3, "programs_per_sm": 12, "fill": "waves", "rows": "group",
@@ -491,7 +495,10 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
         raise KernelArgError("block_table rows must be contiguous (stride 1 along pages)")
     check(seq_lens, "seq_lens", dtype=INDEX_DTYPES, shape=(b,))
     dev = check_device(q, block_table, seq_lens, pages["k"])
-    cfg = {**(SMALL_HEAD_CONFIG if d <= 64 else DEFAULT_CONFIG)[codec], **(config or {})}
+    given = config or {}
+    cfg = {**(SMALL_HEAD_CONFIG if d <= 64 else DEFAULT_CONFIG)[codec], **given}
+    if b == 1:  # one sequence: 'one_sequence' replaces the keys that config does not give
+        cfg = {**cfg, **cfg.get("one_sequence", {}), **given}
     g = hq // h
     gp = triton.next_power_of_2(g) if cfg.get("rows") == "group" else max(16, triton.next_power_of_2(g))
     bn = cfg["pages"] * s

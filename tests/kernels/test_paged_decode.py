@@ -179,3 +179,25 @@ def test_values_are_channel_major(codec):
     token_major = pages["v"].reshape(*pages["v"].shape[:2], 16, -1)
     with pytest.raises(KernelArgError, match=rf"pages\['v'\] must have shape \[\d+, 2, 64, {per_channel}\]"):
         paged_decode(q, {**pages, "v": token_major}, table, lens)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_one_sequence(codec):
+    # a batch of one takes its codec's 'one_sequence' keys (int8: a one-warp tile, longer splits);
+    # keys the caller gives win over them
+    q, pages, table, lens = _case(codec, torch.float16, 4, 128, [150], seed=9)
+    _check(codec, torch.float16, q, pages, table, lens)
+    _check(codec, torch.float16, q, pages, table, lens, config={"splits": 2})
+    _check(codec, torch.float16, q, pages, table, lens, config={"pages": 4, "num_warps": 2, "splits": 3})
+
+
+def test_one_sequence_config_precedence(monkeypatch):
+    import kernels.paged_decode as pd
+    seen = []
+    monkeypatch.setattr(pd, "check_int4_tile", lambda codec, tokens: seen.append(tokens))
+    q, pages, table, lens = _case("int8", torch.float16, 4, 128, [40], seed=10)
+    paged_decode(q, pages, table, lens)  # one_sequence: 2 pages x 16 tokens on one warp
+    paged_decode(q, pages, table, lens, config={"pages": 4})  # the caller's pages win: 4 x 16 / 1 warp
+    q2, pages2, table2, lens2 = _case("int8", torch.float16, 4, 128, [40, 7], seed=10)
+    paged_decode(q2, pages2, table2, lens2)  # B = 2: the default tile, 4 pages on 2 warps
+    assert seen == [32, 64, 32]
