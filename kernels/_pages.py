@@ -229,25 +229,21 @@ def load_values_f16(vp, vsp, vzp, page, ok, h, H: tl.constexpr, S: tl.constexpr,
         if vp.dtype.element_ty == tl.bfloat16:
             v = v.to(tl.float32)
         v = v.to(tl.float16)
-    elif KIND == 1:
-        # channel rows [PAGES, D] of the page-heads; codes [PAGES, D, S]
-        # (a page's codes all exist in memory: loaded whole, missing tokens zeroed after)
-        v = _codes8_f16(vp, (page * H + h)[:, None] * D + d[None, :], None, S, ON_GPU)
-        if ok is not None:
-            v = tl.where(ok[:, None, :], v, 0.0)
-        if not VT:
-            v = tl.permute(v, (0, 2, 1))
-        # a page's 16 scales in one unmasked load (a per-token mask would split it into 2-byte
-        # loads, which the loop's software pipeline cannot prefetch); missing tokens are zeroed after
-        vs = _keep(ok, tl.load(vsp + rows).to(tl.float32), 0.0).reshape(PAGES * S)
-    else:  # int4: channel-major bytes [PAGES, D, S/2], each the fp16 token pair of V^T's operand
-        S2: tl.constexpr = S // 2
-        NG: tl.constexpr = D // GROUP
-        crow = (page * H + h)[:, None] * D + d[None, :]  # [PAGES, D]
-        vb = tl.load(vp + crow[:, :, None] * S2 + tl.arange(0, S2)[None, None, :])  # whole: see KIND 1
-        vc = u4_pairs_to_f16(vb, ON_GPU > 0).reshape(PAGES, NG, GROUP, S)
-        gi = rows[:, None, None, :] * NG + tl.arange(0, NG)[None, :, None, None]  # [PAGES, NG, 1, S]
-        v = (vc * tl.load(vsp + gi) + tl.load(vzp + gi)).reshape(PAGES, D, S)
+    else:  # channel-major: codes [PAGES, D, S] of the channel rows [PAGES, D] of the page-heads
+        crow = (page * H + h)[:, None] * D + d[None, :]
+        if KIND == 1:
+            v = _codes8_f16(vp, crow, None, S, ON_GPU)
+            # a page's 16 scales in one unmasked load (a per-token mask would split it into 2-byte
+            # loads, which the loop's software pipeline cannot prefetch); missing tokens are zeroed
+            vs = _keep(ok, tl.load(vsp + rows).to(tl.float32), 0.0).reshape(PAGES * S)
+        else:  # int4: bytes [PAGES, D, S/2], each the fp16 token pair of V^T's operand
+            S2: tl.constexpr = S // 2
+            NG: tl.constexpr = D // GROUP
+            vb = tl.load(vp + crow[:, :, None] * S2 + tl.arange(0, S2)[None, None, :])
+            vc = u4_pairs_to_f16(vb, ON_GPU > 0).reshape(PAGES, NG, GROUP, S)
+            gi = rows[:, None, None, :] * NG + tl.arange(0, NG)[None, :, None, None]  # [PAGES, NG, 1, S]
+            v = (vc * tl.load(vsp + gi) + tl.load(vzp + gi)).reshape(PAGES, D, S)
+        # a page's codes all exist in memory: loaded whole, missing tokens zeroed here
         if ok is not None:
             v = tl.where(ok[:, None, :], v, 0.0)
         if not VT:
