@@ -97,6 +97,26 @@ def time_calls(calls, min_total_s=0.04, max_reps=200) -> float:
     return ms / 1e3 / len(calls)
 
 
+def kernel_times(calls) -> dict:
+    """{kernel name: device seconds per call}, from torch.profiler over the calls run once
+    (eagerly: the kernels' own times; launch gaps show only in time_calls' graph)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for c in calls:
+            c()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = e.self_cuda_time_total
+        if us > 0:
+            out[e.key] = us / 1e6 / len(calls)
+    return out
+
+
 def ceilings() -> dict:
     if not GPU:
         return {"copy_GBps": 100.0, "read_GBps": 100.0, "bf16_TFLOPs": 1.0}
@@ -229,7 +249,7 @@ def _fields_close(a, b) -> bool:
 
 
 def bench_decode(model, length, batch, copy_bw, configs=None, with_baselines=True, read_bw=None,
-                 codecs=("16bit",) + CODECS) -> dict:
+                 codecs=("16bit",) + CODECS, profile=False) -> dict:
     hq, h, d = MODELS[model]
     kv16 = pool_bytes("bf16", length * batch, h, d)
     reps = max(1, min(64, math.ceil((512e6 if GPU else 1) / kv16)))
@@ -265,6 +285,8 @@ def bench_decode(model, length, batch, copy_bw, configs=None, with_baselines=Tru
             row[name] = math.inf
             return
         row[name] = time_calls(calls)
+        if profile:
+            row[name + " kernels"] = kernel_times(calls)
 
     if "16bit" in codecs:
         for cfg_name, cfg in (configs or {"": None}).items():
@@ -403,6 +425,10 @@ def check_variants(spec: dict, codecs) -> list[str]:
             for name, cfgs in grid.items():  # the split the shape gives (more than one here)
                 out, lse = paged_decode(q, pages, table, lens, config=cfgs[codec])
                 e = (rel(out, r_out), (lse - r_lse).abs().max().item())
+                # the next variant's outputs likely reuse these blocks: one that leaves out or lse
+                # unwritten must not pass on this one's results
+                out.fill_(float("nan"))
+                lse.fill_(float("nan"))
                 if not (e[0] < 5e-3 and e[1] < 5e-2):
                     lines.append(f"variant{name} {model} {codec}: FAIL out {e[0]:.1e} lse {e[1]:.1e}")
     lines.append(f"variants checked: {'ALL OK' if not lines else 'FAILURES'}")
@@ -423,21 +449,27 @@ def compiled_decode_kernels() -> list[str]:
     return out
 
 
-def run_variants(spec: dict, shapes, copy_bw, read_bw, codecs) -> list[str]:
+def run_variants(spec: dict, shapes, copy_bw, read_bw, codecs, profile=False) -> list[str]:
     lines = check_variants(spec, codecs)
     print("\n".join(lines), flush=True)
     rows = []
     for model, length, batch in shapes:
         grid = variant_configs(spec, MODELS[model][2])
         names = list(grid)
-        row = bench_decode(model, length, batch, copy_bw, configs=grid, read_bw=read_bw, codecs=codecs)
+        row = bench_decode(model, length, batch, copy_bw, configs=grid, read_bw=read_bw, codecs=codecs,
+                           profile=profile)
         rows.append(row)
         for codec in codecs:
             fl = row[f"floor_{codec}"]
             cells = " ".join(f"{n.strip()}={row[codec + n] * 1e6:.1f}us/{row[codec + n] / fl:.2f}" for n in names)
             sd = f" sdpa={row['sdpa'] * 1e6:.1f}us" if "sdpa" in row else ""
             lines.append(f"{model} L={length} B={batch} {codec:5s}{sd} {cells}")
-            print(lines[-1], flush=True)
+            for n in names if profile else ():  # kernel by kernel; the rest of the step is between kernels
+                ks = row.get(codec + n + " kernels", {})
+                rest = row[codec + n] - sum(ks.values())
+                lines.append(f"    {n.strip()}: " + ", ".join(f"{k[:40]} {v * 1e6:.1f}" for k, v in ks.items())
+                             + f", between kernels {rest * 1e6:.1f} us")
+            print("\n".join(lines[-1 - len(names) * profile:]), flush=True)
     return lines + compiled_decode_kernels()
 
 
@@ -480,6 +512,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--variants", help="JSON {name: {codec or 'all': config}}: check and time these configs "
                     "on --shapes, then stop")
+    ap.add_argument("--profile", action="store_true", help="with --variants: each kernel's time per call too")
     ap.add_argument("--codecs", default=",".join(("16bit",) + CODECS), help="codecs for --variants")
     ap.add_argument("--once", help="model:L:B: one decode call per codec of --codecs (config from --variants' "
                     "first entry), for a profiler; no timing")
@@ -509,7 +542,7 @@ def main():
           f"bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     if args.variants:
         lines = run_variants(json.loads(args.variants), parse_shapes(args.shapes), ceil["copy_GBps"],
-                             ceil["read_GBps"], codecs)
+                             ceil["read_GBps"], codecs, profile=args.profile)
         with open(os.path.join(args.out, "variants.txt"), "w") as f:
             f.write("\n".join([json.dumps(info), f"ceilings {ceil}", args.variants] + lines) + "\n")
         return
