@@ -68,6 +68,14 @@ def test_splits_merged_in_chunks(codec):
     _check(codec, torch.float16, q, pages, table, lens, config={"splits": 5, "combine_chunk": 2})
 
 
+@pytest.mark.parametrize("block", (16, 32))
+def test_splits_merged_by_channel_blocks(block):
+    # the merge spreads a row's channels over programs (each its own copy of the running max);
+    # head_dim 64: two or four programs a row, one of which writes the lse
+    q, pages, table, lens = _case("int8", torch.float16, 4, 64, [150, 97, 0], seed=10)
+    _check("int8", torch.float16, q, pages, table, lens, config={"splits": 5, "combine_block": block})
+
+
 # int4 tile shapes the kernel accepts. Compiled on a GPU these catch what the interpreter cannot
 # show: Triton 3.6 computed the int4 P @ V product wrongly whenever a warp's step held one page
 # (16 tokens), the same wrong numbers on every run (see kernels/_checks.py).
