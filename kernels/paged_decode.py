@@ -375,23 +375,22 @@ def _mass_kernel(logits, lse, seq_lens, mass, max_len, G: tl.constexpr, GP: tl.c
 # instead of _combine_kernel, 'fused_chunk' splits at a time; off: slower, see
 # docs/benchmarks.md), 'peel' (transposed: full steps without token masks) and 'one_sequence' (keys
 # that replace the others when the batch is one sequence: its splits' chains of steps are the
-# whole latency; a one-warp tile with splits of at least 4 steps was faster there and slower at
-# B = 8 for int8 at head_dim 128). Chosen by
+# whole latency; int8 at head_dim 128 keeps 12 programs per SM and no register cap there). Chosen by
 # benchmarks/gpu_bench.py --variants on an H200; SMALL_HEAD_CONFIG is for head_dim <= 64. The
 # kernels are latency-bound: what helped was fewer instructions per token (padded rows, masks and
 # shared-memory transposes removed: quantized values are stored channel-major so that V^T comes
 # straight from the page), no cross-warp reductions or barriers in the loop (one warp per program
-# where registers allow), every load prefetched by the pipeline and more warps per SM; deeper
-# pipelines were not faster. Two warps of two pages make a step 64 tokens long, hence 'min_steps'
-# 2 (B = 1 at 16K was slower with 4). int4 tiles whose P @ V product reduces over
+# where registers allow), every load prefetched by the pipeline and more warps per SM (int8 and
+# fp8: 128 registers, 16 programs of one warp, a little spill outside the loop, beat 12 programs
+# without the cap at B >= 8); deeper pipelines were not faster. int4 tiles whose P @ V product reduces over
 # fewer than MIN_INT4_PV_TOKENS tokens are refused (see kernels/_checks.py).
 DEFAULT_CONFIG = {
     "16bit": {"pages": 4, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8, "rows": "group"},
-    "int8": {"pages": 4, "num_warps": 2, "num_stages": 3, "programs_per_sm": 6, "fill": "waves", "rows": "group",
-             "transposed": True, "peel": True, "words": True, "maxnreg": 168, "min_steps": 2,
-             "one_sequence": {"pages": 2, "num_warps": 1, "programs_per_sm": 12, "maxnreg": 0, "min_steps": 4}},
-    "fp8": {"pages": 2, "num_warps": 1, "num_stages": 3, "programs_per_sm": 12, "fill": "waves", "rows": "group",
-            "transposed": True, "peel": True, "words": True, "maxnreg": 168},
+    "int8": {"pages": 2, "num_warps": 1, "num_stages": 3, "programs_per_sm": 16, "fill": "waves", "rows": "group",
+             "transposed": True, "peel": True, "words": True, "maxnreg": 128,
+             "one_sequence": {"programs_per_sm": 12, "maxnreg": 0}},
+    "fp8": {"pages": 2, "num_warps": 1, "num_stages": 3, "programs_per_sm": 16, "fill": "waves", "rows": "group",
+            "transposed": True, "peel": True, "words": True, "maxnreg": 128},
     "int4": {"pages": 2, "num_warps": 1, "num_stages": 3, "programs_per_sm": 12, "fill": "waves", "rows": "group",
              "transposed": True, "peel": True, "pairs": True, "maxnreg": 168},
 }

@@ -191,7 +191,7 @@ def test_values_are_channel_major(codec):
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_one_sequence(codec):
-    # a batch of one takes its codec's 'one_sequence' keys (int8: a one-warp tile, longer splits);
+    # a batch of one takes its codec's 'one_sequence' keys (int8: fewer programs, no register cap);
     # keys the caller gives win over them
     q, pages, table, lens = _case(codec, torch.float16, 4, 128, [150], seed=9)
     _check(codec, torch.float16, q, pages, table, lens)
@@ -202,10 +202,11 @@ def test_one_sequence(codec):
 def test_one_sequence_config_precedence(monkeypatch):
     import kernels.paged_decode as pd
     seen = []
-    monkeypatch.setattr(pd, "check_int4_tile", lambda codec, tokens: seen.append(tokens))
+    real = pd.num_splits
+    monkeypatch.setattr(pd, "num_splits", lambda *a, **kw: seen.append(a[5]) or real(*a, **kw))
     q, pages, table, lens = _case("int8", torch.float16, 4, 128, [40], seed=10)
-    paged_decode(q, pages, table, lens)  # one_sequence: 2 pages x 16 tokens on one warp
-    paged_decode(q, pages, table, lens, config={"pages": 4})  # the caller's pages win: 4 x 16 / 1 warp
+    paged_decode(q, pages, table, lens)  # one_sequence: 12 programs per SM
+    paged_decode(q, pages, table, lens, config={"programs_per_sm": 5})  # the caller's key wins
     q2, pages2, table2, lens2 = _case("int8", torch.float16, 4, 128, [40, 7], seed=10)
-    paged_decode(q2, pages2, table2, lens2)  # B = 2: the default tile, 4 pages on 2 warps
-    assert seen == [32, 64, 32]
+    paged_decode(q2, pages2, table2, lens2)  # B = 2: the default, 16
+    assert seen == [12, 5, 16]
