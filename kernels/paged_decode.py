@@ -274,7 +274,7 @@ def _finish(acc, m, l, qrow, row_ok, d, out, lse, sp, ns, fin_out, fin_lse, coun
             tl.debug_barrier()
             done = tl.atomic_add(counters + cidx, 1, sem="acq_rel", scope="gpu")
             if done == ns - 1:
-                _merge_splits(out, lse, fin_out, fin_lse, qrow, row_ok, ns, D, CH)
+                _merge_splits(out, lse, fin_out, fin_lse, qrow, row_ok, row_ok, d, ns, D, CH)
                 tl.atomic_xchg(counters + cidx, 0, sem="relaxed", scope="gpu")
     else:
         tl.store(out + qrow[:, None] * D + d[None, :], o.to(out.dtype.element_ty), mask=row_ok[:, None])
@@ -282,19 +282,19 @@ def _finish(acc, m, l, qrow, row_ok, d, out, lse, sp, ns, fin_out, fin_lse, coun
 
 
 @triton.jit
-def _merge_splits(part_out, part_lse, out, lse, qrow, row_ok, NS, D: tl.constexpr, CH: tl.constexpr):
-    # rows qrow [GP] of part_out [rows, NS, D] fp32 and part_lse [rows, NS] base 2 -> out [rows, D]
-    # in out's dtype, lse natural; CH splits at a time with a running max, as _combine_kernel.
-    # Partials other programs wrote are read through L2 (.cg), never an older copy in this SM's L1.
-    d = tl.arange(0, D)
+def _merge_splits(part_out, part_lse, out, lse, qrow, row_ok, lse_ok, d, NS, D: tl.constexpr, CH: tl.constexpr):
+    # rows qrow [R] of part_out [rows, NS, D] fp32 and part_lse [rows, NS] base 2 -> channels d [DB]
+    # of out [rows, D] in out's dtype, and lse natural where lse_ok; CH splits at a time with a
+    # running max. Partials other programs wrote are read through L2 (.cg), never an older copy
+    # in this SM's L1.
     base = qrow.to(tl.int64) * NS
     m = tl.full([qrow.shape[0]], float("-inf"), tl.float32)
     tot = tl.zeros([qrow.shape[0]], tl.float32)
-    acc = tl.zeros([qrow.shape[0], D], tl.float32)
+    acc = tl.zeros([qrow.shape[0], d.shape[0]], tl.float32)
     for c0 in range(0, NS, CH):
         i = c0 + tl.arange(0, CH)
         ok = row_ok[:, None] & (i < NS)[None, :]
-        idx = base[:, None] + i[None, :]  # [GP, CH]
+        idx = base[:, None] + i[None, :]  # [R, CH]
         ls = tl.load(part_lse + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
         m_new = tl.maximum(m, tl.max(ls, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -307,41 +307,25 @@ def _merge_splits(part_out, part_lse, out, lse, qrow, row_ok, NS, D: tl.constexp
         m = m_new
     m = tl.where(m == float("-inf"), 0.0, m)
     o = acc / tl.where(tot == 0.0, 1.0, tot)[:, None]
-    tl.store(out + qrow[:, None] * D + d[None, :], o.to(out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(out + qrow[:, None].to(tl.int64) * D + d[None, :], o.to(out.dtype.element_ty), mask=row_ok[:, None])
     lse2 = m + tl.log2(tl.where(tot == 0.0, 1.0, tot))
-    tl.store(lse + qrow, tl.where(tot == 0.0, float("-inf"), lse2 * 0.6931471805599453), mask=row_ok)
+    tl.store(lse + qrow, tl.where(tot == 0.0, float("-inf"), lse2 * 0.6931471805599453), mask=lse_ok)
 
 
 @triton.jit
-def _combine_kernel(part_out, part_lse, out, lse, NS, D: tl.constexpr, DB: tl.constexpr, CH: tl.constexpr):
-    # grid (B * Hq, D // DB): part_out [B*Hq, NS, D] fp32, part_lse [B*Hq, NS] base 2 -> out [B*Hq, D],
-    # lse natural; a program merges DB channels of one row. CH splits at a time with a running max:
-    # a tile of all splits at once would not fit in registers when a short batch is split hundreds
-    # of times. At B = 1 this pass is on the critical path and bound by latency: a row's channels
-    # are spread over programs so that up to 512 splits are one load per program, not a chain of
-    # dependent chunks (llama3 32K x 1, 171 splits: 3.9 -> 2.3 us).
-    row = tl.program_id(0).to(tl.int64)
+def _combine_kernel(part_out, part_lse, out, lse, NS, ROWS, D: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
+                    CH: tl.constexpr):
+    # grid (cdiv(ROWS, R), D // DB), ROWS = B * Hq: part_out [ROWS, NS, D] fp32, part_lse [ROWS, NS]
+    # base 2 -> out [ROWS, D], lse natural; a program merges DB channels of R rows, CH splits at a
+    # time (a tile of all splits at once would not fit in registers when a short batch is split
+    # hundreds of times). At B = 1 this pass is on the critical path and bound by latency: a row's
+    # channels are spread over programs so that up to 512 splits are one load per program, not a
+    # chain of dependent chunks (llama3 32K x 1, 171 splits: 3.9 -> 2.3 us); with few splits a
+    # program takes several rows (one 4-warp program per row of 4 splits was 7.5 us at B = 64).
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    ok = rows < ROWS
     d = tl.program_id(1) * DB + tl.arange(0, DB)
-    m = tl.full([], float("-inf"), tl.float32)
-    tot = tl.zeros([], tl.float32)
-    acc = tl.zeros([DB], tl.float32)
-    for c0 in range(0, NS, CH):
-        i = c0 + tl.arange(0, CH)
-        ls = tl.load(part_lse + row * NS + i, mask=i < NS, other=float("-inf"))
-        m_new = tl.maximum(m, tl.max(ls, 0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)
-        w = tl.exp2(ls - m_use)  # 0 for empty splits
-        o = tl.load(part_out + (row * NS + i)[:, None] * D + d[None, :], mask=(i < NS)[:, None], other=0.0)
-        acc = acc * alpha + tl.sum(o * w[:, None], 0)
-        tot = tot * alpha + tl.sum(w, 0)
-        m = m_new
-    m = tl.where(m == float("-inf"), 0.0, m)
-    o = acc / tl.where(tot == 0.0, 1.0, tot)
-    tl.store(out + row * D + d, o.to(out.dtype.element_ty))
-    if tl.program_id(1) == 0:
-        lse2 = m + tl.log2(tl.where(tot == 0.0, 1.0, tot))
-        tl.store(lse + row, tl.where(tot == 0.0, float("-inf"), lse2 * 0.6931471805599453))
+    _merge_splits(part_out, part_lse, out, lse, rows, ok, ok & (tl.program_id(1) == 0), d, NS, D, CH)
 
 
 @triton.jit
@@ -545,10 +529,12 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                        **extra, **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     if split and not fused:
-        # a [CH, DB] fp32 tile of partials per program: 64 registers a thread at 4 warps
+        # an [R, CH, DB] fp32 tile of partials per program, at most 64 registers a thread at 4 warps
         ch = min(cfg.get("combine_chunk", 512), max(2, triton.next_power_of_2(ns)))
         db = min(d, cfg.get("combine_block", max(16, 8192 // ch)))
-        _combine_kernel[(b * hq, d // db)](p_out, p_lse, out, lse, ns, D=d, DB=db, CH=ch, num_warps=4)
+        r = cfg.get("combine_rows", max(1, 4096 // (ch * db)))
+        _combine_kernel[(triton.cdiv(b * hq, r), d // db)](p_out, p_lse, out, lse, ns, b * hq, D=d, R=r, DB=db,
+                                                           CH=ch, num_warps=4)
     if not return_mass:
         return out, lse
     mass = torch.empty(b, h, max_len, device=dev, dtype=torch.float32)

@@ -76,6 +76,14 @@ def test_splits_merged_by_channel_blocks(block):
     _check("int8", torch.float16, q, pages, table, lens, config={"splits": 5, "combine_block": block})
 
 
+@pytest.mark.parametrize("rows", (4, 16))
+def test_splits_merged_rows_at_a_time(rows):
+    # a merge program takes several query-head rows; 3 sequences x 8 heads = 24 rows, so with 16
+    # the last program's rows are partly past the end
+    q, pages, table, lens = _case("int8", torch.float16, 4, 64, [150, 97, 0], seed=11)
+    _check("int8", torch.float16, q, pages, table, lens, config={"splits": 3, "combine_rows": rows})
+
+
 # int4 tile shapes the kernel accepts. Compiled on a GPU these catch what the interpreter cannot
 # show: Triton 3.6 computed the int4 P @ V product wrongly whenever a warp's step held one page
 # (16 tokens), the same wrong numbers on every run (see kernels/_checks.py).
