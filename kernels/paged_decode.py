@@ -160,7 +160,7 @@ def _decode_kernel_t(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, 
                      H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
                      KIND: tl.constexpr, GROUP: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
                      MASS: tl.constexpr, ON_GPU: tl.constexpr, W: tl.constexpr, FUSED: tl.constexpr,
-                     CH: tl.constexpr, PEEL: tl.constexpr = False):
+                     CH: tl.constexpr, PEEL: tl.constexpr = False, PDL: tl.constexpr = False):
     # As _decode_kernel_warps (each of the W warps its own pages and softmax), with the
     # products transposed: logits^T = K q^T ([BW, GP] per warp) and out^T += V^T p^T ([D, GP]).
     # The tokens fill the MMA's 16 rows and the group's query heads its 8 columns: no padded
@@ -202,6 +202,8 @@ def _decode_kernel_t(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, 
             acc, m, l = _t_step(acc, m, l, qt, start, hi, bt, kp, ksp, kzp, vp, vsp, vzp, logits, qrow, row_ok, h,
                                 qk_scale, max_len, H, S, D, PAGES, W, KIND, GROUP, ON_GPU, MASS, True)
 
+    if PDL:  # the merge pass may be scheduled now; it waits for this grid before reading
+        tl.extra.cuda.gdc_launch_dependents()
     mt = tl.max(m, 0)
     mt = tl.where(mt == float("-inf"), 0.0, mt)
     wgt = tl.exp2(m - mt[None, :])  # [W, GP]
@@ -314,14 +316,16 @@ def _merge_splits(part_out, part_lse, out, lse, qrow, row_ok, lse_ok, d, NS, D: 
 
 @triton.jit
 def _combine_kernel(part_out, part_lse, out, lse, NS, ROWS, D: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
-                    CH: tl.constexpr):
+                    CH: tl.constexpr, PDL: tl.constexpr = False):
     # grid (cdiv(ROWS, R), D // DB), ROWS = B * Hq: part_out [ROWS, NS, D] fp32, part_lse [ROWS, NS]
     # base 2 -> out [ROWS, D], lse natural; a program merges DB channels of R rows, CH splits at a
     # time (a tile of all splits at once would not fit in registers when a short batch is split
     # hundreds of times). At B = 1 this pass is on the critical path and bound by latency: a row's
     # channels are spread over programs so that up to 512 splits are one load per program, not a
-    # chain of dependent chunks (llama3 32K x 1, 171 splits: 3.9 -> 2.3 us); with few splits a
-    # program takes several rows (one 4-warp program per row of 4 splits was 7.5 us at B = 64).
+    # chain of dependent chunks (llama3 32K x 1, 171 splits: 3.9 -> 2.3 us); with few splits and
+    # many rows a program takes several (one 4-warp program a row of 4 splits: 7.5 us at B = 64).
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0) * R + tl.arange(0, R)
     ok = rows < ROWS
     d = tl.program_id(1) * DB + tl.arange(0, DB)
@@ -357,7 +361,9 @@ def _mass_kernel(logits, lse, seq_lens, mass, max_len, G: tl.constexpr, GP: tl.c
 # int4 conversion instead of inline PTX), 'min_steps' (loop steps a split has at least, 4 unless
 # given) and 'fused_merge' (the last program of each sequence and KV head merges the splits
 # instead of _combine_kernel, 'fused_chunk' splits at a time; off: slower, see
-# docs/benchmarks.md), 'peel' (transposed: full steps without token masks) and 'one_sequence' (keys
+# docs/benchmarks.md), 'peel' (transposed: full steps without token masks), 'pdl' (transposed: the
+# merge pass is launched as a programmatic dependent of pass 1, scheduled once pass 1's programs
+# leave their loops; sm_90+) and 'one_sequence' (keys
 # that replace the others when the batch is one sequence: its splits' chains of steps are the
 # whole latency; int8 at head_dim 128 keeps 12 programs per SM and no register cap there). Chosen by
 # benchmarks/gpu_bench.py --variants on an H200; SMALL_HEAD_CONFIG is for head_dim <= 64. The
@@ -371,10 +377,10 @@ def _mass_kernel(logits, lse, seq_lens, mass, max_len, G: tl.constexpr, GP: tl.c
 DEFAULT_CONFIG = {
     "16bit": {"pages": 4, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8, "rows": "group"},
     "int8": {"pages": 2, "num_warps": 1, "num_stages": 3, "programs_per_sm": 16, "fill": "waves", "rows": "group",
-             "transposed": True, "peel": True, "words": True, "maxnreg": 128,
-             "one_sequence": {"programs_per_sm": 12, "maxnreg": 0}},
+             "transposed": True, "peel": True, "words": True, "maxnreg": 128, "pdl": True,
+             "one_sequence": {"programs_per_sm": 12, "maxnreg": 0, "pdl": False}},
     "fp8": {"pages": 2, "num_warps": 1, "num_stages": 3, "programs_per_sm": 16, "fill": "waves", "rows": "group",
-            "transposed": True, "peel": True, "words": True, "maxnreg": 128},
+            "transposed": True, "peel": True, "words": True, "maxnreg": 128, "pdl": True},
     "int4": {"pages": 2, "num_warps": 1, "num_stages": 3, "programs_per_sm": 12, "fill": "waves", "rows": "group",
              "transposed": True, "peel": True, "pairs": True, "maxnreg": 168},
 }
@@ -397,6 +403,18 @@ def _num_sms(device: torch.device) -> int:
     if i not in _SM_COUNT:
         _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
     return _SM_COUNT[i]
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def _sm90(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol) exists: compiled for a Hopper or later GPU."""
+    if device.type != "cuda" or interpreting():
+        return False
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(i)[0] >= 9
 
 
 def num_splits(batch: int, heads: int, max_len: int, device: torch.device, block_tokens: int,
@@ -509,12 +527,13 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
     p_out = torch.empty(b, hq, ns, d, device=dev, dtype=torch.float32) if split else out
     p_lse = torch.empty(b, hq, ns, device=dev, dtype=torch.float32) if split else lse
     warps = cfg.get("warp_split", False) and cfg["num_warps"] > 1
+    pdl = bool(cfg.get("pdl")) and split and not cfg.get("fused_merge") and _sm90(dev)
     if warps and cfg["pages"] % cfg["num_warps"]:
         raise KernelArgError(f"warp_split needs pages ({cfg['pages']}) divisible by num_warps ({cfg['num_warps']})")
     if cfg.get("transposed"):
         if cfg["pages"] % cfg["num_warps"]:
             raise KernelArgError(f"transposed needs pages ({cfg['pages']}) divisible by num_warps ({cfg['num_warps']})")
-        extra = {"W": cfg["num_warps"], "PEEL": bool(cfg.get("peel"))}
+        extra = {"W": cfg["num_warps"], "PEEL": bool(cfg.get("peel")), "PDL": pdl}
         kernel = _decode_kernel_t
     else:
         kernel, extra = (_decode_kernel_warps, {"W": cfg["num_warps"]}) if warps else (_decode_kernel, {})
@@ -532,9 +551,12 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
         # an [R, CH, DB] fp32 tile of partials per program, at most 64 registers a thread at 4 warps
         ch = min(cfg.get("combine_chunk", 512), max(2, triton.next_power_of_2(ns)))
         db = min(d, cfg.get("combine_block", max(16, 8192 // ch)))
-        r = cfg.get("combine_rows", max(1, 4096 // (ch * db)))
+        # several rows a program only when there are rows enough to keep every SM busy: a small
+        # merge is bound by latency, and fewer programs each reading more made it slower
+        r = cfg.get("combine_rows", _pow2_floor(max(1, min(4096 // (ch * db), b * hq // _num_sms(dev)))))
         _combine_kernel[(triton.cdiv(b * hq, r), d // db)](p_out, p_lse, out, lse, ns, b * hq, D=d, R=r, DB=db,
-                                                           CH=ch, num_warps=4)
+                                                           CH=ch, num_warps=4,
+                                                           **({"PDL": True, "launch_pdl": True} if pdl else {}))
     if not return_mass:
         return out, lse
     mass = torch.empty(b, h, max_len, device=dev, dtype=torch.float32)
