@@ -361,19 +361,19 @@ def _mass_kernel(logits, lse, seq_lens, mass, max_len, G: tl.constexpr, GP: tl.c
 # int4 conversion instead of inline PTX), 'min_steps' (loop steps a split has at least, 4 unless
 # given) and 'fused_merge' (the last program of each sequence and KV head merges the splits
 # instead of _combine_kernel, 'fused_chunk' splits at a time; off: slower, see
-# docs/benchmarks.md), 'peel' (transposed: full steps without token masks), 'pdl' (transposed: the
-# merge pass is launched as a programmatic dependent of pass 1, scheduled once pass 1's programs
-# leave their loops; sm_90+) and 'one_sequence' (keys
-# that replace the others when the batch is one sequence: its splits' chains of steps are the
-# whole latency; int8 at head_dim 128 keeps 12 programs per SM and no register cap there). Chosen by
+# docs/benchmarks.md), 'peel' (transposed: full steps without token masks), 'pdl' (transposed:
+# the merge pass is launched as a programmatic dependent of pass 1, scheduled once pass 1's
+# programs leave their loops; sm_90+) and 'one_sequence' (keys that replace the others when the
+# batch is one sequence: its splits' chains of steps are the whole latency; int8 at head_dim 128
+# keeps 12 programs per SM, no register cap and no pdl there). Chosen by
 # benchmarks/gpu_bench.py --variants on an H200; SMALL_HEAD_CONFIG is for head_dim <= 64. The
 # kernels are latency-bound: what helped was fewer instructions per token (padded rows, masks and
 # shared-memory transposes removed: quantized values are stored channel-major so that V^T comes
 # straight from the page), no cross-warp reductions or barriers in the loop (one warp per program
 # where registers allow), every load prefetched by the pipeline and more warps per SM (int8 and
-# fp8: 128 registers, 16 programs of one warp, a little spill outside the loop, beat 12 programs
-# without the cap at B >= 8); deeper pipelines were not faster. int4 tiles whose P @ V product reduces over
-# fewer than MIN_INT4_PV_TOKENS tokens are refused (see kernels/_checks.py).
+# fp8: 16 one-warp programs at 128 registers, a little spill outside the loop, beat 12 without
+# the cap at B >= 8); deeper pipelines were not faster. int4 tiles whose P @ V product reduces
+# over fewer than MIN_INT4_PV_TOKENS tokens are refused (see kernels/_checks.py).
 DEFAULT_CONFIG = {
     "16bit": {"pages": 4, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8, "rows": "group"},
     "int8": {"pages": 2, "num_warps": 1, "num_stages": 3, "programs_per_sm": 16, "fill": "waves", "rows": "group",
