@@ -8,7 +8,7 @@ import torch
 from kernels._checks import KernelArgError
 from kernels.paged_decode import paged_decode, paged_decode_ref
 
-from .conftest import DEVICE
+from .conftest import DEVICE, ON_GPU
 from .util import CODECS, make_pages, outlier_kv
 
 # ‖out − ref‖/‖ref‖. fp16 out: dequantized keys round to fp16 for the tensor cores, which the
@@ -218,3 +218,29 @@ def test_one_sequence_config_precedence(monkeypatch):
     q2, pages2, table2, lens2 = _case("int8", torch.float16, 4, 128, [40, 7], seed=10)
     paged_decode(q2, pages2, table2, lens2)  # B = 2: the default, 16
     assert seen == [12, 5, 16]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("codec", CODECS)
+def test_replayed_in_a_cuda_graph(codec):
+    # a serving loop captures decode in a CUDA graph; with the merge launched as a programmatic
+    # dependent of pass 1 (int8 and fp8 by default, B > 1) the graph must give what eager calls give
+    q, pages, table, lens = _case(codec, torch.float16, 4, 128, [700, 333, 1, 640, 0, 512, 129, 64], max_pages=48,
+                                  seed=12)
+    q_in = q.clone()
+    paged_decode(q_in, pages, table, lens)  # compiled before capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        paged_decode(q_in, pages, table, lens)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g, lse_g = paged_decode(q_in, pages, table, lens)
+    gen = torch.Generator(device=DEVICE).manual_seed(13)
+    for _ in range(3):
+        q_in.copy_(torch.randn(q.shape, generator=gen, device=DEVICE, dtype=q.dtype))
+        graph.replay()
+        out, lse = paged_decode(q_in.clone(), pages, table, lens)
+        torch.cuda.synchronize()
+        assert torch.equal(out_g, out) and torch.equal(lse_g, lse)
