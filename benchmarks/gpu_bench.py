@@ -109,11 +109,8 @@ def kernel_times(calls) -> dict:
         torch.cuda.synchronize()
     out = {}
     for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None)
-        if us is None:
-            us = e.self_cuda_time_total
-        if us > 0:
-            out[e.key] = us / 1e6 / len(calls)
+        if e.self_device_time_total > 0:
+            out[e.key] = e.self_device_time_total / 1e6 / len(calls)
     return out
 
 

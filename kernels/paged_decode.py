@@ -393,16 +393,19 @@ SMALL_HEAD_CONFIG = {
     "int4": {"pages": 2, "num_warps": 1, "num_stages": 3, "programs_per_sm": 16, "fill": "waves", "rows": "group",
              "transposed": True, "peel": True, "pairs": True, "maxnreg": 128},
 }
-_SM_COUNT: dict[int, int] = {}
+@functools.lru_cache(maxsize=None)
+def _cuda_props(index: int) -> tuple[int, int]:
+    """(SMs, compute capability major) of a CUDA device, asked once."""
+    p = torch.cuda.get_device_properties(index)
+    return p.multi_processor_count, p.major
+
+
+def _device_props(device: torch.device) -> tuple[int, int]:
+    return _cuda_props(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SM_COUNT:
-        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SM_COUNT[i]
+    return _device_props(device)[0] if device.type == "cuda" else 4
 
 
 def _pow2_floor(n: int) -> int:
@@ -411,10 +414,7 @@ def _pow2_floor(n: int) -> int:
 
 def _sm90(device: torch.device) -> bool:
     """Programmatic dependent launch (griddepcontrol) exists: compiled for a Hopper or later GPU."""
-    if device.type != "cuda" or interpreting():
-        return False
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(i)[0] >= 9
+    return device.type == "cuda" and not interpreting() and _device_props(device)[1] >= 9
 
 
 def num_splits(batch: int, heads: int, max_len: int, device: torch.device, block_tokens: int,
