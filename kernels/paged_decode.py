@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -43,18 +44,19 @@ LN2 = 0.6931471805599453
 
 @triton.jit
 def _decode_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, lse, logits, fin_out, fin_lse,
-                   counters, qk_scale, bt_stride, split_tokens, max_len,
+                   counters, qk_scale, bt_stride, split_tokens, max_len, ns, sp0,
                    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
                    KIND: tl.constexpr, GROUP: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
                    MASS: tl.constexpr, ON_GPU: tl.constexpr, FUSED: tl.constexpr, CH: tl.constexpr):
-    # q [B, Hq, D]; block_table [B, *]; out [B, Hq, D] (or [B, Hq, NS, D] fp32 if SPLIT);
-    # lse [B, Hq] natural log (or [B, Hq, NS] base 2 if SPLIT); logits [B, Hq, max_len] if MASS;
+    # q [B, Hq, D]; block_table [B, *]; out [B, Hq, D] (or [B, Hq, ns, D] fp32 if SPLIT);
+    # lse [B, Hq] natural log (or [B, Hq, ns] base 2 if SPLIT); logits [B, Hq, max_len] if MASS;
+    # split sp of this grid covers tokens [sp * split_tokens, ...) and writes partial sp0 + sp of
+    # ns (more than this grid's when several page sets merge in one pass: paged_decode_sets);
     # with FUSED (and SPLIT) the last program of each (b, h) merges the splits into fin_out,
     # fin_lse [B, Hq, (D)], counting finished programs in counters [B * H] (see _finish)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
-    ns = tl.num_programs(2)
     BN: tl.constexpr = PAGES * S
     seq_len = tl.load(seq_lens + b)
     lo = sp * split_tokens
@@ -84,13 +86,13 @@ def _decode_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, ls
             tl.store(logits + qrow[:, None].to(tl.int64) * max_len + n[None, :], s,
                      mask=row_ok[:, None] & tok_ok[None, :])
 
-    _finish(acc, m, l, qrow, row_ok, d, out, lse, sp, ns, fin_out, fin_lse, counters, b * H + h, D, SPLIT,
+    _finish(acc, m, l, qrow, row_ok, d, out, lse, sp0 + sp, ns, fin_out, fin_lse, counters, b * H + h, D, SPLIT,
             FUSED, CH)
 
 
 @triton.jit
 def _decode_kernel_warps(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, lse, logits, fin_out,
-                         fin_lse, counters, qk_scale, bt_stride, split_tokens, max_len,
+                         fin_lse, counters, qk_scale, bt_stride, split_tokens, max_len, ns, sp0,
                          H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
                          KIND: tl.constexpr, GROUP: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
                          MASS: tl.constexpr, ON_GPU: tl.constexpr, W: tl.constexpr, FUSED: tl.constexpr,
@@ -101,7 +103,6 @@ def _decode_kernel_warps(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, o
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
-    ns = tl.num_programs(2)
     BW: tl.constexpr = (PAGES // W) * S  # tokens per warp and step
     BN: tl.constexpr = PAGES * S
     seq_len = tl.load(seq_lens + b)
@@ -150,13 +151,13 @@ def _decode_kernel_warps(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, o
     wgt = tl.exp2(m - mt[None, :])  # [W, GP]; 0 for a warp that saw no key
     l = tl.sum(l * wgt, 0)
     acc = tl.sum(acc * wgt[:, :, None], 0)
-    _finish(acc, mt, l, qrow, row_ok, d, out, lse, sp, ns, fin_out, fin_lse, counters, b * H + h, D, SPLIT,
+    _finish(acc, mt, l, qrow, row_ok, d, out, lse, sp0 + sp, ns, fin_out, fin_lse, counters, b * H + h, D, SPLIT,
             FUSED, CH)
 
 
 @triton.jit
 def _decode_kernel_t(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, lse, logits, fin_out,
-                     fin_lse, counters, qk_scale, bt_stride, split_tokens, max_len,
+                     fin_lse, counters, qk_scale, bt_stride, split_tokens, max_len, ns, sp0,
                      H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
                      KIND: tl.constexpr, GROUP: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
                      MASS: tl.constexpr, ON_GPU: tl.constexpr, W: tl.constexpr, FUSED: tl.constexpr,
@@ -171,7 +172,6 @@ def _decode_kernel_t(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, 
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
-    ns = tl.num_programs(2)
     BN: tl.constexpr = PAGES * S
     seq_len = tl.load(seq_lens + b)
     lo = sp * split_tokens
@@ -209,7 +209,7 @@ def _decode_kernel_t(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, 
     wgt = tl.exp2(m - mt[None, :])  # [W, GP]
     l = tl.sum(l * wgt, 0)
     acc = tl.trans(tl.sum(acc * wgt[:, None, :], 0))  # [GP, D]
-    _finish(acc, mt, l, qrow, row_ok, d, out, lse, sp, ns, fin_out, fin_lse, counters, b * H + h, D, SPLIT,
+    _finish(acc, mt, l, qrow, row_ok, d, out, lse, sp0 + sp, ns, fin_out, fin_lse, counters, b * H + h, D, SPLIT,
             FUSED, CH)
 
 
@@ -489,6 +489,108 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
     scaled logits; -inf for an empty sequence), and with return_mass, mass [B, H, max_pages * S]
     fp32: each key's probability summed over the group's query heads, 0 past seq_len.
     """
+    res = paged_decode_sets(q, [(pages, block_table, seq_lens, max_seq_len)], sm_scale, return_mass, config)
+    return res if not return_mass else (res[0], res[1], res[2][0])
+
+
+def paged_decode_sets(q: torch.Tensor, sets: list[tuple], sm_scale: float | None = None, return_mass: bool = False,
+                      config: dict | None = None):
+    """Decode attention of one new token per sequence over several sets of pages at once, as if
+    each sequence's keys were the union of its keys in every set: (pages, block_table, seq_lens,
+    max_seq_len) per set, each as paged_decode takes them. The sets may differ in codec (a cache's
+    16-bit tail pages and its quantized pages); they share q's batch and heads, and one merge
+    pass combines every set's splits.
+
+    Returns out [B, Hq, D], lse [B, Hq] over all the sets, and with return_mass a list of mass
+    [B, H, max_pages_i * S] per set: each key's probability under the softmax over all sets."""
+    if not sets:
+        raise KernelArgError("paged_decode_sets needs at least one set of pages")
+    plans = []
+    for entry in sets:
+        if not isinstance(entry, (tuple, list)) or len(entry) not in (3, 4):
+            raise KernelArgError("each set is (pages, block_table, seq_lens) or (pages, block_table, seq_lens, "
+                                 "max_seq_len)")
+        plans.append(_plan(q, *entry[:3], entry[3] if len(entry) == 4 else None, config))
+    b, hq, d = q.shape
+    dev = plans[0].dev
+    for p in plans[1:]:
+        if p.dev != dev or p.h != plans[0].h:
+            raise KernelArgError("every set of pages must be on q's device with the same KV heads")
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    ns = sum(p.ns for p in plans)
+    split = ns > 1
+    fused = split and len(plans) == 1 and bool(plans[0].cfg.get("fused_merge"))
+    out = torch.empty_like(q)
+    lse = torch.empty(b, hq, device=dev, dtype=torch.float32)
+    p_out = torch.empty(b, hq, ns, d, device=dev, dtype=torch.float32) if split else out
+    p_lse = torch.empty(b, hq, ns, device=dev, dtype=torch.float32) if split else lse
+    # the merge waits for pass 1 as a programmatic dependent of the last pass-1 grid (which
+    # itself started after the others finished)
+    pdl = bool(plans[-1].cfg.get("pdl")) and split and not fused and _sm90(dev)
+    logits = []
+    sp0 = 0
+    for p in plans:
+        lg = torch.empty(b, hq, p.max_len, device=dev, dtype=torch.float32) if return_mass else lse
+        logits.append(lg)
+        counters = _merge_counters(dev, b * p.h) if fused else lse
+        extra = dict(p.extra)
+        if "PDL" in extra:
+            extra["PDL"] = pdl and p is plans[-1]
+        p.kernel[(b, p.h, p.ns)](q, *field_args(p.pages), p.block_table, p.seq_lens, p_out, p_lse, lg, out, lse,
+                                 counters, scale * LOG2E, p.block_table.stride(0), p.step, p.max_len, ns, sp0,
+                                 H=p.h, G=p.g, GP=p.gp, S=p.s, D=d, KIND=KIND[p.codec], GROUP=ref.INT4_GROUP,
+                                 PAGES=p.cfg["pages"], SPLIT=split, MASS=return_mass,
+                                 ON_GPU=_on_gpu(p.codec, p.cfg, p.words), FUSED=fused,
+                                 CH=p.cfg.get("fused_chunk", 8), num_warps=p.cfg["num_warps"],
+                                 num_stages=p.cfg["num_stages"], **extra,
+                                 **({"maxnreg": p.cfg["maxnreg"]} if p.cfg.get("maxnreg") else {}))
+        sp0 += p.ns
+    if split and not fused:
+        cfg = plans[-1].cfg
+        # an [R, CH, DB] fp32 tile of partials per program, at most 64 registers a thread at 4 warps
+        ch = min(cfg.get("combine_chunk", 512), max(2, triton.next_power_of_2(ns)))
+        db = min(d, cfg.get("combine_block", max(16, 8192 // ch)))
+        # several rows a program only when there are rows enough to keep every SM busy: a small
+        # merge is bound by latency, and fewer programs each reading more made it slower
+        r = cfg.get("combine_rows", _pow2_floor(max(1, min(4096 // (ch * db), b * hq // _num_sms(dev)))))
+        _combine_kernel[(triton.cdiv(b * hq, r), d // db)](p_out, p_lse, out, lse, ns, b * hq, D=d, R=r, DB=db,
+                                                           CH=ch, num_warps=4,
+                                                           **({"PDL": True, "launch_pdl": True} if pdl else {}))
+    if not return_mass:
+        return out, lse
+    masses = []
+    for p, lg in zip(plans, logits):
+        mass = torch.empty(b, p.h, p.max_len, device=dev, dtype=torch.float32)
+        blk = 256
+        _mass_kernel[(b, p.h, triton.cdiv(p.max_len, blk))](lg, lse, p.seq_lens, mass, p.max_len, G=p.g, GP=p.gp,
+                                                            BLOCK=blk, num_warps=4)
+        masses.append(mass)
+    return out, lse, masses
+
+
+@dataclass
+class _Plan:
+    """One set of pages checked, and its tile and splits chosen."""
+
+    pages: dict
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    dev: torch.device
+    codec: str
+    h: int
+    s: int
+    g: int
+    gp: int
+    cfg: dict
+    ns: int
+    step: int
+    max_len: int
+    words: bool
+    kernel: object
+    extra: dict
+
+
+def _plan(q, pages, block_table, seq_lens, max_seq_len, config) -> _Plan:
     codec, _, h, s, d = check_pages(pages)
     check(q, "q", dtype=SIXTEEN_BIT, shape=(None, None, d))
     b, hq, _ = q.shape
@@ -515,87 +617,72 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
         ns = cfg["splits"]
         step = -(-(-(-span // ns)) // bn) * bn
         ns = -(-span // step)
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-
     # codes as int32 words need 4-byte aligned rows (true of whole page tensors): V's rows are a
     # channel's s codes
     words = cfg.get("words", False) and s % 4 == 0 and all(pages[f].data_ptr() % 4 == 0 for f in ("k", "v"))
-    out = torch.empty_like(q)
-    lse = torch.empty(b, hq, device=dev, dtype=torch.float32)
-    logits = torch.empty(b, hq, max_len, device=dev, dtype=torch.float32) if return_mass else lse
-    split = ns > 1
-    p_out = torch.empty(b, hq, ns, d, device=dev, dtype=torch.float32) if split else out
-    p_lse = torch.empty(b, hq, ns, device=dev, dtype=torch.float32) if split else lse
     warps = cfg.get("warp_split", False) and cfg["num_warps"] > 1
-    pdl = bool(cfg.get("pdl")) and split and not cfg.get("fused_merge") and _sm90(dev)
     if warps and cfg["pages"] % cfg["num_warps"]:
         raise KernelArgError(f"warp_split needs pages ({cfg['pages']}) divisible by num_warps ({cfg['num_warps']})")
     if cfg.get("transposed"):
         if cfg["pages"] % cfg["num_warps"]:
             raise KernelArgError(f"transposed needs pages ({cfg['pages']}) divisible by num_warps ({cfg['num_warps']})")
-        extra = {"W": cfg["num_warps"], "PEEL": bool(cfg.get("peel")), "PDL": pdl}
-        kernel = _decode_kernel_t
+        kernel, extra = _decode_kernel_t, {"W": cfg["num_warps"], "PEEL": bool(cfg.get("peel")), "PDL": False}
     else:
         kernel, extra = (_decode_kernel_warps, {"W": cfg["num_warps"]}) if warps else (_decode_kernel, {})
     check_int4_tile(codec, bn // cfg["num_warps"] if warps or cfg.get("transposed") else bn)
-    fused = split and bool(cfg.get("fused_merge"))
-    counters = _merge_counters(dev, b * h) if fused else lse
-    kernel[(b, h, ns)](q, *field_args(pages), block_table, seq_lens, p_out, p_lse, logits, out, lse, counters,
-                       scale * LOG2E, block_table.stride(0), step, max_len,
-                       H=h, G=g, GP=gp, S=s, D=d, KIND=KIND[codec], GROUP=ref.INT4_GROUP,
-                       PAGES=cfg["pages"], SPLIT=split, MASS=return_mass,
-                       ON_GPU=_on_gpu(codec, cfg, words), FUSED=fused, CH=cfg.get("fused_chunk", 8),
-                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                       **extra, **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
-    if split and not fused:
-        # an [R, CH, DB] fp32 tile of partials per program, at most 64 registers a thread at 4 warps
-        ch = min(cfg.get("combine_chunk", 512), max(2, triton.next_power_of_2(ns)))
-        db = min(d, cfg.get("combine_block", max(16, 8192 // ch)))
-        # several rows a program only when there are rows enough to keep every SM busy: a small
-        # merge is bound by latency, and fewer programs each reading more made it slower
-        r = cfg.get("combine_rows", _pow2_floor(max(1, min(4096 // (ch * db), b * hq // _num_sms(dev)))))
-        _combine_kernel[(triton.cdiv(b * hq, r), d // db)](p_out, p_lse, out, lse, ns, b * hq, D=d, R=r, DB=db,
-                                                           CH=ch, num_warps=4,
-                                                           **({"PDL": True, "launch_pdl": True} if pdl else {}))
-    if not return_mass:
-        return out, lse
-    mass = torch.empty(b, h, max_len, device=dev, dtype=torch.float32)
-    blk = 256
-    _mass_kernel[(b, h, triton.cdiv(max_len, blk))](logits, lse, seq_lens, mass, max_len, G=g, GP=gp, BLOCK=blk,
-                                                    num_warps=4)
-    return out, lse, mass
+    return _Plan(pages, block_table, seq_lens, dev, codec, h, s, g, gp, cfg, ns, step, max_len, words, kernel, extra)
 
 
 def paged_decode_ref(q, pages, block_table, seq_lens, sm_scale=None, return_mass=False):
     """Dense fp32 reference: dequantize each sequence's pages with kernels/quantize.py, softmax
     attention in fp32. Returns out [B, Hq, D] fp32 (not rounded to q's dtype), lse, and mass."""
-    codec = {torch.int8: "int8", torch.float8_e4m3fn: "int8", torch.uint8: "int4"}.get(pages["k"].dtype, "16bit")
+    res = paged_decode_sets_ref(q, [(pages, block_table, seq_lens)], sm_scale, return_mass)
+    return (res[0], res[1], res[2][0]) if return_mass else res
+
+
+def paged_decode_sets_ref(q, sets, sm_scale=None, return_mass=False):
+    """Reference of paged_decode_sets: each sequence's keys of every set dequantized and
+    joined, dense fp32 attention over them. Returns out [B, Hq, D] fp32, lse and with
+    return_mass a list of mass [B, H, max_pages_i * S] per set."""
     b, hq, d = q.shape
-    h, s = pages["k"].shape[1:3]
+    h = sets[0][0]["k"].shape[1]
     g = hq // h
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    max_len = block_table.shape[1] * s
     out = torch.zeros(b, hq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, hq), float("-inf"), device=q.device)
-    mass = torch.zeros(b, h, max_len, device=q.device)
+    masses = [torch.zeros(b, h, e[1].shape[1] * e[0]["k"].shape[2], device=q.device) for e in sets]
     for i in range(b):
-        n = int(seq_lens[i])
-        if n == 0:
+        kv = [_dense_kv(e[0], e[1], e[2], i) for e in sets]
+        lens = [k.shape[1] for k, _ in kv]
+        if sum(lens) == 0:
             continue
-        ids = block_table[i, : -(-n // s)].long()
-        sel = {name: t[ids] for name, t in pages.items()}
-        if codec == "16bit":
-            k, v = sel["k"].float(), sel["v"].float()
-        elif codec == "int8":
-            k, v = ref.decode_int8(sel)
-        else:
-            k, v = ref.decode_int4(sel)
-        k = k.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :n]  # [H, n, D]
-        v = v.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :n]
+        k = torch.cat([k for k, _ in kv], 1)
+        v = torch.cat([v for _, v in kv], 1)
         qi = q[i].float().reshape(h, g, d)
         sc = torch.einsum("hgd,hnd->hgn", qi, k) * scale
         lse[i] = torch.logsumexp(sc, -1).reshape(hq)
         p = torch.softmax(sc, -1)
         out[i] = torch.einsum("hgn,hnd->hgd", p, v).reshape(hq, d)
-        mass[i, :, :n] = p.sum(1)
-    return (out, lse, mass) if return_mass else (out, lse)
+        for mass, part in zip(masses, p.sum(1).split(lens, -1)):
+            mass[i, :, : part.shape[-1]] = part
+    return (out, lse, masses) if return_mass else (out, lse)
+
+
+def _dense_kv(pages, block_table, seq_lens, i):
+    """Sequence i's K and V [H, n, D] fp32, dequantized from its pages."""
+    codec = {torch.int8: "int8", torch.float8_e4m3fn: "int8", torch.uint8: "int4"}.get(pages["k"].dtype, "16bit")
+    _, h, s, dk = pages["k"].shape
+    n = int(seq_lens[i])
+    if n == 0:
+        empty = torch.zeros(h, 0, dk * 2 if codec == "int4" else dk, device=pages["k"].device)
+        return empty, empty
+    ids = block_table[i, : -(-n // s)].long()
+    sel = {name: t[ids] for name, t in pages.items()}
+    if codec == "16bit":
+        k, v = sel["k"].float(), sel["v"].float()
+    elif codec == "int8":
+        k, v = ref.decode_int8(sel)
+    else:
+        k, v = ref.decode_int4(sel)
+    d = k.shape[-1]
+    return k.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :n], v.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :n]

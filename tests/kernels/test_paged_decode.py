@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels._checks import KernelArgError
-from kernels.paged_decode import paged_decode, paged_decode_ref
+from kernels.paged_decode import paged_decode, paged_decode_ref, paged_decode_sets, paged_decode_sets_ref
 
 from .conftest import DEVICE, ON_GPU
 from .util import CODECS, make_pages, outlier_kv
@@ -244,3 +244,52 @@ def test_replayed_in_a_cuda_graph(codec):
         out, lse = paged_decode(q_in.clone(), pages, table, lens)
         torch.cuda.synchronize()
         assert torch.equal(out_g, out) and torch.equal(lse_g, lse)
+
+
+def _sets_case(codecs, dim, lens_per_set, group=4, heads=2, dtype=torch.float16, seed=20):
+    b = len(lens_per_set[0])
+    gen = torch.Generator().manual_seed(seed)
+    q, _ = outlier_kv((b, heads * group, dim), dtype, gen, outlier=1.0)
+    sets = []
+    for i, (codec, lens) in enumerate(zip(codecs, lens_per_set)):
+        max_pages = max(1, -(-max(lens) // 16))
+        pages = make_pages(codec, b * max_pages + 2, heads, 16, dim, dtype, seed + 1 + i)
+        table = torch.randperm(b * max_pages + 2, generator=gen)[: b * max_pages].reshape(b, max_pages)
+        sets.append((pages, table.to(torch.int32).to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE)))
+    return q, sets
+
+
+@pytest.mark.parametrize("codecs, dim", [(("16bit", "int8"), 64), (("16bit", "int4"), 128), (("fp8", "16bit"), 64),
+                                         (("int8", "int8", "16bit"), 128)])
+def test_sets_attend_over_the_union_of_their_keys(codecs, dim):
+    # a cache's pools: the same sequences' keys split over sets of different codecs; a sequence
+    # with no key in one set, one with none at all
+    lens = [[150, 0, 33, 0], [40, 97, 0, 0], [16, 5, 1, 0]][: len(codecs)]
+    q, sets = _sets_case(codecs, dim, lens)
+    out, lse, masses = paged_decode_sets(q, sets, return_mass=True)
+    r_out, r_lse, r_masses = paged_decode_sets_ref(q, sets, return_mass=True)
+    live = lse.new_tensor([sum(x[i] for x in lens) > 0 for i in range(q.shape[0])]).bool()
+    assert rel_ok(out[live], r_out[live], TOL[torch.float16, True])
+    assert torch.allclose(lse[live], r_lse[live], rtol=2e-3, atol=1e-2)
+    assert torch.isneginf(lse[~live]).all() and (out[~live] == 0).all()
+    assert len(masses) == len(sets)
+    for m, r in zip(masses, r_masses):
+        assert m.shape == r.shape and torch.allclose(m, r, atol=5e-3)
+    # every live row's probabilities, over all the sets, sum to its group's size
+    total = sum(m.sum(-1) for m in masses)
+    assert torch.allclose(total[live], torch.full_like(total[live], 4.0), atol=1e-3)
+    # one set alone is paged_decode
+    one, one_lse = paged_decode_sets(q, sets[:1])
+    alone, alone_lse = paged_decode(q, *sets[0])
+    assert torch.equal(one, alone) and torch.equal(one_lse, alone_lse)
+
+
+def test_sets_errors():
+    q, sets = _sets_case(("16bit", "int8"), 64, [[20, 3], [40, 0]])
+    with pytest.raises(KernelArgError, match="at least one"):
+        paged_decode_sets(q, [])
+    with pytest.raises(KernelArgError, match="each set is"):
+        paged_decode_sets(q, [sets[0][:2]])
+    other = make_pages("int8", 8, 1, 16, 64, torch.float16)
+    with pytest.raises(KernelArgError, match="same KV heads"):
+        paged_decode_sets(q[:, :4].contiguous(), [(other, sets[1][1], sets[1][2]), sets[0]])
