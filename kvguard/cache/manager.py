@@ -10,11 +10,13 @@ emits one frozen event per operation into `self.events`.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import math
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -28,7 +30,7 @@ from . import events as ev
 from . import paged
 from .attention import dense_attention
 from .config import CacheConfig
-from .pool import PagePool
+from .pool import PagePool, device_index
 from .prefix import PrefixIndex, page_hashes, tenant_salt
 from .tiers import Tier
 
@@ -60,15 +62,79 @@ class PageRef:
     pool: str = HOT  # the pool it belongs to when on the device (for tiers: where it returns)
 
 
+_VERSIONS = itertools.count(1)
+
+
+class PageList(list):
+    """A sequence's pages in token order. Every new list and every edit takes a fresh version
+    number, so that what is derived from the pages (the block tables the kernels read) is
+    rebuilt only after a change."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.version = next(_VERSIONS)
+
+
+def _versioned(name: str):
+    def method(self, *args):
+        self.version = next(_VERSIONS)
+        return getattr(list, name)(self, *args)
+
+    method.__name__ = name
+    return method
+
+
+for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "remove",
+              "clear", "sort", "reverse"):
+    setattr(PageList, _name, _versioned(_name))
+
+
+@dataclass
+class Layout:
+    """Where a sequence's device pages are, per pool, as the decode kernels take them; derived
+    from `Sequence.pages` and rebuilt after it changes (a new page, a quantized one, a
+    compaction, a fetch), so a decode step costs no walk over the pages."""
+
+    version: int  # of the page list it was built from
+    idx: dict[str, list[int]]  # pool -> the sequence's page indices held there, ascending
+    host: dict[str, torch.Tensor]  # pool -> [len(idx)] int32 page ids, same order, on the host
+    tables: dict[str, torch.Tensor]  # pool -> the same as [1, len(idx)] on the device
+    away: int  # pages in a lower tier
+    positions: dict[str, torch.Tensor] = field(default_factory=dict)  # pool -> token positions, made on demand
+
+
 @dataclass
 class Sequence:
     id: SeqId
     subject: Subject
     lengths: list[int]
-    pages: list[PageRef] = field(default_factory=list)
-    mass: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [layers, KV heads, length]
+    pages: PageList = field(default_factory=PageList)
+    # attention mass per position, on the cache's device: [layers, KV heads, capacity], capacity
+    # grown by doubling (`mass` is the part up to the longest layer)
+    mass_buf: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, 0))
     evicted: int = 0
     positional: bool = True  # positions still equal token indices (no compaction yet)
+    layout: Layout | None = None
+
+    def __setattr__(self, name, value):
+        if name == "pages" and not isinstance(value, PageList):
+            value = PageList(value)
+        object.__setattr__(self, name, value)
+
+    @property
+    def mass(self) -> torch.Tensor:
+        """[layers, KV heads, longest layer's length]: each position's accumulated attention mass."""
+        return self.mass_buf[..., : max(self.lengths)]
+
+    @mass.setter
+    def mass(self, value: torch.Tensor) -> None:
+        self.mass_buf = value
+
+    def grow_mass(self, length: int) -> None:
+        have = self.mass_buf.shape[-1]
+        if have < length:
+            grow = torch.zeros(*self.mass_buf.shape[:-1], max(length, 2 * have) - have, device=self.mass_buf.device)
+            self.mass_buf = torch.cat([self.mass_buf, grow], dim=-1)
 
 
 @dataclass(frozen=True)
@@ -112,6 +178,7 @@ class CacheManager:
         self._seqs: dict[SeqId, Sequence] = {}
         self._ids = itertools.count(1)
         self.lock = threading.RLock()
+        self._tables: OrderedDict[tuple, tuple] = OrderedDict()  # batch block tables, see _batch_table
 
     # --- sequences ------------------------------------------------------------------------------
 
@@ -122,7 +189,7 @@ class CacheManager:
         if not isinstance(subject, Subject):
             raise InputError("subject must be a kvguard.types.Subject")
         seq = Sequence(SeqId(next(self._ids)), subject, [0] * self.cfg.num_layers,
-                       mass=torch.zeros(self.cfg.num_layers, self.cfg.num_kv_heads, 0))
+                       mass_buf=torch.zeros(self.cfg.num_layers, self.cfg.num_kv_heads, 0, device=self.cfg.device))
         self._seqs[seq.id] = seq
         if tokens:
             salt = tenant_salt(self.cfg.prefix_secret, subject.tenant)
@@ -135,7 +202,7 @@ class CacheManager:
                 seq.pages.append(PageRef(pool, page, pool))
             n = len(seq.pages) * self.cfg.page_size
             seq.lengths = [n] * self.cfg.num_layers
-            seq.mass = torch.zeros(self.cfg.num_layers, self.cfg.num_kv_heads, n)
+            seq.mass = torch.zeros(self.cfg.num_layers, self.cfg.num_kv_heads, n, device=self.cfg.device)
         return seq.id
 
     @_locked
@@ -190,21 +257,66 @@ class CacheManager:
             if new is None:
                 return False
             seq.pages.extend(PageRef(HOT, p, HOT) for p in new)
-        pos = torch.arange(start, start + t)
-        page_idx, offset = pos // c.page_size, pos % c.page_size
-        pool = self.pools[HOT]
-        pages = torch.tensor([seq.pages[i].page for i in page_idx.tolist()], device=c.device)
-        off = offset.to(c.device)
-        for name, src in (("k", k), ("v", v)):
-            # fields [P, H, S, D]; src [T, H, D]
-            pool.fields[layer][name][pages, :, off] = src
+        fields = self.pools[HOT].fields[layer]  # [P, H, S, D]; k, v [T, H, D]
+        if t == 1:  # a decode step: one slot, addressed from the host
+            page, off = int(seq.pages[start // c.page_size].page), start % c.page_size
+            fields["k"][page, :, off] = k[0]
+            fields["v"][page, :, off] = v[0]
+        else:
+            pos = torch.arange(start, start + t)
+            page_idx, offset = pos // c.page_size, pos % c.page_size
+            pages = device_index([seq.pages[i].page for i in page_idx.tolist()], c.device)
+            off = offset.to(c.device, non_blocking=True)
+            fields["k"][pages, :, off] = k
+            fields["v"][pages, :, off] = v
         seq.lengths[layer] = start + t
-        if seq.mass.shape[-1] < start + t:
-            grow = torch.zeros(*seq.mass.shape[:-1], start + t - seq.mass.shape[-1])
-            seq.mass = torch.cat([seq.mass, grow], dim=-1)
+        seq.grow_mass(start + t)
         if layer == c.num_layers - 1 or seq.lengths[layer] == min(seq.lengths):
             self._quantize_ready(seq)
         return True
+
+    @_locked
+    def append_step(self, seq_ids: Seq[SeqId], layer: int, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Append one new token to each of several sequences for one layer: k, v [B, H, D],
+        row i for seq_ids[i] (a decode step of a batch). Returns False, writing nothing, when
+        the 16-bit pool has fewer free pages than the rows that start a page."""
+        seqs = self._batch(seq_ids)
+        c = self.cfg
+        self._check_layer(layer)
+        self._check_kv(k, v)
+        if k.shape[0] != len(seqs):
+            raise InputError(f"k and v have {k.shape[0]} rows for {len(seqs)} sequences")
+        if layer == 0 and self.evictor and c.auto_compact:
+            for seq in seqs:
+                if len(set(seq.lengths)) == 1 and seq.lengths[0] >= self.evictor.budget + c.page_size:
+                    self.compact(seq.id)
+        s = c.page_size
+        starting = [seq for seq in seqs if seq.lengths[layer] // s >= len(seq.pages)]
+        if starting:
+            hot = self.pools[HOT]
+            if hot.free_count < len(starting):
+                return False
+            for seq in starting:
+                seq.pages.append(PageRef(HOT, hot.allocate(1, seq.subject)[0], HOT))
+        at = [[int(seq.pages[seq.lengths[layer] // s].page) for seq in seqs], [seq.lengths[layer] % s for seq in seqs]]
+        at = device_index(at, c.device)  # [2, B]: page and slot of each row's token, one copy
+        fields = self.pools[HOT].fields[layer]  # [P, H, S, D]
+        fields["k"][at[0], :, at[1]] = k
+        fields["v"][at[0], :, at[1]] = v
+        for seq in seqs:
+            seq.lengths[layer] += 1
+            seq.grow_mass(seq.lengths[layer])
+            if layer == c.num_layers - 1 or seq.lengths[layer] == min(seq.lengths):
+                self._quantize_ready(seq)
+        return True
+
+    def _batch(self, seq_ids: Seq[SeqId]) -> list[Sequence]:
+        if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Seq) or not seq_ids:
+            raise InputError("seq_ids must be a non-empty list of open sequences")
+        seqs = [self._seq(i) for i in seq_ids]
+        if len({seq.id for seq in seqs}) != len(seqs):
+            raise InputError("seq_ids names a sequence twice")
+        return seqs
 
     def _check_layer(self, layer: int) -> None:
         if not isinstance(layer, int) or not 0 <= layer < self.cfg.num_layers:
@@ -234,8 +346,11 @@ class CacheManager:
         """Re-encode the sequence's full pages that left the 16-bit sinks and window."""
         if not self.codec.quantized:
             return
-        length = min(seq.lengths)
-        todo = [i for i, r in enumerate(seq.pages) if r.where == HOT and self._quantizable(seq, i, length)]
+        length, s = min(seq.lengths), self.cfg.page_size
+        # the 16-bit pages i with i * s >= fp_sink and (i + 1) * s <= length - fp_window
+        hot = self._layout(seq).idx[HOT]
+        todo = hot[bisect.bisect_left(hot, -(-self.cfg.fp_sink // s)):
+                   bisect.bisect_left(hot, (length - self.cfg.fp_window) // s)]
         if not todo:
             return
         hot, main = self.pools[HOT], self.pools[MAIN]
@@ -304,7 +419,7 @@ class CacheManager:
             slots = [i for i, r in enumerate(refs) if r.where == name]
             if slots:
                 pk, pv = self.pools[name].decode(layer, [PageId(int(refs[i].page)) for i in slots], dtype)
-                idx = torch.tensor(slots, device=c.device)
+                idx = device_index(slots, c.device)
                 k[idx], v[idx] = pk, pv
         # [N, H, S, D] -> [H, N*S, D]
         return k.transpose(0, 1).flatten(1, 2), v.transpose(0, 1).flatten(1, 2)
@@ -327,30 +442,119 @@ class CacheManager:
             observe = getattr(self.evictor, "observe", None)  # SnapKV: the last `observe` queries vote
             mass_q = q.shape[0] if observe is None else min(observe, q.shape[0])
         if c.use_kernels and q.shape[0] == 1:
-            return self._attend_paged(seq, layer, q, scale, mass_q > 0)
+            return self._attend_paged([seq], layer, q.contiguous(), scale, mass_q > 0)
         k, v = self.kv(seq_id, layer, dtype=torch.float32)
         out, mass = dense_attention(q, k, v, causal=causal, mass_queries=mass_q, scale=scale)
         if mass is not None:
-            seq.mass[layer, :, : mass.shape[-1]] += mass.cpu()
+            seq.mass_buf[layer, :, : mass.shape[-1]] += mass
         return out
 
-    def _attend_paged(self, seq: Sequence, layer: int, q: torch.Tensor, scale: float | None, with_mass: bool):
-        """Decode through the Triton kernels, one call per pool, merged by log-sum-exp."""
-        self._fetch_all(seq)
-        s, n = self.cfg.page_size, seq.lengths[layer]
-        parts, where = [], []
-        for name, pool in self.pools.items():
-            idx = [i for i, r in enumerate(seq.pages) if r.where == name and i * s < n]
-            if idx:
-                tokens = sum(min(s, n - i * s) for i in idx)  # only the last page may be partial
-                parts.append((pool.fields[layer], [int(seq.pages[i].page) for i in idx], tokens))
-                where.append(idx)
-        out, masses = paged.decode(q, parts, scale, with_mass)  # q [1, Hq, D] is a batch of one
-        for idx, m in zip(where, masses):
-            pos = (torch.tensor(idx).unsqueeze(1) * s + torch.arange(s)).flatten()
-            keep = pos < n
-            seq.mass[layer][:, pos[keep]] += m.cpu()[:, : len(pos)][:, keep]
+    @_locked
+    def attend_step(self, seq_ids: Seq[SeqId], layer: int, q: torch.Tensor, *,
+                    scale: float | None = None) -> torch.Tensor:
+        """Decode attention of a batch: q [B, Hq, D], row i the last position of seq_ids[i],
+        over what each sequence holds for this layer. Returns [B, Hq, D]. On the kernel path
+        the whole batch is one pass of the decode kernels; accumulates attention mass as
+        `attend` does."""
+        seqs = self._batch(seq_ids)
+        c = self.cfg
+        self._check_layer(layer)
+        if (not isinstance(q, torch.Tensor) or q.dim() != 3
+                or q.shape != (len(seqs), c.num_query_heads, c.head_dim)):
+            shape = list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise InputError(f"q must have shape [{len(seqs)}, {c.num_query_heads}, {c.head_dim}], got {shape}")
+        for seq in seqs:
+            if seq.lengths[layer] < 1:
+                raise InputError(f"sequence {seq.id} holds no position at layer {layer}")
+        if not c.use_kernels:
+            return torch.cat([self.attend(seq.id, layer, q[i : i + 1], scale=scale) for i, seq in enumerate(seqs)])
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise InputError(f"q has dtype {q.dtype}; the decode kernels take float16 or bfloat16")
+        with_mass = self.evictor is not None and self.evictor.needs_mass
+        return self._attend_paged(seqs, layer, q.contiguous(), scale, with_mass)
+
+    def _attend_paged(self, seqs: list[Sequence], layer: int, q: torch.Tensor, scale: float | None,
+                      with_mass: bool) -> torch.Tensor:
+        """Decode of q [B, Hq, D] (one token per sequence) through the Triton kernels: every
+        pool's pages of every row in one pass (paged_decode_sets), the block tables from each
+        sequence's layout, no walk over the pages and no host sync."""
+        for seq in seqs:
+            self._fetch_all(seq)
+        sets, used = self._decode_sets(seqs, layer)
+        out, masses = paged.decode(q, sets, scale, with_mass)
+        s = self.cfg.page_size
+        for (name, tokens), m in zip(used, masses):
+            for b, (seq, n) in enumerate(zip(seqs, tokens)):
+                if n:
+                    # a pool's pages in the kernel's order: token j is position idx[j // s] * s + j % s
+                    lay = seq.layout
+                    pos = lay.positions.get(name)
+                    if pos is None:
+                        pos = lay.positions[name] = (device_index(lay.idx[name], m.device).unsqueeze(1) * s
+                                                     + torch.arange(s, device=m.device)).flatten()
+                    seq.mass_buf[layer].index_add_(1, pos[:n], m[b, :, :n])
         return out
+
+    def _decode_sets(self, seqs: list[Sequence], layer: int):
+        """paged.decode's sets for one layer: (fields, block table [B, *], tokens per row) per pool
+        holding some of the rows' tokens, and (pool, tokens per row) of each. A row's table holds
+        all its pages of the pool in order; only the first `tokens` are read (a page past this
+        layer's tokens is another layer's new one)."""
+        s = self.cfg.page_size
+        lays = [self._layout(seq) for seq in seqs]
+        sets, used = [], []
+        for name in self.pools:
+            tokens = []
+            for seq, lay in zip(seqs, lays):
+                n = seq.lengths[layer]
+                need = -(-n // s)  # pages this layer's tokens fill
+                idx = lay.idx[name]
+                count = bisect.bisect_left(idx, need)
+                partial = need * s - n if count and idx[count - 1] == need - 1 else 0  # only the last page
+                tokens.append(count * s - partial)
+            if any(tokens):
+                table = lays[0].tables[name] if len(seqs) == 1 else self._batch_table(seqs, lays, name)
+                sets.append((self.pools[name].fields[layer], table, tokens))
+                used.append((name, tokens))
+        return sets, used
+
+    def _batch_table(self, seqs: list[Sequence], lays: list[Layout], name: str) -> torch.Tensor:
+        """[B, most pages] int32 block table of several sequences in one pool, zero-padded; kept
+        while no row's pages change (the same for every layer of a step)."""
+        key = (name, tuple(seq.id for seq in seqs))
+        versions = tuple(lay.version for lay in lays)
+        hit = self._tables.get(key)
+        if hit is not None and hit[0] == versions:
+            self._tables.move_to_end(key)
+            return hit[1]
+        empty = torch.zeros(0, dtype=torch.int32)
+        rows = torch.nn.utils.rnn.pad_sequence([lay.host.get(name, empty) for lay in lays], batch_first=True)
+        table = rows.to(self.cfg.device, non_blocking=True)
+        self._tables[key] = (versions, table)
+        while len(self._tables) > 16:  # the batches of the last few steps
+            self._tables.popitem(last=False)
+        return table
+
+    def _layout(self, seq: Sequence) -> Layout:
+        """The sequence's pages per pool, rebuilt only when its page list changed."""
+        lay = seq.layout
+        if lay is not None and lay.version == seq.pages.version:
+            return lay
+        idx: dict[str, list[int]] = {name: [] for name in self.pools}
+        away = 0
+        for i, r in enumerate(seq.pages):
+            if r.where in idx:
+                idx[r.where].append(i)
+            else:
+                away += 1
+        host, tables = {}, {}
+        if self.cfg.use_kernels:
+            for name, ix in idx.items():
+                if ix:
+                    host[name] = torch.tensor([int(seq.pages[i].page) for i in ix], dtype=torch.int32)
+                    tables[name] = host[name].view(1, -1).to(self.cfg.device, non_blocking=True)
+        seq.layout = Layout(seq.pages.version, idx, host, tables, away)
+        return seq.layout
 
     # --- evict ----------------------------------------------------------------------------------
 
@@ -365,7 +569,7 @@ class CacheManager:
         if len(set(seq.lengths)) != 1:
             raise InputError("compact between steps: every layer must hold the same number of tokens")
         length, s = seq.lengths[0], self.cfg.page_size
-        keep = self.evictor.select(length, seq.mass[..., :length])
+        keep = self.evictor.select(length, seq.mass[..., :length].cpu())
         if keep is None:
             return None
         c = self.cfg
@@ -421,7 +625,8 @@ class CacheManager:
         seq.lengths = [new_len] * c.num_layers
         # H2O's mass accumulates for good; SnapKV's votes are those of the queries since the
         # last compaction (its observation window in decode), so they start again from zero
-        seq.mass = torch.zeros_like(seq.mass[..., :new_len]) if self.evictor.fresh_votes else seq.mass.gather(-1, keep)
+        seq.mass = (torch.zeros_like(seq.mass_buf[..., :new_len]) if self.evictor.fresh_votes
+                    else seq.mass_buf.gather(-1, keep.to(seq.mass_buf.device)))
         seq.evicted += length - new_len
         seq.positional = False
         event = ev.TokensEvicted(
@@ -461,9 +666,9 @@ class CacheManager:
         return len(moved)
 
     def _fetch_all(self, seq: Sequence) -> None:
-        away = [i for i, r in enumerate(seq.pages) if r.where not in self.pools]
-        if not away:
+        if not self._layout(seq).away:
             return
+        away = [i for i, r in enumerate(seq.pages) if r.where not in self.pools]
         by_tier: dict[str, list[int]] = {}
         for i in away:
             by_tier.setdefault(seq.pages[i].where, []).append(i)

@@ -1,10 +1,10 @@
 """The cache's kernel path: quantize-on-write and paged decode attention in Triton.
 
 Used when the cache lives on CUDA (or when `use_kernels` forces it, as the tests do
-under Triton's interpreter). Decode attention runs once per pool over that pool's
-pages, through a block table, and the two partial results are merged by their
-log-sum-exp; attention is order-free over keys, so each pool's pages may be taken
-in any order. Prefill chunks take the dequantize-then-attend path.
+under Triton's interpreter). Decode attention reads each pool's pages through its own
+block table, in one pass whose merge combines every pool's splits by their log-sum-exp;
+attention is order-free over keys, so each pool's pages may be taken in any order. Prefill
+chunks take the dequantize-then-attend path.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..types import PageId
+from .pool import device_index
 
 
 def quantize_pages(hot_fields: dict[str, torch.Tensor], main_fields: dict[str, torch.Tensor],
@@ -20,33 +21,22 @@ def quantize_pages(hot_fields: dict[str, torch.Tensor], main_fields: dict[str, t
     from kernels.quantize_scatter import quantize_scatter
 
     dev = hot_fields["k"].device
-    quantize_scatter(hot_fields["k"], hot_fields["v"], torch.tensor(dst, dtype=torch.int32, device=dev),
-                     main_fields, src_pages=torch.tensor(src, dtype=torch.int32, device=dev))
+    quantize_scatter(hot_fields["k"], hot_fields["v"], device_index(dst, dev, torch.int32), main_fields,
+                     src_pages=device_index(src, dev, torch.int32))
 
 
-def decode(q: torch.Tensor, parts: list[tuple[dict[str, torch.Tensor], list[int], int]], scale: float | None,
-           with_mass: bool):
-    """q [1, Hq, D]; parts: (one layer's page fields, page ids, tokens held in them) per pool.
+def decode(q: torch.Tensor, sets: list[tuple[dict[str, torch.Tensor], torch.Tensor, list[int]]],
+           scale: float | None, with_mass: bool):
+    """q [B, Hq, D]; sets: (one layer's page fields, block table [B, n_i] int32 on q's device,
+    tokens of each row held in those pages) per pool.
 
-    Returns out [1, Hq, D] and, with_mass, a list of mass [H, n_i * S] per part (per KV head).
-    With two parts the mass of a KV head's keys is weighted by the part's share of the
-    softmax averaged over that head's query group: exact with one part, and within the
-    group's spread of shares otherwise (the kernel sums the group before we can weight it)."""
-    from kernels.paged_decode import paged_decode
+    One pass over every pool's pages: each pool's splits go to one merge, so the result is
+    attention over the union of the pools' keys. Returns out [B, Hq, D] and, with_mass, a list
+    of mass [B, H, n_i * S] per set: each key's probability under that softmax, summed over its
+    KV head's query group."""
+    from kernels.paged_decode import paged_decode_sets
 
-    outs, lses, masses = [], [], []
-    for fields, pages, n_tokens in parts:
-        table = torch.tensor([pages], dtype=torch.int32, device=q.device)
-        lens = torch.tensor([n_tokens], dtype=torch.int32, device=q.device)
-        res = paged_decode(q, fields, table, lens, sm_scale=scale, return_mass=with_mass)
-        outs.append(res[0].float())
-        lses.append(res[1])
-        if with_mass:
-            masses.append(res[2][0])  # [H, n_i * S]
-    lse = torch.stack(lses)  # [P, 1, Hq]
-    w = torch.softmax(lse, dim=0)  # each part's share of the total softmax mass, per query head
-    out = (torch.stack(outs) * w.unsqueeze(-1)).sum(0)
-    if with_mass:
-        h = masses[0].shape[0]
-        masses = [m * w[i, 0].reshape(h, -1).mean(1, keepdim=True) for i, m in enumerate(masses)]
-    return out.to(q.dtype), masses
+    lens = device_index([tokens for _, _, tokens in sets], q.device, torch.int32)  # [sets, B]: one copy
+    args = [(fields, table, lens[i], max(tokens)) for i, (fields, table, tokens) in enumerate(sets)]
+    res = paged_decode_sets(q, args, sm_scale=scale, return_mass=with_mass)
+    return res[0], res[2] if with_mass else []

@@ -15,6 +15,15 @@ from ..compress.codecs import Codec
 from ..types import PageId, Subject
 
 
+def device_index(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host list of indices as a tensor on `device`. `torch.tensor(values, device=cuda)`
+    copies from pageable memory and then waits for the stream, stalling the host on every
+    kernel queued before it; an asynchronous copy of a fresh host tensor does not (its bytes
+    are staged before the call returns, so the host tensor may go at once)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def _raw(t: torch.Tensor) -> torch.Tensor:
     # Some index kernels lack float8 on the CPU: move those bytes as uint8.
     return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
@@ -85,7 +94,7 @@ class PagePool:
         return freed
 
     def wipe(self, pages: list[PageId]) -> None:
-        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
+        idx = device_index(pages, self.device)
         for layer in self.fields:
             for t in layer.values():
                 _raw(t).index_fill_(0, idx, 0)
@@ -93,11 +102,11 @@ class PagePool:
     # --- data ---------------------------------------------------------------------------------
 
     def read(self, layer: int, pages: list[PageId]) -> dict[str, torch.Tensor]:
-        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
+        idx = device_index(pages, self.device)
         return {name: _raw(t).index_select(0, idx).view(t.dtype) for name, t in self.fields[layer].items()}
 
     def write(self, layer: int, pages: list[PageId], values: dict[str, torch.Tensor]) -> None:
-        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
+        idx = device_index(pages, self.device)
         for name, t in self.fields[layer].items():
             _raw(t).index_copy_(0, idx, _raw(values[name].to(t.dtype)))
 

@@ -18,6 +18,8 @@ from .sparse import quest_attention
 
 
 class ProbeCache(KVGuardCache):
+    batched_decode = False  # decode steps go through _attend_row, which the sparse and head-wise probes replace
+
     def __init__(self, config, subject, *, sparse_pages: int | None = None, measure: bool = True, **options):
         super().__init__(config, subject, **options)
         self.sparse_pages = sparse_pages

@@ -110,6 +110,9 @@ class KVGuardCache(Cache):
     """
 
     attn_implementation = ATTN_IMPLEMENTATION
+    # a decode step (one new token in every row) goes to the manager as one batch; a subclass
+    # that reads rows its own way in `_attend_row` turns this off
+    batched_decode = True
 
     def __init__(self, config, subject: Subject | Sequence[Subject], *, manager: CacheManager | None = None,
                  events: EventQueue | None = None, **options):
@@ -130,6 +133,7 @@ class KVGuardCache(Cache):
         self._manager = manager
         self._options = options
         self.seqs: list[SeqId] = []
+        self._mask: tuple | None = None  # (the last padding mask seen, (t, its version), its rows' real tokens)
 
     @classmethod
     def from_policy(cls, config, subject, policy, **overrides) -> KVGuardCache:
@@ -176,6 +180,7 @@ class KVGuardCache(Cache):
         for seq in self.seqs:
             self._manager.free(seq)
         self.seqs = []
+        self._mask = None
         for layer in self.layers:
             layer.reset()
 
@@ -202,11 +207,18 @@ class KVGuardCache(Cache):
         model's 2D attention mask [B, >= T] (1 = real token) or None.
         Returns [B, T, Hq, D]; padding positions get zeros."""
         batch, _, t, _ = query.shape
-        out = query.new_zeros(batch, t, query.shape[1], query.shape[3])
-        real = None if padding is None else padding[:, -t:].to(torch.bool)
+        real = self._real_tokens(padding, t)
         dtype = self._manager.cfg.dtype
+        if self.batched_decode and t == 1 and (real is None or all(r is None for r in real)):
+            # a decode step: every row's token in one write and one pass of the decode kernels
+            k, v = key[:, :, 0].to(dtype).contiguous(), value[:, :, 0].to(dtype).contiguous()  # [B, H, D]
+            if not self._manager.append_step(self.seqs, layer, k, v):
+                raise CacheFullError(f"no free page for the new tokens of {batch} rows at layer {layer}: "
+                                     "raise num_pages or configure an evictor with a budget")
+            return self._attend_step(layer, query[:, :, 0], scale).to(query.dtype).unsqueeze(1)
+        out = query.new_zeros(batch, t, query.shape[1], query.shape[3])
         for b, seq in enumerate(self.seqs):
-            idx = slice(None) if real is None or bool(real[b].all()) else real[b].nonzero().squeeze(1)
+            idx = slice(None) if real is None or real[b] is None else real[b]
             q = query[b, :, idx].transpose(0, 1)  # [t, Hq, D]
             if q.shape[0] == 0:
                 continue
@@ -217,6 +229,24 @@ class KVGuardCache(Cache):
                                      "raise num_pages or configure an evictor with a budget")
             out[b, idx] = self._attend_row(seq, layer, q, scale).to(out.dtype)
         return out
+
+    def _real_tokens(self, padding: torch.Tensor | None, t: int) -> list[torch.Tensor | None] | None:
+        """Per row, the positions of its real tokens among the t new ones (None: all real), read
+        to the host once per forward pass: every layer gets the same mask tensor, and a read per
+        layer and row would stall the host on the device that many times."""
+        if padding is None:
+            return None
+        key = (t, padding._version)  # an in-place edit of the mask bumps its version
+        if self._mask is not None and self._mask[0] is padding and self._mask[1] == key:
+            return self._mask[2]
+        real = padding[:, -t:].to(torch.bool).cpu()
+        rows = [None if bool(r.all()) else r.nonzero().squeeze(1).to(padding.device) for r in real]
+        self._mask = (padding, key, rows)
+        return rows
+
+    def _attend_step(self, layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """Attention of every row's new token q [B, Hq, D] over what the row holds."""
+        return self._manager.attend_step(self.seqs, layer, q, scale=scale)
 
     def _attend_row(self, seq: SeqId, layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
         """Attention of one row's q [t, Hq, D] (its last t positions) over what it holds."""

@@ -1,0 +1,145 @@
+"""Decode steps of a batch (append_step + attend_step) and the per-sequence layout they read:
+a batch step does what its rows' own append + attend do, and a step rebuilds nothing unless a
+row's pages changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvguard.cache import CacheConfig, CacheManager
+from kvguard.cache.manager import HOT, MAIN, PageList
+from kvguard.errors import InputError, UnknownSequence
+from kvguard.types import Subject
+from tests.conftest import outlier_kv
+
+LENGTHS = (37, 16, 70)  # a partly filled page, exactly one page, several pages
+
+
+def make(**kw):
+    cfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, num_query_heads=4,
+                      **({"num_pages": 48, "codec": "int8", "fp_sink": 4, "fp_window": 16} | kw))
+    return CacheManager(cfg)
+
+
+def opened(m, lengths=LENGTHS):
+    seqs = []
+    for i, n in enumerate(lengths):
+        seq = m.open(Subject("acme", f"u{i}", f"s{i}"))
+        k, v = outlier_kv(n, 2, 64, seed=i)
+        for layer in range(2):
+            assert m.append(seq, layer, k, v)
+        seqs.append(seq)
+    return seqs
+
+
+def steps(m, seqs, n, batched, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    outs = []
+    for _ in range(n):
+        k = torch.randn(len(seqs), 2, 64, generator=g).half()
+        q = torch.randn(len(seqs), 4, 64, generator=g).half()
+        for layer in range(2):
+            if batched:
+                assert m.append_step(seqs, layer, k, k)
+                outs.append(m.attend_step(seqs, layer, q))
+            else:
+                for i, seq in enumerate(seqs):
+                    assert m.append(seq, layer, k[i : i + 1], k[i : i + 1])
+                outs.append(torch.cat([m.attend(seq, layer, q[i : i + 1]) for i, seq in enumerate(seqs)]))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("options", [{}, {"codec": "fp16", "fp_sink": 0, "fp_window": 0},
+                                     {"evictor": "h2o", "evictor_options": {"budget": 48, "sink": 4, "window": 16}}])
+def test_a_batch_step_is_its_rows_steps(options):
+    # 20 steps: pages fill, get quantized, and (h2o) sequences are compacted along the way
+    a, b = make(**options), make(**options)
+    sa, sb = opened(a), opened(b)
+    assert torch.equal(steps(a, sa, 20, batched=True), steps(b, sb, 20, batched=False))
+    for x, y in zip(sa, sb):
+        assert a.length(x) == b.length(y)
+        for layer in range(2):
+            assert all(torch.equal(p, q) for p, q in zip(a.kv(x, layer), b.kv(y, layer)))
+        assert torch.equal(a._seq(x).mass, b._seq(y).mass)
+    if "evictor" in options:
+        assert a.stats().tokens_evicted > 0
+
+
+def test_batch_step_refuses_bad_input():
+    m = make()
+    seqs = opened(m)
+    k = torch.zeros(3, 2, 64, dtype=torch.float16)
+    q = torch.zeros(3, 4, 64, dtype=torch.float16)
+    with pytest.raises(InputError, match="non-empty list"):
+        m.append_step([], 0, k, k)
+    with pytest.raises(InputError, match="twice"):
+        m.attend_step([seqs[0], seqs[0], seqs[1]], 0, q)
+    with pytest.raises(UnknownSequence):
+        m.append_step([seqs[0], seqs[1], 999], 0, k, k)
+    with pytest.raises(InputError, match="2 sequences"):
+        m.append_step(seqs[:2], 0, k, k)
+    with pytest.raises(InputError, match=r"q must have shape \[2, 4, 64\]"):
+        m.attend_step(seqs[:2], 0, q)
+    with pytest.raises(InputError, match="layer"):
+        m.attend_step(seqs, 2, q)
+    empty = m.open(Subject("acme", "x", "y"))
+    with pytest.raises(InputError, match="holds no position"):
+        m.attend_step([empty], 0, q[:1])
+
+
+def test_batch_step_without_pages_writes_nothing():
+    m = make(codec="fp16", fp_sink=0, fp_window=0, num_pages=9)
+    seqs = opened(m, (32, 16, 64))  # every row at a page boundary; 7 of 9 pages used
+    k = torch.ones(3, 2, 64, dtype=torch.float16)
+    before = [m.length(s) for s in seqs]
+    assert not m.append_step(seqs, 0, k, k)  # three rows start a page, two are free
+    assert [m.length(s) for s in seqs] == before
+    assert m.append_step(seqs[:2], 0, k[:2], k[:2])
+
+
+def test_layout_rebuilt_only_when_pages_change():
+    m = make()
+    seq = opened(m, (40,))[0]
+    s = m._seq(seq)
+    lay = m._layout(s)
+    assert lay.idx[HOT] == [i for i, r in enumerate(s.pages) if r.where == HOT]
+    one = torch.zeros(1, 2, 64, dtype=torch.float16)
+    for layer in range(2):
+        m.append(seq, layer, one, one)  # token 41: same page
+    assert m._layout(s) is lay
+    for _ in range(8):  # past token 48: a new page, and page 1 leaves the 16-bit window
+        for layer in range(2):
+            m.append(seq, layer, one, one)
+    new = m._layout(s)
+    assert new is not lay
+    assert new.idx[HOT] == [i for i, r in enumerate(s.pages) if r.where == HOT]
+    assert new.idx[MAIN] == [i for i, r in enumerate(s.pages) if r.where == MAIN] == [1]
+
+
+def test_page_list_versions_every_edit():
+    pages = PageList([1, 2])
+    seen = {pages.version}
+    for edit in (lambda p: p.append(3), lambda p: p.extend([4]), lambda p: p.__setitem__(0, 9),
+                 lambda p: p.pop(), lambda p: p.insert(0, 5), lambda p: p.sort()):
+        edit(pages)
+        assert pages.version not in seen
+        seen.add(pages.version)
+    m = make()
+    s = m._seq(opened(m, (20,))[0])
+    s.pages = list(s.pages)  # a plain list assigned is wrapped, with a new version
+    assert isinstance(s.pages, PageList) and s.pages.version not in seen
+
+
+def test_mass_grows_by_doubling():
+    m = make(evictor="h2o", evictor_options={"budget": 4096, "sink": 4, "window": 16})
+    seq = opened(m, (1,))[0]
+    s = m._seq(seq)
+    one = torch.zeros(1, 2, 64, dtype=torch.float16)
+    sizes = set()
+    for _ in range(300):
+        for layer in range(2):
+            m.append(seq, layer, one, one)
+        sizes.add(s.mass_buf.shape[-1])
+        assert s.mass.shape == (2, 2, m.length(seq))
+    assert len(sizes) <= 10  # 2, 4, ..., 512: not one copy of the whole buffer per token
