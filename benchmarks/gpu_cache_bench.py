@@ -1,0 +1,290 @@
+"""The cache on a GPU, end to end: CacheManager on CUDA (quantize-on-write and paged decode
+through the Triton kernels) checked against its reference path; the time of a decode step of a
+whole model's layers through the cache, rows one by one and as one batch, beside the kernels'
+own device time; then generation of a random-weight model through KVGuardCache beside
+transformers' DynamicCache + SDPA.
+
+    PYTHONPATH=. python3 benchmarks/gpu_cache_bench.py [--models smollm2-135m,llama3-8b]
+        [--contexts 1024,16384] [--batches 1,8] [--codecs fp16,int8,int4,fp8,int8+h2o] [--steps 10]
+        [--generate 64 --prompt 1024] [--profile MODEL:CONTEXT:CODEC] [--out DIR]
+
+A decode step is what a serving process does per new token: for every layer, append each row's
+K/V and attend over everything the row holds (CacheManager.append + attend per row, or
+append_step + attend_step for the batch). Its wall time (CUDA synchronized after the steps) is
+set beside the device time of the decode kernels of the same step (captured in a CUDA graph and
+replayed), so the host's share shows. Needs torch, triton and (for --generate) transformers;
+runs the kvguard package from the source tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from kvguard.cache import CacheConfig, CacheManager
+from kvguard.cache.attention import dense_attention
+from kvguard.types import Subject
+
+MODELS = {"smollm2-135m": (30, 9, 3, 64), "llama3-8b": (32, 32, 8, 128)}  # layers, Hq, H, D
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sync():
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def make_cache(model: str, context: int, codec: str, evictor: str | None = None,
+               rows: int = 1) -> tuple[CacheManager, list]:
+    """A cache on the GPU holding `rows` sequences of `context` random tokens each (an outlier
+    key channel), prefilled in chunks of 4096 as a server would."""
+    layers, hq, h, d = MODELS[model]
+    pages = rows * (context // 16 + 64)
+    opts = {"budget": context + 4096} if evictor else {}
+    cfg = CacheConfig(num_layers=layers, num_kv_heads=h, num_query_heads=hq, head_dim=d, num_pages=pages,
+                      dtype=torch.bfloat16, device=DEV, codec=codec, fp_sink=4 if codec != "fp16" else 0,
+                      fp_window=128 if codec != "fp16" else 0, evictor=evictor, evictor_options=opts)
+    m = CacheManager(cfg)
+    seqs = [m.open(Subject("bench", f"user-{i}", f"session-{i}")) for i in range(rows)]
+    g = torch.Generator(device=DEV).manual_seed(0)
+    for seq in seqs:
+        for lo in range(0, context, 4096):
+            n = min(4096, context - lo)
+            for layer in range(layers):
+                k = torch.randn(n, h, d, generator=g, device=DEV, dtype=torch.bfloat16)
+                k[..., 3] *= 8
+                v = torch.randn(n, h, d, generator=g, device=DEV, dtype=torch.bfloat16)
+                assert m.append(seq, layer, k, v)
+    return m, seqs
+
+
+def decode_steps(m: CacheManager, seqs: list, steps: int, batched: bool, repeats: int = 3) -> float:
+    """Wall time of a decode step of every row (for every layer: append one token and attend),
+    the rows one at a time (append + attend) or as one batch (append_step + attend_step): the
+    median over `repeats` runs of `steps` steps, after two warm-up steps."""
+    c = m.cfg
+    g = torch.Generator(device=DEV).manual_seed(1)
+    q = torch.randn(len(seqs), c.num_query_heads, c.head_dim, generator=g, device=DEV, dtype=c.dtype)
+    k = torch.randn(len(seqs), c.num_kv_heads, c.head_dim, generator=g, device=DEV, dtype=c.dtype)
+
+    def run(n):
+        for _ in range(n):
+            for layer in range(c.num_layers):
+                if batched:
+                    assert m.append_step(seqs, layer, k, k)
+                    m.attend_step(seqs, layer, q)
+                else:
+                    for i, seq in enumerate(seqs):
+                        assert m.append(seq, layer, k[i : i + 1], k[i : i + 1])
+                        m.attend(seq, layer, q[i : i + 1])
+
+    run(2)
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        run(steps)
+        sync()
+        times.append((time.perf_counter() - t0) / steps)
+    return statistics.median(times)
+
+
+def kernel_time(m: CacheManager, seqs: list, reps: int = 20) -> float:
+    """Device time of the decode kernels of one step: every layer's paged decode over the
+    sequence's pages as the cache hands them over, captured in a CUDA graph (no host in the
+    way) and replayed; CUDA events around the replays."""
+    c = m.cfg
+    q = torch.randn(1, c.num_query_heads, c.head_dim, device=DEV, dtype=c.dtype)
+    if not hasattr(m, "_decode_sets"):  # an older CacheManager, timed for comparison
+        return float("nan")
+    from kernels.paged_decode import paged_decode_sets
+
+    s = m._seq(seqs[0])
+    mass = m.evictor is not None and m.evictor.needs_mass
+    calls = []  # the layers' kernel arguments as the cache makes them, the lengths already on the device
+    for layer in range(c.num_layers):
+        sets = m._decode_sets([s], layer)[0]
+        calls.append([(fields, table, torch.tensor(tokens, dtype=torch.int32, device=DEV), max(tokens))
+                      for fields, table, tokens in sets])
+
+    def step():
+        for sets in calls:
+            paged_decode_sets(q, sets, return_mass=mass)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compile) off the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    sync()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    sync()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def check(m: CacheManager, seqs: list) -> float:
+    """The kernel path's output against the reference path (dense attention over the
+    dequantized pages) at every layer, for the batch as one step; the worst relative error."""
+    c = m.cfg
+    q = torch.randn(len(seqs), c.num_query_heads, c.head_dim, device=DEV, dtype=c.dtype)
+    worst = 0.0
+    for layer in range(c.num_layers):
+        got = m.attend_step(seqs, layer, q) if hasattr(m, "attend_step") else torch.cat(
+            [m.attend(seq, layer, q[i : i + 1]) for i, seq in enumerate(seqs)])
+        for i, seq in enumerate(seqs):
+            k, v = m.kv(seq, layer, dtype=torch.float32)
+            want, _ = dense_attention(q[i : i + 1], k, v)
+            worst = max(worst, rel(got[i : i + 1], want))
+    return worst
+
+
+def profile_steps(model: str, context: int, codec: str, steps: int, top: int = 30) -> list[str]:
+    """Where the host's time goes in decode steps: cProfile's top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    m, seqs = make_cache(model, context, codec)
+    decode_steps(m, seqs, 2, batched=False, repeats=1)
+    prof = cProfile.Profile()
+    prof.enable()
+    decode_steps(m, seqs, steps, batched=False, repeats=1)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    lines = [f"host profile, {model} {context} {codec}, {steps} steps:"] + buf.getvalue().splitlines()
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def bench_cache(models, contexts, codecs, batches, steps) -> list[str]:
+    lines = [f"{'model':14} {'context':>7} {'B':>2} {'codec':10} | {'rows ms':>8} {'batch ms':>8} "
+             f"{'us/layer':>8} {'kernels':>8} {'host':>5} | check"]
+    print(lines[0], flush=True)
+    for model in models:
+        for context in contexts:
+            for rows in batches:
+                for codec in codecs:
+                    evictor = None
+                    name = codec
+                    if codec.endswith("+h2o"):
+                        codec, evictor = codec[:-4], "h2o"
+                    m, seqs = make_cache(model, context, codec, evictor, rows)
+                    err = check(m, seqs)
+                    one = decode_steps(m, seqs, steps, batched=False)
+                    step = decode_steps(m, seqs, steps, batched=True) if hasattr(m, "append_step") else one
+                    kt = kernel_time(m, seqs) if rows == 1 else float("nan")
+                    layers = m.cfg.num_layers
+                    lines.append(f"{model:14} {context:7d} {rows:2d} {name:10} | {one * 1e3:8.2f} {step * 1e3:8.2f} "
+                                 f"{step / layers * 1e6:8.1f} {kt / layers * 1e6:8.1f} {1 - kt / step:5.0%} | "
+                                 f"rel {err:.1e}" + ("" if err < 2e-2 else "  FAILED"))
+                    print(lines[-1], flush=True)
+                    del m
+                    torch.cuda.empty_cache()
+    return lines
+
+
+def bench_generate(new_tokens: int, prompt: int, codecs, batches, rounds: int = 3) -> list[str]:
+    """SmolLM2-135M's architecture with random weights (bf16, on the GPU): greedy generation
+    through KVGuardCache per codec beside DynamicCache + SDPA, ms per new token of the batch.
+    The variants take turns, `rounds` times, and each keeps its fastest round: the host's
+    speed drifts over a run by more than the differences measured."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from kvguard.hf import KVGuardCache, cache_kwarg
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                      rope_theta=100000.0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(DEV, torch.bfloat16).eval()
+    lines = [f"generate: prompt {prompt}, {new_tokens} new tokens, SmolLM2-135M shape, random bf16 weights; "
+             f"ms per step (one new token for every row), fastest of {rounds} rounds"]
+    print(lines[0], flush=True)
+    for batch in batches:
+        ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device=DEV)
+        who = [Subject("bench", f"user-{i}", f"session-{i}") for i in range(batch)]
+        variants = {"DynamicCache + sdpa": (lambda: DynamicCache(config=cfg), "sdpa")}
+        for codec in codecs:
+            variants[f"KVGuardCache {codec}"] = (
+                lambda codec=codec: KVGuardCache(cfg, who, codec=codec, num_pages=batch * ((prompt + new_tokens) // 16
+                                                 + 8), fp_sink=4 if codec != "fp16" else 0), "kvguard")
+        best, tokens = {}, {}
+        for _ in range(rounds):
+            for name, (make, impl) in variants.items():
+                model.set_attn_implementation(impl)
+                cache = make()
+                sync()
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0,
+                                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                         **{cache_kwarg(model): cache})
+                sync()
+                best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+                tokens[name] = out[:, prompt:]
+                if hasattr(cache, "free"):
+                    cache.free()
+        ref_name = "DynamicCache + sdpa"
+        for name, t in best.items():
+            agree = (tokens[name] == tokens[ref_name]).float().mean().item()
+            lines.append(f"  B = {batch:2d} {name:22} {t / new_tokens * 1e3:8.2f} ms/step  "
+                         f"({t / best[ref_name]:.2f}x; greedy tokens equal to DynamicCache's: {agree:.0%})")
+            print(lines[-1], flush=True)
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", default="smollm2-135m,llama3-8b")
+    ap.add_argument("--contexts", default="1024,16384")
+    ap.add_argument("--codecs", default="fp16,int8,int4,fp8,int8+h2o")
+    ap.add_argument("--batches", default="1,8", help="rows decoded together")
+    ap.add_argument("--steps", type=int, default=10, help="timed decode steps per run")
+    ap.add_argument("--generate", type=int, default=64, help="new tokens of the generation run (0: skip it)")
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--profile", default=None, metavar="MODEL:CONTEXT:CODEC",
+                    help="profile the host side of decode steps of one cache (cProfile, top functions)")
+    ap.add_argument("--out", default=None, help="folder for cache_results.json")
+    a = ap.parse_args()
+    if DEV.type != "cuda":
+        sys.exit("needs a CUDA GPU")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    lines = []
+    if a.profile:
+        model, context, codec = a.profile.split(":")
+        lines += profile_steps(model, int(context), codec, a.steps)
+    batches = [int(x) for x in a.batches.split(",")]
+    if a.models:
+        lines += bench_cache(a.models.split(","), [int(x) for x in a.contexts.split(",")], a.codecs.split(","),
+                             batches, a.steps)
+    if a.generate:
+        lines += bench_generate(a.generate, a.prompt, [c for c in a.codecs.split(",") if "+" not in c], batches)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "cache_results.json"), "w") as f:
+            json.dump({"lines": lines}, f, indent=1)
+    if any("FAILED" in x for x in lines):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
