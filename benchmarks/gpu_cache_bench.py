@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -68,10 +67,11 @@ def make_cache(model: str, context: int, codec: str, evictor: str | None = None,
     return m, seqs
 
 
-def decode_steps(m: CacheManager, seqs: list, steps: int, batched: bool, repeats: int = 3) -> float:
+def decode_steps(m: CacheManager, seqs: list, steps: int, batched: bool, repeats: int = 5) -> float:
     """Wall time of a decode step of every row (for every layer: append one token and attend),
     the rows one at a time (append + attend) or as one batch (append_step + attend_step): the
-    median over `repeats` runs of `steps` steps, after two warm-up steps."""
+    fastest of `repeats` runs of `steps` steps, after two warm-up steps (the host's speed drifts
+    by tens of percent between runs; the fastest run is the one least disturbed)."""
     c = m.cfg
     g = torch.Generator(device=DEV).manual_seed(1)
     q = torch.randn(len(seqs), c.num_query_heads, c.head_dim, generator=g, device=DEV, dtype=c.dtype)
@@ -96,24 +96,24 @@ def decode_steps(m: CacheManager, seqs: list, steps: int, batched: bool, repeats
         run(steps)
         sync()
         times.append((time.perf_counter() - t0) / steps)
-    return statistics.median(times)
+    return min(times)
 
 
 def kernel_time(m: CacheManager, seqs: list, reps: int = 20) -> float:
-    """Device time of the decode kernels of one step: every layer's paged decode over the
-    sequence's pages as the cache hands them over, captured in a CUDA graph (no host in the
-    way) and replayed; CUDA events around the replays."""
+    """Device time of the decode kernels of one batch step: every layer's paged decode over the
+    rows' pages as the cache hands them over, captured in a CUDA graph (no host in the way) and
+    replayed; CUDA events around the replays."""
     c = m.cfg
-    q = torch.randn(1, c.num_query_heads, c.head_dim, device=DEV, dtype=c.dtype)
+    q = torch.randn(len(seqs), c.num_query_heads, c.head_dim, device=DEV, dtype=c.dtype)
     if not hasattr(m, "_decode_sets"):  # an older CacheManager, timed for comparison
         return float("nan")
     from kernels.paged_decode import paged_decode_sets
 
-    s = m._seq(seqs[0])
+    rows = [m._seq(seq) for seq in seqs]
     mass = m.evictor is not None and m.evictor.needs_mass
     calls = []  # the layers' kernel arguments as the cache makes them, the lengths already on the device
     for layer in range(c.num_layers):
-        sets = m._decode_sets([s], layer)[0]
+        sets = m._decode_sets(rows, layer)[0]
         calls.append([(fields, table, torch.tensor(tokens, dtype=torch.int32, device=DEV), max(tokens))
                       for fields, table, tokens in sets])
 
@@ -191,7 +191,7 @@ def bench_cache(models, contexts, codecs, batches, steps) -> list[str]:
                     err = check(m, seqs)
                     one = decode_steps(m, seqs, steps, batched=False)
                     step = decode_steps(m, seqs, steps, batched=True) if hasattr(m, "append_step") else one
-                    kt = kernel_time(m, seqs) if rows == 1 else float("nan")
+                    kt = kernel_time(m, seqs)
                     layers = m.cfg.num_layers
                     lines.append(f"{model:14} {context:7d} {rows:2d} {name:10} | {one * 1e3:8.2f} {step * 1e3:8.2f} "
                                  f"{step / layers * 1e6:8.1f} {kt / layers * 1e6:8.1f} {1 - kt / step:5.0%} | "
