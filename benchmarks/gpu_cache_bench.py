@@ -105,7 +105,7 @@ def kernel_time(m: CacheManager, seqs: list, reps: int = 20) -> float:
     replayed; CUDA events around the replays."""
     c = m.cfg
     q = torch.randn(len(seqs), c.num_query_heads, c.head_dim, device=DEV, dtype=c.dtype)
-    if not hasattr(m, "_decode_sets"):  # an older CacheManager, timed for comparison
+    if not hasattr(m, "_decode_sets") or DEV.type != "cuda":  # an older CacheManager; no GPU (--smoke)
         return float("nan")
     from kernels.paged_decode import paged_decode_sets
 
@@ -264,10 +264,15 @@ def main():
     ap.add_argument("--profile", default=None, metavar="MODEL:CONTEXT:CODEC",
                     help="profile the host side of decode steps of one cache (cProfile, top functions)")
     ap.add_argument("--out", default=None, help="folder for cache_results.json")
+    ap.add_argument("--smoke", action="store_true",
+                    help="without a GPU: the reference path, tiny shapes, to check that the script runs")
     a = ap.parse_args()
-    if DEV.type != "cuda":
-        sys.exit("needs a CUDA GPU")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    if a.smoke:
+        a.models, a.contexts, a.batches, a.codecs = "smollm2-135m", "40", "1,2", "int8,int8+h2o"
+        a.steps, a.generate, a.prompt = 1, 2, 8
+    elif DEV.type != "cuda":
+        sys.exit("needs a CUDA GPU (or --smoke)")
+    print(f"{torch.cuda.get_device_name() if DEV.type == 'cuda' else 'CPU'}, torch {torch.__version__}", flush=True)
     lines = []
     if a.profile:
         model, context, codec = a.profile.split(":")

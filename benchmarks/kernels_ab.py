@@ -1,0 +1,58 @@
+"""paged_decode of two versions of kernels/ timed in one process, taking turns: a code change's
+effect on speed without the difference between lent GPUs (a few percent) in the way.
+
+    mkdir -p base && git archive REV kernels | tar -x -C base && mv base/kernels base/kernels_base
+    PYTHONPATH=. python3 benchmarks/kernels_ab.py base/kernels_base [--codecs int8,fp8] [--rounds 2]
+        [--shapes llama3-8b:16384:8,llama3-8b:32768:8,...]
+
+The other version is imported as a package of its directory's name (anything but `kernels`), so
+its Triton kernels compile and cache apart from this tree's. Each round times every shape with
+the other version, then with this tree's, through benchmarks/gpu_bench.py's `bench_decode`
+(CUDA-graph replays over data larger than L2; see that file). Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+import torch
+
+DEFAULT_SHAPES = ("llama3-8b:16384:8,llama3-8b:32768:8,llama3-8b:16384:1,llama3-8b:131072:8,"
+                  "smollm2-135m:16384:8")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("other", help="a directory holding another version of kernels/, not named 'kernels'")
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="model:context:batch, comma-separated")
+    ap.add_argument("--codecs", default="int8,fp8")
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    path = os.path.abspath(a.other.rstrip("/"))
+    name = os.path.basename(path)
+    if name == "kernels" or not name.isidentifier() or not os.path.isfile(os.path.join(path, "paged_decode.py")):
+        sys.exit(f"{a.other}: expected a copy of kernels/ under another name (e.g. kernels_base)")
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    sys.path.append(os.path.dirname(path))
+    other = importlib.import_module(f"{name}.paged_decode")
+    import benchmarks.gpu_bench as gb
+    from kernels import paged_decode as this
+
+    codecs = tuple(a.codecs.split(","))
+    shapes = gb.parse_shapes(a.shapes)
+    print(f"{torch.cuda.get_device_name()}: {name} against this tree, µs per decode step", flush=True)
+    for rnd in range(a.rounds):
+        for tag, mod in ((name, other), ("this", this)):
+            gb.paged_decode = mod.paged_decode
+            for model, length, batch in shapes:
+                r = gb.bench_decode(model, length, batch, 1.0, with_baselines=False, codecs=codecs)  # no floors
+                times = "  ".join(f"{c} {r[c] * 1e6:8.1f}" for c in codecs)
+                print(f"round {rnd} {tag:>12} {model:13} {length:6d} x {batch:2d}  {times}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

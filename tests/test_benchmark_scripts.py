@@ -1,0 +1,28 @@
+"""The GPU benchmark scripts still run: their CPU smoke modes (tiny shapes, no GPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cache_benchmark_smoke():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "benchmarks/gpu_cache_bench.py", "--smoke"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("smollm2-135m")]
+    assert len(rows) == 4 and not any("FAILED" in line for line in rows)
+    assert r.stdout.count("KVGuardCache int8") == 2  # generation at B = 1 and 2
+
+
+def test_kernels_ab_refuses_a_copy_named_kernels(tmp_path):
+    (tmp_path / "kernels").mkdir()
+    r = subprocess.run([sys.executable, "benchmarks/kernels_ab.py", str(tmp_path / "kernels")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "under another name" in r.stderr
