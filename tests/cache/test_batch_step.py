@@ -143,3 +143,22 @@ def test_mass_grows_by_doubling():
         sizes.add(s.mass_buf.shape[-1])
         assert s.mass.shape == (2, 2, m.length(seq))
     assert len(sizes) <= 10  # 2, 4, ..., 512: not one copy of the whole buffer per token
+
+
+@pytest.mark.parametrize("mass_queries", [0, 3, 20])
+def test_dense_attention_in_query_blocks_is_the_whole(monkeypatch, mass_queries):
+    # a long prompt's scores are taken a block of queries at a time; the result is the same
+    from kvguard.cache import attention
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(20, 4, 64, generator=g).half()
+    k, v = (x.transpose(0, 1) for x in outlier_kv(50, 2, 64, seed=4))  # [H, L, D]
+    whole = attention.dense_attention(q, k, v, mass_queries=mass_queries)
+    monkeypatch.setattr(attention, "MAX_SCORES", 4 * 2 * 50 * 3)  # blocks of 3 queries, the last of 2
+    blocks = attention.dense_attention(q, k, v, mass_queries=mass_queries)
+    assert torch.allclose(blocks[0].float(), whole[0].float(), atol=1e-3)
+    if mass_queries:
+        assert torch.allclose(blocks[1], whole[1], atol=1e-5)
+        assert torch.allclose(whole[1].sum(), torch.tensor(4.0 * mass_queries), atol=1e-3)
+    else:
+        assert blocks[1] is None and whole[1] is None
