@@ -23,9 +23,10 @@ from .paged_decode import LOG2E
 
 
 @triton.jit
-def _prefill_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, out, lse, qk_scale, T, L,
+def _prefill_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, out, lse, qk_scale, T, L, limits,
                     H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr,
-                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PAGES: tl.constexpr, ON_GPU: tl.constexpr):
+                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PAGES: tl.constexpr, ON_GPU: tl.constexpr,
+                    LIMITS: tl.constexpr = False):
     # grid (cdiv(T * G, BLOCK_M), H); q, out [T, Hq, D]; lse [T, Hq]; block_table [max_pages]
     h = tl.program_id(1)
     f = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # flat (token, group head) index
@@ -34,7 +35,11 @@ def _prefill_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, out, lse, qk_sca
     qrow = t.to(tl.int64) * (H * G) + h * G + f % G
     d = tl.arange(0, D)
     qh = tl.load(q + qrow[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(tl.float16)
-    lim = L - T + t + 1  # [BLOCK_M] keys visible to each row (>= 1, so key 0 makes m finite)
+    if LIMITS:  # keys visible to each query given (some of the keys may be newer than all of them)
+        seen = tl.minimum(tl.load(limits + t, mask=row_ok, other=0), L)
+    else:
+        seen = L - T + t + 1  # [BLOCK_M] keys visible to each row
+    lim = tl.maximum(seen, 1)  # key 0 keeps m finite; a row that sees none is written empty below
     hi = tl.max(lim, 0)
 
     BN: tl.constexpr = PAGES * S
@@ -50,22 +55,27 @@ def _prefill_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, out, lse, qk_sca
                               H, S, D, PAGES, KIND, GROUP, ON_GPU)
         acc, m, l, s = attend_block(acc, m, l, qh, k, v, vs, n[None, :] < lim[:, None], qk_scale, KIND == 1)
 
-    tl.store(out + qrow[:, None] * D + d[None, :], (acc / l[:, None]).to(out.dtype.element_ty),
-             mask=row_ok[:, None])
-    tl.store(lse + qrow, (m + tl.log2(l)) * 0.6931471805599453, mask=row_ok)
+    none = seen < 1
+    o = tl.where(none[:, None], 0.0, acc / l[:, None])
+    tl.store(out + qrow[:, None] * D + d[None, :], o.to(out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(lse + qrow, tl.where(none, float("-inf"), (m + tl.log2(l)) * 0.6931471805599453), mask=row_ok)
 
 
 DEFAULT_CONFIG = {"block_m": 64, "pages": 4, "num_warps": 4, "num_stages": 2}
 
 
 def paged_prefill(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch.Tensor, seq_len: int,
-                  sm_scale: float | None = None, config: dict | None = None):
+                  sm_scale: float | None = None, config: dict | None = None, limits: torch.Tensor | None = None):
     """Causal attention of a chunk's queries over one sequence's pages.
 
     q            [T, Hq, D] fp16/bf16: the last T of the sequence's seq_len tokens
     pages        one layer's page fields (layout of kernels/__init__.py): 16-bit, int8, fp8 or int4
     block_table  [max_pages] int32: the sequence's page ids, max_pages * S >= seq_len
     seq_len      L, tokens in the pages including the chunk's own
+    limits       [T] int32, optional: how many of the pages' first tokens each query sees, instead
+                 of the causal rule (query t sees L - T + t + 1); for pages that hold part of a
+                 sequence (one pool of a cache), whose tokens may be older or newer than a query.
+                 A query that sees none gets zeros and lse -inf.
     Returns out [T, Hq, D] in q's dtype and lse [T, Hq] fp32 (natural log).
     """
     codec, _, h, s, d = check_pages(pages)
@@ -75,9 +85,13 @@ def paged_prefill(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: 
         raise KernelArgError(f"q has {hq} heads, not a multiple of the pages' {h} KV heads")
     check(block_table, "block_table", dtype=INDEX_DTYPES, shape=(None,))
     seq_len = int(seq_len)
-    if not t <= seq_len <= block_table.shape[0] * s:
+    if limits is None and not t <= seq_len <= block_table.shape[0] * s:
         raise KernelArgError(f"need T={t} <= seq_len={seq_len} <= max_pages*S={block_table.shape[0] * s}")
-    dev = check_device(q, block_table, pages["k"])
+    if limits is not None:
+        check(limits, "limits", dtype=torch.int32, shape=(t,))
+        if not 0 <= seq_len <= block_table.shape[0] * s:
+            raise KernelArgError(f"need 0 <= seq_len={seq_len} <= max_pages*S={block_table.shape[0] * s}")
+    dev = check_device(q, block_table, pages["k"], *([] if limits is None else [limits]))
     cfg = {**DEFAULT_CONFIG, **(config or {})}
     check_int4_tile(codec, cfg["pages"] * s)
     g = hq // h
@@ -88,15 +102,16 @@ def paged_prefill(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: 
         return out, lse
     grid = (triton.cdiv(t * g, cfg["block_m"]), h)
     _prefill_kernel[grid](q, *field_args(pages), block_table, out, lse, scale * LOG2E, t, seq_len,
+                          lse if limits is None else limits,
                           H=h, G=g, S=s, D=d, KIND=KIND[codec], GROUP=ref.INT4_GROUP, BLOCK_M=cfg["block_m"],
                           PAGES=cfg["pages"], ON_GPU=not interpreting(), num_warps=cfg["num_warps"],
-                          num_stages=cfg["num_stages"])
+                          num_stages=cfg["num_stages"], LIMITS=limits is not None)
     return out, lse
 
 
-def paged_prefill_ref(q, pages, block_table, seq_len, sm_scale=None):
-    """Dense fp32 reference: dequantize with kernels/quantize.py, causal softmax attention in fp32.
-    Returns out [T, Hq, D] fp32 and lse [T, Hq]."""
+def paged_prefill_ref(q, pages, block_table, seq_len, sm_scale=None, limits=None):
+    """Dense fp32 reference: dequantize with kernels/quantize.py, causal softmax attention in fp32
+    (or each query over its first `limits` keys). Returns out [T, Hq, D] fp32 and lse [T, Hq]."""
     t, hq, d = q.shape
     h, s = pages["k"].shape[1:3]
     g = hq // h
@@ -112,8 +127,8 @@ def paged_prefill_ref(q, pages, block_table, seq_len, sm_scale=None):
     v = v.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :seq_len]
     qf = q.float().reshape(t, h, g, d).permute(1, 2, 0, 3)  # [H, g, T, D]
     sc = torch.einsum("hgtd,hld->hgtl", qf, k) * (1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
-    pos_q = torch.arange(seq_len - t, seq_len, device=q.device)[:, None]
-    sc = sc.masked_fill(torch.arange(seq_len, device=q.device)[None, :] > pos_q, float("-inf"))
-    lse = torch.logsumexp(sc, -1)  # [H, g, T]
-    out = torch.einsum("hgtl,hld->hgtd", torch.softmax(sc, -1), v)
+    seen = (torch.arange(seq_len - t, seq_len, device=q.device) + 1 if limits is None else limits.long())[:, None]
+    sc = sc.masked_fill(torch.arange(seq_len, device=q.device)[None, :] >= seen, float("-inf"))
+    lse = torch.logsumexp(sc, -1)  # [H, g, T]; -inf for a query that sees no key
+    out = torch.einsum("hgtl,hld->hgtd", torch.softmax(sc, -1).nan_to_num(0.0), v)
     return out.permute(2, 0, 1, 3).reshape(t, hq, d), lse.permute(2, 0, 1).reshape(t, hq)

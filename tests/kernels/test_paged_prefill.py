@@ -61,3 +61,22 @@ def test_int4_refuses_one_page_steps():
     out, _ = paged_prefill(q, pages, table, 20, config={"pages": 2})
     r_out, _ = paged_prefill_ref(q, pages, table, 20)
     assert rel_ok(out, r_out, TOL[torch.float16, True])
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_limits_per_query(codec):
+    # pages that hold part of a sequence: each query sees its own number of their first keys,
+    # none for some (zeros and lse -inf), more than the chunk's causal rule would give for others
+    q, pages, table = _case(codec, torch.float16, 4, 64, 12, seed=5)
+    limits = torch.tensor([0, 0, 1, 5, 16, 17, 40, 40, 90, 100, 130, 150], dtype=torch.int32, device=DEVICE)
+    out, lse = paged_prefill(q, pages, table, 150, limits=limits)
+    r_out, r_lse = paged_prefill_ref(q, pages, table, 150, limits=limits)
+    assert (out[:2] == 0).all() and torch.isneginf(lse[:2]).all()
+    assert rel_ok(out[2:], r_out[2:], TOL[torch.float16, codec != "16bit"])
+    assert torch.allclose(lse[2:], r_lse[2:], rtol=2e-3, atol=1e-2 if codec != "16bit" else 1e-4)
+    # more queries than the pages hold tokens is fine with limits
+    few = paged_prefill(q, pages, table, 8, limits=limits.clamp(max=8))[0]
+    assert rel_ok(few[2:], paged_prefill_ref(q, pages, table, 8, limits=limits.clamp(max=8))[0][2:],
+                  TOL[torch.float16, codec != "16bit"])
+    with pytest.raises(KernelArgError, match="limits must have shape"):
+        paged_prefill(q, pages, table, 150, limits=limits[:5])
