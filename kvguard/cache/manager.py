@@ -429,7 +429,9 @@ class CacheManager:
                scale: float | None = None) -> torch.Tensor:
         """Attention of q [T, Hq, D] (the sequence's last T positions) over everything
         the sequence holds for this layer. Returns [T, Hq, D]. Accumulates each key's
-        attention mass when the evictor scores by it."""
+        attention mass when the evictor scores by it. On the kernel path a decode step
+        (T = 1) and a causal chunk read the pages in place; a chunk whose mass the
+        evictor needs takes the dense path over the dequantized pages."""
         seq = self._seq(seq_id)
         c = self.cfg
         if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[1:] != (c.num_query_heads, c.head_dim):
@@ -443,6 +445,8 @@ class CacheManager:
             mass_q = q.shape[0] if observe is None else min(observe, q.shape[0])
         if c.use_kernels and q.shape[0] == 1:
             return self._attend_paged([seq], layer, q.contiguous(), scale, mass_q > 0)
+        if c.use_kernels and causal and mass_q == 0:
+            return self._prefill_paged(seq, layer, q.contiguous(), scale)
         k, v = self.kv(seq_id, layer, dtype=torch.float32)
         out, mass = dense_attention(q, k, v, causal=causal, mass_queries=mass_q, scale=scale)
         if mass is not None:
@@ -486,14 +490,32 @@ class CacheManager:
         for (name, tokens), m in zip(used, masses):
             for b, (seq, n) in enumerate(zip(seqs, tokens)):
                 if n:
-                    # a pool's pages in the kernel's order: token j is position idx[j // s] * s + j % s
-                    lay = seq.layout
-                    pos = lay.positions.get(name)
-                    if pos is None:
-                        pos = lay.positions[name] = (device_index(lay.idx[name], m.device).unsqueeze(1) * s
-                                                     + torch.arange(s, device=m.device)).flatten()
-                    seq.mass_buf[layer].index_add_(1, pos[:n], m[b, :, :n])
+                    seq.mass_buf[layer].index_add_(1, self._positions(seq, name)[:n], m[b, :, :n])
         return out
+
+    def _prefill_paged(self, seq: Sequence, layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """Causal attention of a chunk q [T, Hq, D] (the last T positions) through the prefill
+        kernel, once per pool, merged by log-sum-exp. A pool's tokens may be older or newer
+        than a query (the chunk's own pages may already be quantized), so each query sees, in
+        each pool, the tokens at or before its position: a count per query (`limits`)."""
+        self._fetch_all(seq)
+        sets, used = self._decode_sets([seq], layer)
+        n, t = seq.lengths[layer], q.shape[0]
+        at = torch.arange(n - t, n, device=q.device)  # the queries' positions
+        parts = [(fields, table[0], tokens[0], self._positions(seq, name)[: tokens[0]])
+                 for (fields, table, tokens), (name, _) in zip(sets, used)]
+        return paged.prefill(q, parts, at, scale)
+
+    def _positions(self, seq: Sequence, name: str) -> torch.Tensor:
+        """Positions of a pool's tokens in the kernels' order (ascending): token j of the pool is
+        position idx[j // S] * S + j % S. Kept with the layout."""
+        lay, s = self._layout(seq), self.cfg.page_size
+        pos = lay.positions.get(name)
+        if pos is None:
+            dev = self.cfg.device
+            pos = lay.positions[name] = (device_index(lay.idx[name], dev).unsqueeze(1) * s
+                                         + torch.arange(s, device=dev)).flatten()
+        return pos
 
     def _decode_sets(self, seqs: list[Sequence], layer: int):
         """paged.decode's sets for one layer: (fields, block table [B, *], tokens per row) per pool

@@ -4,7 +4,9 @@ Used when the cache lives on CUDA (or when `use_kernels` forces it, as the tests
 under Triton's interpreter). Decode attention reads each pool's pages through its own
 block table, in one pass whose merge combines every pool's splits by their log-sum-exp;
 attention is order-free over keys, so each pool's pages may be taken in any order. Prefill
-chunks take the dequantize-then-attend path.
+chunks go through the prefill kernel once per pool, each query limited to the pool's tokens at
+or before its position, merged by log-sum-exp (the dequantize-then-attend path when an evictor
+needs the chunk's attention mass).
 """
 
 from __future__ import annotations
@@ -40,3 +42,23 @@ def decode(q: torch.Tensor, sets: list[tuple[dict[str, torch.Tensor], torch.Tens
     args = [(fields, table, lens[i], max(tokens)) for i, (fields, table, tokens) in enumerate(sets)]
     res = paged_decode_sets(q, args, sm_scale=scale, return_mass=with_mass)
     return res[0], res[2] if with_mass else []
+
+
+def prefill(q: torch.Tensor, parts: list[tuple[dict[str, torch.Tensor], torch.Tensor, int, torch.Tensor]],
+            at: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Causal attention of q [T, Hq, D], the queries at positions `at` [T], over a sequence's
+    pools: parts are (page fields, block table [n] int32, tokens, their positions [tokens]
+    ascending) per pool. Each query sees the tokens at or before its position; the pools'
+    results are merged by their log-sum-exp. Returns [T, Hq, D]."""
+    from kernels.paged_prefill import paged_prefill
+
+    outs, lses = [], []
+    for fields, table, tokens, pos in parts:
+        limits = torch.searchsorted(pos, at, right=True).to(torch.int32)
+        out, lse = paged_prefill(q, fields, table, tokens, sm_scale=scale, limits=limits)
+        outs.append(out)
+        lses.append(lse)
+    if len(parts) == 1:
+        return outs[0]
+    w = torch.softmax(torch.stack(lses), dim=0)  # [P, T, Hq]: each pool's share (0 where it has none)
+    return (torch.stack(outs).float() * w.unsqueeze(-1)).sum(0).to(q.dtype)

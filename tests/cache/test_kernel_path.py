@@ -1,4 +1,4 @@
-"""The cache's kernel path (quantize-on-write, paged decode) against its reference path,
+"""The cache's kernel path (quantize-on-write, paged decode and prefill) against its reference path,
 run under Triton's interpreter in a fresh interpreter (it must be set before triton loads)."""
 
 from __future__ import annotations
@@ -26,10 +26,13 @@ def run(use_kernels):
                       evictor_options={{"budget": 48, "sink": 4, "window": 16, "per_head": per_head}} if evictor else {{}})
     m = CacheManager(cfg)
     seq = m.open(Subject("t", "u", "s"))
-    k, v = outlier_kv(70, 2, 64, seed=3)
-    q = torch.randn(70, 8, 64, generator=torch.Generator().manual_seed(4)).half()
+    k, v = outlier_kv(100, 2, 64, seed=3)
+    q = torch.randn(100, 8, 64, generator=torch.Generator().manual_seed(4)).half()
     outs = []
-    for lo, hi in [(0, 50)] + [(i, i + 1) for i in range(50, 70)]:
+    # a prompt, decode steps, a chunk after quantized pages (part of it quantized before the last
+    # layer reads it), decode steps
+    steps = [(0, 50)] + [(i, i + 1) for i in range(50, 60)] + [(60, 90)] + [(i, i + 1) for i in range(90, 100)]
+    for lo, hi in steps:
         for layer in range(2):
             m.append(seq, layer, k[lo:hi], v[lo:hi])
             outs.append(m.attend(seq, layer, q[lo:hi]).float())
