@@ -142,7 +142,8 @@ def kernel_time(m: CacheManager, seqs: list, reps: int = 20) -> float:
 
 def check(m: CacheManager, seqs: list) -> float:
     """The kernel path's output against the reference path (dense attention over the
-    dequantized pages) at every layer, for the batch as one step; the worst relative error."""
+    dequantized pages) at every layer, for the batch as one decode step and for a chunk of
+    queries in the first row; the worst relative error."""
     c = m.cfg
     q = torch.randn(len(seqs), c.num_query_heads, c.head_dim, device=DEV, dtype=c.dtype)
     worst = 0.0
@@ -153,6 +154,16 @@ def check(m: CacheManager, seqs: list) -> float:
             k, v = m.kv(seq, layer, dtype=torch.float32)
             want, _ = dense_attention(q[i : i + 1], k, v)
             worst = max(worst, rel(got[i : i + 1], want))
+    # a chunk of 48 queries after the context (the prefill path), in the first row
+    g = torch.Generator(device=DEV).manual_seed(2)
+    k = torch.randn(48, c.num_kv_heads, c.head_dim, generator=g, device=DEV, dtype=c.dtype)
+    for layer in range(c.num_layers):
+        assert m.append(seqs[0], layer, k, k)
+    q = torch.randn(48, c.num_query_heads, c.head_dim, generator=g, device=DEV, dtype=c.dtype)
+    for layer in range(c.num_layers):
+        got = m.attend(seqs[0], layer, q)
+        want, _ = dense_attention(q, *m.kv(seqs[0], layer, dtype=torch.float32))
+        worst = max(worst, rel(got, want))
     return worst
 
 
