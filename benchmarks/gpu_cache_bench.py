@@ -99,16 +99,17 @@ def decode_steps(m: CacheManager, seqs: list, steps: int, batched: bool, repeats
     return min(times)
 
 
-def kernel_time(m: CacheManager, seqs: list, reps: int = 20) -> float:
+def kernel_time(m: CacheManager, seqs: list) -> float:
     """Device time of the decode kernels of one batch step: every layer's paged decode over the
-    rows' pages as the cache hands them over, captured in a CUDA graph (no host in the way) and
-    replayed; CUDA events around the replays."""
-    c = m.cfg
-    q = torch.randn(len(seqs), c.num_query_heads, c.head_dim, device=DEV, dtype=c.dtype)
+    rows' pages as the cache hands them over, timed by gpu_bench.time_calls (a CUDA graph of the
+    step replayed: no host in the way)."""
     if not hasattr(m, "_decode_sets") or DEV.type != "cuda":  # an older CacheManager; no GPU (--smoke)
         return float("nan")
+    from benchmarks.gpu_bench import time_calls
     from kernels.paged_decode import paged_decode_sets
 
+    c = m.cfg
+    q = torch.randn(len(seqs), c.num_query_heads, c.head_dim, device=DEV, dtype=c.dtype)
     rows = [m._seq(seq) for seq in seqs]
     mass = m.evictor is not None and m.evictor.needs_mass
     calls = []  # the layers' kernel arguments as the cache makes them, the lengths already on the device
@@ -121,23 +122,7 @@ def kernel_time(m: CacheManager, seqs: list, reps: int = 20) -> float:
         for sets in calls:
             paged_decode_sets(q, sets, return_mass=mass)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (compile) off the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    sync()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    sync()
-    return start.elapsed_time(end) / 1e3 / reps
+    return time_calls([step])
 
 
 def check(m: CacheManager, seqs: list) -> float:

@@ -393,6 +393,8 @@ SMALL_HEAD_CONFIG = {
     "int4": {"pages": 2, "num_warps": 1, "num_stages": 3, "programs_per_sm": 16, "fill": "waves", "rows": "group",
              "transposed": True, "peel": True, "pairs": True, "maxnreg": 128},
 }
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_props(index: int) -> tuple[int, int]:
     """(SMs, compute capability major) of a CUDA device, asked once."""

@@ -246,9 +246,7 @@ class CacheManager:
         c = self.cfg
         self._check_layer(layer)
         self._check_kv(k, v)
-        if layer == 0 and self.evictor and c.auto_compact and len(set(seq.lengths)) == 1:
-            if seq.lengths[0] >= self.evictor.budget + c.page_size:
-                self.compact(seq_id)
+        self._auto_compact(seq, layer)
         t = k.shape[0]
         start = seq.lengths[layer]
         need = math.ceil((start + t) / c.page_size) - len(seq.pages)
@@ -269,10 +267,7 @@ class CacheManager:
             off = offset.to(c.device, non_blocking=True)
             fields["k"][pages, :, off] = k
             fields["v"][pages, :, off] = v
-        seq.lengths[layer] = start + t
-        seq.grow_mass(start + t)
-        if layer == c.num_layers - 1 or seq.lengths[layer] == min(seq.lengths):
-            self._quantize_ready(seq)
+        self._written(seq, layer, t)
         return True
 
     @_locked
@@ -286,10 +281,8 @@ class CacheManager:
         self._check_kv(k, v)
         if k.shape[0] != len(seqs):
             raise InputError(f"k and v have {k.shape[0]} rows for {len(seqs)} sequences")
-        if layer == 0 and self.evictor and c.auto_compact:
-            for seq in seqs:
-                if len(set(seq.lengths)) == 1 and seq.lengths[0] >= self.evictor.budget + c.page_size:
-                    self.compact(seq.id)
+        for seq in seqs:
+            self._auto_compact(seq, layer)
         s = c.page_size
         starting = [seq for seq in seqs if seq.lengths[layer] // s >= len(seq.pages)]
         if starting:
@@ -304,11 +297,23 @@ class CacheManager:
         fields["k"][at[0], :, at[1]] = k
         fields["v"][at[0], :, at[1]] = v
         for seq in seqs:
-            seq.lengths[layer] += 1
-            seq.grow_mass(seq.lengths[layer])
-            if layer == c.num_layers - 1 or seq.lengths[layer] == min(seq.lengths):
-                self._quantize_ready(seq)
+            self._written(seq, layer, 1)
         return True
+
+    def _auto_compact(self, seq: Sequence, layer: int) -> None:
+        """Before a step's first layer: compact a sequence that outgrew the evictor's budget."""
+        c = self.cfg
+        if layer == 0 and self.evictor and c.auto_compact and len(set(seq.lengths)) == 1:
+            if seq.lengths[0] >= self.evictor.budget + c.page_size:
+                self.compact(seq.id)
+
+    def _written(self, seq: Sequence, layer: int, t: int) -> None:
+        """After t tokens of a layer were written: lengths, room for their mass, and the pages
+        that left the 16-bit window once every layer has them."""
+        seq.lengths[layer] += t
+        seq.grow_mass(seq.lengths[layer])
+        if layer == self.cfg.num_layers - 1 or seq.lengths[layer] == min(seq.lengths):
+            self._quantize_ready(seq)
 
     def _batch(self, seq_ids: Seq[SeqId]) -> list[Sequence]:
         if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Seq) or not seq_ids:
