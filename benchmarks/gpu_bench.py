@@ -378,6 +378,7 @@ def sweep(copy_bw, adopt=False) -> list[str]:
         if adopt:
             table = pd.SMALL_HEAD_CONFIG if d <= 64 else pd.DEFAULT_CONFIG
             table[codec] = cfg(*SWEEP_TILES[names.index(win)])
+            pd._TILES.clear()  # tiles chosen under the old table
             lines.append(f"adopted for {codec}, head_dim {d}: {table[codec]}")
     return lines
 

@@ -6,7 +6,7 @@ transformers' DynamicCache + SDPA.
 
     PYTHONPATH=. python3 benchmarks/gpu_cache_bench.py [--models smollm2-135m,llama3-8b]
         [--contexts 1024,16384] [--batches 1,8] [--codecs fp16,int8,int4,fp8,int8+h2o] [--steps 10]
-        [--generate 64 --prompt 1024] [--profile MODEL:CONTEXT:CODEC] [--out DIR]
+        [--generate 64 --prompt 1024] [--profile MODEL:CONTEXT:CODEC[:ROWS]] [--launch] [--out DIR]
 
 A decode step is what a serving process does per new token: for every layer, append each row's
 K/V and attend over everything the row holds (CacheManager.append + attend per row, or
@@ -152,23 +152,61 @@ def check(m: CacheManager, seqs: list) -> float:
     return worst
 
 
-def profile_steps(model: str, context: int, codec: str, steps: int, top: int = 30) -> list[str]:
-    """Where the host's time goes in decode steps: cProfile's top functions by own time."""
+def profile_steps(model: str, context: int, codec: str, steps: int, rows: int = 1, top: int = 30) -> list[str]:
+    """Where the host's time goes in batch decode steps: cProfile's top functions by own time
+    and by cumulative time."""
     import cProfile
     import io
     import pstats
 
-    m, seqs = make_cache(model, context, codec)
-    decode_steps(m, seqs, 2, batched=False, repeats=1)
+    evictor = None
+    if codec.endswith("+h2o"):
+        codec, evictor = codec[:-4], "h2o"
+    m, seqs = make_cache(model, context, codec, evictor, rows)
+    decode_steps(m, seqs, 2, batched=True, repeats=1)
     prof = cProfile.Profile()
     prof.enable()
-    decode_steps(m, seqs, steps, batched=False, repeats=1)
+    decode_steps(m, seqs, steps, batched=True, repeats=1)
     prof.disable()
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-    lines = [f"host profile, {model} {context} {codec}, {steps} steps:"] + buf.getvalue().splitlines()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    lines = [f"host profile, {model} {context} {codec} B={rows}, {steps} steps:"] + buf.getvalue().splitlines()
     print("\n".join(lines), flush=True)
     return lines
+
+
+def launch_cost(model: str = "smollm2-135m", context: int = 1024, codec: str = "int8", calls: int = 2000,
+                rounds: int = 5) -> list[str]:
+    """Host time of one layer's paged_decode_sets call as the cache makes it (both pools, one
+    row), with kernels/_launch.py's direct launches and with Triton's own launch path, taking
+    turns; the fastest round of each. The device is not the limit: its kernels take ~10 us."""
+    from kernels import _launch
+    from kernels.paged_decode import paged_decode_sets
+
+    m, seqs = make_cache(model, context, codec)
+    c = m.cfg
+    q = torch.randn(1, c.num_query_heads, c.head_dim, device=DEV, dtype=c.dtype)
+    sets = [(fields, table, torch.tensor(tokens, dtype=torch.int32, device=DEV), max(tokens))
+            for fields, table, tokens in m._decode_sets([m._seq(seqs[0])], 0)[0]]
+    best = {}
+    for _ in range(rounds):
+        for direct in (True, False):
+            _launch._DIRECT = direct
+            for _ in range(50):
+                paged_decode_sets(q, sets)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                paged_decode_sets(q, sets)
+            best[direct] = min(best.get(direct, float("inf")), (time.perf_counter() - t0) / calls)
+            sync()
+    _launch._DIRECT = True
+    line = (f"host time of a paged_decode_sets call ({model} {context} {codec}, {len(sets)} sets, B = 1): "
+            f"{best[True] * 1e6:.1f} us with direct launches, {best[False] * 1e6:.1f} us through Triton's launch")
+    print(line, flush=True)
+    return [line]
 
 
 def bench_cache(models, contexts, codecs, batches, steps) -> list[str]:
@@ -257,8 +295,10 @@ def main():
     ap.add_argument("--steps", type=int, default=10, help="timed decode steps per run")
     ap.add_argument("--generate", type=int, default=64, help="new tokens of the generation run (0: skip it)")
     ap.add_argument("--prompt", type=int, default=1024)
-    ap.add_argument("--profile", default=None, metavar="MODEL:CONTEXT:CODEC",
-                    help="profile the host side of decode steps of one cache (cProfile, top functions)")
+    ap.add_argument("--profile", default=None, metavar="MODEL:CONTEXT:CODEC[:ROWS][,...]",
+                    help="profile the host side of batch decode steps of these caches (cProfile, top functions)")
+    ap.add_argument("--launch", action="store_true",
+                    help="time the host's side of a decode call with direct launches and with Triton's launch path")
     ap.add_argument("--out", default=None, help="folder for cache_results.json")
     ap.add_argument("--smoke", action="store_true",
                     help="without a GPU: the reference path, tiny shapes, to check that the script runs")
@@ -270,9 +310,11 @@ def main():
         sys.exit("needs a CUDA GPU (or --smoke)")
     print(f"{torch.cuda.get_device_name() if DEV.type == 'cuda' else 'CPU'}, torch {torch.__version__}", flush=True)
     lines = []
-    if a.profile:
-        model, context, codec = a.profile.split(":")
-        lines += profile_steps(model, int(context), codec, a.steps)
+    for spec in a.profile.split(",") if a.profile else []:
+        model, context, codec, *rows = spec.split(":")
+        lines += profile_steps(model, int(context), codec, a.steps, int(rows[0]) if rows else 1)
+    if a.launch and DEV.type == "cuda":
+        lines += launch_cost()
     batches = [int(x) for x in a.batches.split(",")]
     if a.models:
         lines += bench_cache(a.models.split(","), [int(x) for x in a.contexts.split(",")], a.codecs.split(","),

@@ -36,6 +36,7 @@ import triton.language as tl
 from . import quantize as ref
 from ._checks import (INDEX_DTYPES, KIND, SIXTEEN_BIT, KernelArgError, check, check_device, check_int4_tile,
                       check_pages, field_args, interpreting)
+from ._launch import launch
 from ._pages import attend_block, load_keys_f16, load_pages_f16, load_values_f16
 
 LOG2E = 1.4426950408889634
@@ -514,60 +515,81 @@ def paged_decode_sets(q: torch.Tensor, sets: list[tuple], sm_scale: float | None
                                  "max_seq_len)")
         plans.append(_plan(q, *entry[:3], entry[3] if len(entry) == 4 else None, config))
     b, hq, d = q.shape
-    dev = plans[0].dev
-    for p in plans[1:]:
-        if p.dev != dev or p.h != plans[0].h:
+    tiles = [p.tile for p in plans]
+    dev = tiles[0].dev
+    for t in tiles[1:]:
+        if t.dev != dev or t.h != tiles[0].h:
             raise KernelArgError("every set of pages must be on q's device with the same KV heads")
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     ns = sum(p.ns for p in plans)
     split = ns > 1
-    fused = split and len(plans) == 1 and bool(plans[0].cfg.get("fused_merge"))
+    fused = split and len(plans) == 1 and bool(tiles[0].cfg.get("fused_merge"))
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, device=dev, dtype=torch.float32)
     p_out = torch.empty(b, hq, ns, d, device=dev, dtype=torch.float32) if split else out
     p_lse = torch.empty(b, hq, ns, device=dev, dtype=torch.float32) if split else lse
     # the merge waits for pass 1 as a programmatic dependent of the last pass-1 grid (which
     # itself started after the others finished)
-    pdl = bool(plans[-1].cfg.get("pdl")) and split and not fused and _sm90(dev)
+    pdl = tiles[-1].pdl_merge and split and not fused
     logits = []
     sp0 = 0
     for p in plans:
-        lg = torch.empty(b, hq, p.max_len, device=dev, dtype=torch.float32) if return_mass else lse
+        t = p.tile
+        lg = torch.empty(b, hq, t.max_len, device=dev, dtype=torch.float32) if return_mass else lse
         logits.append(lg)
-        counters = _merge_counters(dev, b * p.h) if fused else lse
-        extra = dict(p.extra)
-        if "PDL" in extra:
-            extra["PDL"] = pdl and p is plans[-1]
-        p.kernel[(b, p.h, p.ns)](q, *field_args(p.pages), p.block_table, p.seq_lens, p_out, p_lse, lg, out, lse,
-                                 counters, scale * LOG2E, p.block_table.stride(0), p.step, p.max_len, ns, sp0,
-                                 H=p.h, G=p.g, GP=p.gp, S=p.s, D=d, KIND=KIND[p.codec], GROUP=ref.INT4_GROUP,
-                                 PAGES=p.cfg["pages"], SPLIT=split, MASS=return_mass,
-                                 ON_GPU=_on_gpu(p.codec, p.cfg, p.words), FUSED=fused,
-                                 CH=p.cfg.get("fused_chunk", 8), num_warps=p.cfg["num_warps"],
-                                 num_stages=p.cfg["num_stages"], **extra,
-                                 **({"maxnreg": p.cfg["maxnreg"]} if p.cfg.get("maxnreg") else {}))
+        counters = _merge_counters(dev, b * t.h) if fused else lse
+        flags = dict(SPLIT=split, MASS=return_mass, FUSED=fused)
+        if t.pdl:
+            flags["PDL"] = pdl and p is plans[-1]
+        launch(t.kernel, (b, t.h, p.ns),
+               (q, *field_args(p.pages), p.block_table, p.seq_lens, p_out, p_lse, lg, out, lse, counters,
+                scale * LOG2E, p.block_table.stride(0), p.step, t.max_len, ns, sp0),
+               {**flags, **t.consts}, (t.key, *flags.values()))
         sp0 += p.ns
     if split and not fused:
-        cfg = plans[-1].cfg
+        cfg = tiles[-1].cfg
         # an [R, CH, DB] fp32 tile of partials per program, at most 64 registers a thread at 4 warps
         ch = min(cfg.get("combine_chunk", 512), max(2, triton.next_power_of_2(ns)))
         db = min(d, cfg.get("combine_block", max(16, 8192 // ch)))
         # several rows a program only when there are rows enough to keep every SM busy: a small
         # merge is bound by latency, and fewer programs each reading more made it slower
         r = cfg.get("combine_rows", _pow2_floor(max(1, min(4096 // (ch * db), b * hq // _num_sms(dev)))))
-        _combine_kernel[(triton.cdiv(b * hq, r), d // db)](p_out, p_lse, out, lse, ns, b * hq, D=d, R=r, DB=db,
-                                                           CH=ch, num_warps=4,
-                                                           **({"PDL": True, "launch_pdl": True} if pdl else {}))
+        launch(_combine_kernel, (triton.cdiv(b * hq, r), d // db), (p_out, p_lse, out, lse, ns, b * hq),
+               dict(D=d, R=r, DB=db, CH=ch, num_warps=4, **({"PDL": True, "launch_pdl": True} if pdl else {})),
+               (d, r, db, ch, pdl))
     if not return_mass:
         return out, lse
     masses = []
     for p, lg in zip(plans, logits):
-        mass = torch.empty(b, p.h, p.max_len, device=dev, dtype=torch.float32)
+        t = p.tile
+        mass = torch.empty(b, t.h, t.max_len, device=dev, dtype=torch.float32)
         blk = 256
-        _mass_kernel[(b, p.h, triton.cdiv(p.max_len, blk))](lg, lse, p.seq_lens, mass, p.max_len, G=p.g, GP=p.gp,
-                                                            BLOCK=blk, num_warps=4)
+        launch(_mass_kernel, (b, t.h, triton.cdiv(t.max_len, blk)), (lg, lse, p.seq_lens, mass, t.max_len),
+               dict(G=t.g, GP=t.gp, BLOCK=blk, num_warps=4), (t.g, t.gp, blk))
         masses.append(mass)
     return out, lse, masses
+
+
+@dataclass
+class _Tile:
+    """What one set of pages' checks find and the tile chosen for it: the same for every call
+    whose tensors agree in what the checks read (see _signature)."""
+
+    dev: torch.device
+    codec: str
+    h: int
+    s: int
+    g: int
+    gp: int
+    cfg: dict
+    max_len: int
+    bn: int
+    words: bool
+    kernel: object
+    consts: dict  # the pass-1 kernel's compile-time arguments that do not depend on the call
+    pdl: bool  # the kernel takes PDL
+    key: tuple  # consts as a key of _launch.launch
+    pdl_merge: bool  # a merge after this set may be launched as a programmatic dependent
 
 
 @dataclass
@@ -577,22 +599,59 @@ class _Plan:
     pages: dict
     block_table: torch.Tensor
     seq_lens: torch.Tensor
-    dev: torch.device
-    codec: str
-    h: int
-    s: int
-    g: int
-    gp: int
-    cfg: dict
+    tile: _Tile
     ns: int
     step: int
-    max_len: int
-    words: bool
-    kernel: object
-    extra: dict
+
+
+# Decode runs once per layer and step with tensors that differ only in their data: checking
+# them and choosing the tile once per kind of call, not per call, takes most of the host's
+# work off a decode step. A call is of a kind already seen when every tensor agrees in what the
+# checks read (dtype, shape, strides, device) and in the 4-byte alignment the int32 loads need.
+_TILES: dict[tuple, _Tile] = {}
+_MAX_TILES = 256
+
+
+def _tensor_sig(t) -> tuple:
+    return (t.dtype, t.shape, t.stride(), t.device)
+
+
+def _signature(q, pages, block_table, seq_lens) -> tuple | None:
+    """The key of _TILES for these arguments, or None for arguments the checks must see."""
+    tensors = (q, block_table, seq_lens, *pages.values()) if isinstance(pages, dict) else None
+    if tensors is None or not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    try:
+        aligned = pages["k"].data_ptr() % 4 == 0 and pages["v"].data_ptr() % 4 == 0
+    except KeyError:
+        return None
+    fields = tuple((f, _tensor_sig(t)) for f, t in pages.items())
+    return (q.device.type == "cpu" and interpreting(), _tensor_sig(q), fields, aligned, _tensor_sig(block_table),
+            _tensor_sig(seq_lens))
 
 
 def _plan(q, pages, block_table, seq_lens, max_seq_len, config) -> _Plan:
+    key = _signature(q, pages, block_table, seq_lens) if config is None else None
+    tile = _TILES.get(key) if key is not None else None
+    if tile is None:
+        tile = _choose_tile(q, pages, block_table, seq_lens, config)
+        if key is not None:
+            if len(_TILES) >= _MAX_TILES:
+                _TILES.clear()
+            _TILES[key] = tile
+    cfg = tile.cfg
+    span = tile.max_len if max_seq_len is None else max(1, min(max_seq_len, tile.max_len))
+    # splits of at least 4 loop steps: short contexts are bound by each program's chain of steps
+    ns, step = num_splits(q.shape[0], tile.h, span, tile.dev, tile.bn, cfg["programs_per_sm"],
+                          min_split=cfg.get("min_steps", 4) * tile.bn, fill=cfg.get("fill", "down"))
+    if "splits" in cfg:
+        ns = cfg["splits"]
+        step = -(-(-(-span // ns)) // tile.bn) * tile.bn
+        ns = -(-span // step)
+    return _Plan(pages, block_table, seq_lens, tile, ns, step)
+
+
+def _choose_tile(q, pages, block_table, seq_lens, config) -> _Tile:
     codec, _, h, s, d = check_pages(pages)
     check(q, "q", dtype=SIXTEEN_BIT, shape=(None, None, d))
     b, hq, _ = q.shape
@@ -610,15 +669,6 @@ def _plan(q, pages, block_table, seq_lens, max_seq_len, config) -> _Plan:
     g = hq // h
     gp = triton.next_power_of_2(g) if cfg.get("rows") == "group" else max(16, triton.next_power_of_2(g))
     bn = cfg["pages"] * s
-    max_len = block_table.shape[1] * s
-    span = max_len if max_seq_len is None else max(1, min(max_seq_len, max_len))
-    # splits of at least 4 loop steps: short contexts are bound by each program's chain of steps
-    ns, step = num_splits(b, h, span, dev, bn, cfg["programs_per_sm"], min_split=cfg.get("min_steps", 4) * bn,
-                          fill=cfg.get("fill", "down"))
-    if "splits" in cfg:
-        ns = cfg["splits"]
-        step = -(-(-(-span // ns)) // bn) * bn
-        ns = -(-span // step)
     # codes as int32 words need 4-byte aligned rows (true of whole page tensors): V's rows are a
     # channel's s codes
     words = cfg.get("words", False) and s % 4 == 0 and all(pages[f].data_ptr() % 4 == 0 for f in ("k", "v"))
@@ -632,7 +682,12 @@ def _plan(q, pages, block_table, seq_lens, max_seq_len, config) -> _Plan:
     else:
         kernel, extra = (_decode_kernel_warps, {"W": cfg["num_warps"]}) if warps else (_decode_kernel, {})
     check_int4_tile(codec, bn // cfg["num_warps"] if warps or cfg.get("transposed") else bn)
-    return _Plan(pages, block_table, seq_lens, dev, codec, h, s, g, gp, cfg, ns, step, max_len, words, kernel, extra)
+    consts = dict(H=h, G=g, GP=gp, S=s, D=d, KIND=KIND[codec], GROUP=ref.INT4_GROUP, PAGES=cfg["pages"],
+                  ON_GPU=_on_gpu(codec, cfg, words), CH=cfg.get("fused_chunk", 8), num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"], **extra, **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
+    pdl = consts.pop("PDL", None) is not None
+    return _Tile(dev, codec, h, s, g, gp, cfg, block_table.shape[1] * s, bn, words, kernel, consts, pdl,
+                 tuple(sorted(consts.items())), bool(cfg.get("pdl")) and _sm90(dev))
 
 
 def paged_decode_ref(q, pages, block_table, seq_lens, sm_scale=None, return_mass=False):

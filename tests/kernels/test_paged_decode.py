@@ -185,6 +185,27 @@ def test_errors():
         paged_decode(q, {**pages, "v_scale": pages["v_scale"].float()}, table, lens)
 
 
+def test_checks_hold_after_a_call_of_the_same_kind():
+    # the tile is chosen once per kind of call (what the checks read: dtypes, shapes, strides,
+    # devices); a later call that differs in any of them is checked again, not waved through
+    from kernels import paged_decode as pd
+
+    q, pages, table, lens = _case("int8", torch.float16, 4, 64, [20, 3], seed=9)
+    _check("int8", torch.float16, q, pages, table, lens)
+    known = len(pd._TILES)
+    paged_decode(q, pages, table.clone(), lens.clone())  # same kind, other tensors
+    assert len(pd._TILES) == known
+    with pytest.raises(KernelArgError, match="block_table must be"):
+        paged_decode(q, pages, table.to(torch.int16), lens)
+    with pytest.raises(KernelArgError, match="contiguous"):
+        paged_decode(q, {**pages, "k": pages["k"].transpose(2, 3).contiguous().transpose(2, 3)}, table, lens)
+    with pytest.raises(KernelArgError, match="v_scale"):
+        paged_decode(q, {**pages, "v_scale": pages["v_scale"][:, :, :8]}, table, lens)
+    q2, pages2, table2, lens2 = _case("int8", torch.float16, 4, 64, [40, 17, 2], seed=10)  # more pages and rows
+    _check("int8", torch.float16, q2, pages2, table2, lens2)
+    assert len(pd._TILES) == known + 1
+
+
 @pytest.mark.parametrize("codec", ("int8", "fp8", "int4"))
 def test_values_are_channel_major(codec):
     # value codes [P, H, D, S] (int4: [P, H, D, S/2], two tokens a byte): a channel's tokens
