@@ -179,6 +179,7 @@ class CacheManager:
         self._ids = itertools.count(1)
         self.lock = threading.RLock()
         self._tables: OrderedDict[tuple, tuple] = OrderedDict()  # batch block tables, see _batch_table
+        self._ints: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # see _device_ints
 
     # --- sequences ------------------------------------------------------------------------------
 
@@ -291,11 +292,13 @@ class CacheManager:
                 return False
             for seq in starting:
                 seq.pages.append(PageRef(HOT, hot.allocate(1, seq.subject)[0], HOT))
-        at = [[int(seq.pages[seq.lengths[layer] // s].page) for seq in seqs], [seq.lengths[layer] % s for seq in seqs]]
-        at = device_index(at, c.device)  # [2, B]: page and slot of each row's token, one copy
+        at = tuple((int(seq.pages[seq.lengths[layer] // s].page), seq.lengths[layer] % s) for seq in seqs)
+        h = c.num_kv_heads
+        # row (b, head) of the step goes to row (page * H + head) * S + slot of the pool's [P * H * S, D]
+        rows = self._device_ints(("write", at), lambda: [(p * h + i) * s + o for p, o in at for i in range(h)])
         fields = self.pools[HOT].fields[layer]  # [P, H, S, D]
-        fields["k"][at[0], :, at[1]] = k
-        fields["v"][at[0], :, at[1]] = v
+        fields["k"].view(-1, c.head_dim).index_copy_(0, rows, k.reshape(-1, c.head_dim))
+        fields["v"].view(-1, c.head_dim).index_copy_(0, rows, v.reshape(-1, c.head_dim))
         for seq in seqs:
             self._written(seq, layer, 1)
         return True
@@ -490,7 +493,9 @@ class CacheManager:
         for seq in seqs:
             self._fetch_all(seq)
         sets, used = self._decode_sets(seqs, layer)
-        out, masses = paged.decode(q, sets, scale, with_mass)
+        tokens = tuple(tuple(t) for _, t in used)
+        lens = self._device_ints(("lens", tokens), lambda: tokens, torch.int32)  # [sets, B]
+        out, masses = paged.decode(q, sets, lens, scale, with_mass)
         s = self.cfg.page_size
         for (name, tokens), m in zip(used, masses):
             for b, (seq, n) in enumerate(zip(seqs, tokens)):
@@ -561,6 +566,20 @@ class CacheManager:
         while len(self._tables) > 16:  # the batches of the last few steps
             self._tables.popitem(last=False)
         return table
+
+    def _device_ints(self, key: tuple, values, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """Host ints (`values()`) as a tensor on the cache's device, kept under `key` for the
+        other layers of the step, which ask for the same ones (the rows a step writes, the
+        tokens it reads): one host-to-device copy a step, not one a layer. An LRU of the last
+        few; the tensors are only read."""
+        hit = self._ints.get(key)
+        if hit is not None and hit.dtype == dtype:
+            self._ints.move_to_end(key)
+            return hit
+        t = self._ints[key] = device_index(values(), self.cfg.device, dtype)
+        while len(self._ints) > 64:
+            self._ints.popitem(last=False)
+        return t
 
     def _layout(self, seq: Sequence) -> Layout:
         """The sequence's pages per pool, rebuilt only when its page list changed."""

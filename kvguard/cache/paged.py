@@ -28,9 +28,10 @@ def quantize_pages(hot_fields: dict[str, torch.Tensor], main_fields: dict[str, t
 
 
 def decode(q: torch.Tensor, sets: list[tuple[dict[str, torch.Tensor], torch.Tensor, list[int]]],
-           scale: float | None, with_mass: bool):
+           lens: torch.Tensor, scale: float | None, with_mass: bool):
     """q [B, Hq, D]; sets: (one layer's page fields, block table [B, n_i] int32 on q's device,
-    tokens of each row held in those pages) per pool.
+    tokens of each row held in those pages) per pool; lens [sets, B] int32 on q's device: the
+    same tokens.
 
     One pass over every pool's pages: each pool's splits go to one merge, so the result is
     attention over the union of the pools' keys. Returns out [B, Hq, D] and, with_mass, a list
@@ -38,7 +39,6 @@ def decode(q: torch.Tensor, sets: list[tuple[dict[str, torch.Tensor], torch.Tens
     KV head's query group."""
     from kernels.paged_decode import paged_decode_sets
 
-    lens = device_index([tokens for _, _, tokens in sets], q.device, torch.int32)  # [sets, B]: one copy
     args = [(fields, table, lens[i], max(tokens)) for i, (fields, table, tokens) in enumerate(sets)]
     res = paged_decode_sets(q, args, sm_scale=scale, return_mass=with_mass)
     return res[0], res[2] if with_mass else []
