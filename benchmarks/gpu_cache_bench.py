@@ -67,11 +67,12 @@ def make_cache(model: str, context: int, codec: str, evictor: str | None = None,
     return m, seqs
 
 
-def decode_steps(m: CacheManager, seqs: list, steps: int, batched: bool, repeats: int = 5) -> float:
+def decode_steps(m: CacheManager, seqs: list, steps: int, batched: bool, repeats: int = 5) -> tuple[float, float]:
     """Wall time of a decode step of every row (for every layer: append one token and attend),
-    the rows one at a time (append + attend) or as one batch (append_step + attend_step): the
-    fastest of `repeats` runs of `steps` steps, after two warm-up steps (the host's speed drifts
-    by tens of percent between runs; the fastest run is the one least disturbed)."""
+    the rows one at a time (append + attend) or as one batch (append_step + attend_step), and
+    the host thread's CPU time in it: the fastest of `repeats` runs of `steps` steps, after two
+    warm-up steps (the host's speed drifts by tens of percent between runs; the fastest run is
+    the one least disturbed, and CPU time leaves out the time the thread was not running)."""
     c = m.cfg
     g = torch.Generator(device=DEV).manual_seed(1)
     q = torch.randn(len(seqs), c.num_query_heads, c.head_dim, generator=g, device=DEV, dtype=c.dtype)
@@ -89,14 +90,15 @@ def decode_steps(m: CacheManager, seqs: list, steps: int, batched: bool, repeats
                         m.attend(seq, layer, q[i : i + 1])
 
     run(2)
-    times = []
+    times, cpu = [], []
     for _ in range(repeats):
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         run(steps)
         sync()
         times.append((time.perf_counter() - t0) / steps)
-    return min(times)
+        cpu.append((time.thread_time() - c0) / steps)
+    return min(times), min(cpu)
 
 
 def kernel_time(m: CacheManager, seqs: list) -> float:
@@ -211,7 +213,7 @@ def launch_cost(model: str = "smollm2-135m", context: int = 1024, codec: str = "
 
 def bench_cache(models, contexts, codecs, batches, steps) -> list[str]:
     lines = [f"{'model':14} {'context':>7} {'B':>2} {'codec':10} | {'rows ms':>8} {'batch ms':>8} "
-             f"{'us/layer':>8} {'kernels':>8} {'host':>5} | check"]
+             f"{'us/layer':>8} {'cpu us':>7} {'kernels':>8} {'host':>5} | check"]
     print(lines[0], flush=True)
     for model in models:
         for context in contexts:
@@ -223,12 +225,14 @@ def bench_cache(models, contexts, codecs, batches, steps) -> list[str]:
                         codec, evictor = codec[:-4], "h2o"
                     m, seqs = make_cache(model, context, codec, evictor, rows)
                     err = check(m, seqs)
-                    one = decode_steps(m, seqs, steps, batched=False)
-                    step = decode_steps(m, seqs, steps, batched=True) if hasattr(m, "append_step") else one
+                    one, _ = decode_steps(m, seqs, steps, batched=False)
+                    step, cpu = (decode_steps(m, seqs, steps, batched=True) if hasattr(m, "append_step")
+                                 else decode_steps(m, seqs, steps, batched=False))
                     kt = kernel_time(m, seqs)
                     layers = m.cfg.num_layers
                     lines.append(f"{model:14} {context:7d} {rows:2d} {name:10} | {one * 1e3:8.2f} {step * 1e3:8.2f} "
-                                 f"{step / layers * 1e6:8.1f} {kt / layers * 1e6:8.1f} {1 - kt / step:5.0%} | "
+                                 f"{step / layers * 1e6:8.1f} {cpu / layers * 1e6:7.1f} {kt / layers * 1e6:8.1f} "
+                                 f"{1 - kt / step:5.0%} | "
                                  f"rel {err:.1e}" + ("" if err < 2e-2 else "  FAILED"))
                     print(lines[-1], flush=True)
                     del m
