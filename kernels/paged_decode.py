@@ -334,20 +334,33 @@ def _combine_kernel(part_out, part_lse, out, lse, NS, ROWS, D: tl.constexpr, R: 
 
 
 @triton.jit
-def _mass_kernel(logits, lse, seq_lens, mass, max_len, G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr):
-    # grid (B, H, cdiv(max_len, BLOCK)): mass[b, h, n] = sum_g 2^(logit[b, h*G+g, n] - lse2[b, h*G+g])
+def _mass_kernel(logits, lse, seq_lens, mass, rows, positions, pos_stride, max_len, G: tl.constexpr,
+                 GP: tl.constexpr, BLOCK: tl.constexpr, INTO: tl.constexpr):
+    # grid (B, H, cdiv(max_len, BLOCK)): m[b, h, n] = sum_g 2^(logit[b, h*G+g, n] - lse2[b, h*G+g]);
+    # stored to mass [B, H, max_len], or with INTO added into row b's buffer: rows [B, 3] int64 =
+    # (address of an fp32 [H, cols] buffer, its stride between heads, cols), at column
+    # positions[b, n] (skipped outside [0, cols))
     b = tl.program_id(0)
     h = tl.program_id(1)
     H = tl.num_programs(1)
     n = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     r = tl.arange(0, GP)
     qrow = (b * H + h) * G + r
-    ok = (n < tl.load(seq_lens + b))[None, :] & (r < G)[:, None]
+    live = n < tl.load(seq_lens + b)
+    ok = live[None, :] & (r < G)[:, None]
     lse2 = tl.load(lse + qrow, mask=r < G, other=0.0) * 1.4426950408889634
     lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # empty sequence: every key is masked anyway
     s = tl.load(logits + qrow[:, None].to(tl.int64) * max_len + n[None, :], mask=ok, other=float("-inf"))
-    p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
-    tl.store(mass + (b * H + h).to(tl.int64) * max_len + n, tl.sum(p, 0), mask=n < max_len)
+    m = tl.sum(tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0), 0)
+    if INTO:
+        row = rows + b * 3
+        cols = tl.load(row + 2)
+        pos = tl.load(positions + b.to(tl.int64) * pos_stride + n, mask=live, other=-1).to(tl.int64)
+        live = live & (pos >= 0) & (pos < cols)
+        dst = tl.load(row).to(tl.pointer_type(tl.float32)) + h * tl.load(row + 1) + pos
+        tl.store(dst, tl.load(dst, mask=live, other=0.0) + m, mask=live)
+    else:
+        tl.store(mass + (b * H + h).to(tl.int64) * max_len + n, m, mask=n < max_len)
 
 
 # Tile shapes per codec: pages per loop step, warps per program, software-pipeline depth, how
@@ -497,7 +510,7 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
 
 
 def paged_decode_sets(q: torch.Tensor, sets: list[tuple], sm_scale: float | None = None, return_mass: bool = False,
-                      config: dict | None = None):
+                      config: dict | None = None, mass_into: list[tuple] | None = None):
     """Decode attention of one new token per sequence over several sets of pages at once, as if
     each sequence's keys were the union of its keys in every set: (pages, block_table, seq_lens,
     max_seq_len) per set, each as paged_decode takes them. The sets may differ in codec (a cache's
@@ -505,9 +518,19 @@ def paged_decode_sets(q: torch.Tensor, sets: list[tuple], sm_scale: float | None
     pass combines every set's splits.
 
     Returns out [B, Hq, D], lse [B, Hq] over all the sets, and with return_mass a list of mass
-    [B, H, max_pages_i * S] per set: each key's probability under the softmax over all sets."""
+    [B, H, max_pages_i * S] per set: each key's probability under the softmax over all sets.
+
+    mass_into, instead of return_mass, adds the mass into buffers the caller keeps (an evictor's
+    running totals), with no [B, H, L] result and no scatter after: per set, (buffers, positions):
+    buffers a list of B fp32 tensors [H, columns] (rows contiguous, on q's device), positions
+    [B, >= max_pages_i * S] int32/int64 on q's device. Key j of row b's set adds its mass into
+    buffers[b][:, positions[b, j]]; positions outside [0, columns) are skipped. Rows' buffers
+    must not overlap, nor a row's positions repeat."""
     if not sets:
         raise KernelArgError("paged_decode_sets needs at least one set of pages")
+    if mass_into is not None and (return_mass or not isinstance(mass_into, (list, tuple))
+                                  or len(mass_into) != len(sets)):
+        raise KernelArgError("mass_into takes (buffers, positions) for every set, and not with return_mass")
     plans = []
     for entry in sets:
         if not isinstance(entry, (tuple, list)) or len(entry) not in (3, 4):
@@ -531,14 +554,16 @@ def paged_decode_sets(q: torch.Tensor, sets: list[tuple], sm_scale: float | None
     # the merge waits for pass 1 as a programmatic dependent of the last pass-1 grid (which
     # itself started after the others finished)
     pdl = tiles[-1].pdl_merge and split and not fused
+    into = [_mass_rows(entry, b, p.tile, dev) for entry, p in zip(mass_into, plans)] if mass_into else None
+    with_mass = return_mass or into is not None
     logits = []
     sp0 = 0
     for p in plans:
         t = p.tile
-        lg = torch.empty(b, hq, t.max_len, device=dev, dtype=torch.float32) if return_mass else lse
+        lg = torch.empty(b, hq, t.max_len, device=dev, dtype=torch.float32) if with_mass else lse
         logits.append(lg)
         counters = _merge_counters(dev, b * t.h) if fused else lse
-        flags = dict(SPLIT=split, MASS=return_mass, FUSED=fused)
+        flags = dict(SPLIT=split, MASS=with_mass, FUSED=fused)
         if t.pdl:
             flags["PDL"] = pdl and p is plans[-1]
         launch(t.kernel, (b, t.h, p.ns),
@@ -557,17 +582,51 @@ def paged_decode_sets(q: torch.Tensor, sets: list[tuple], sm_scale: float | None
         launch(_combine_kernel, (triton.cdiv(b * hq, r), d // db), (p_out, p_lse, out, lse, ns, b * hq),
                dict(D=d, R=r, DB=db, CH=ch, num_warps=4, **({"PDL": True, "launch_pdl": True} if pdl else {})),
                (d, r, db, ch, pdl))
-    if not return_mass:
+    if not with_mass:
         return out, lse
     masses = []
-    for p, lg in zip(plans, logits):
+    blk = 256
+    for i, (p, lg) in enumerate(zip(plans, logits)):
         t = p.tile
-        mass = torch.empty(b, t.h, t.max_len, device=dev, dtype=torch.float32)
-        blk = 256
-        launch(_mass_kernel, (b, t.h, triton.cdiv(t.max_len, blk)), (lg, lse, p.seq_lens, mass, t.max_len),
-               dict(G=t.g, GP=t.gp, BLOCK=blk, num_warps=4), (t.g, t.gp, blk))
-        masses.append(mass)
-    return out, lse, masses
+        if into is None:
+            mass = torch.empty(b, t.h, t.max_len, device=dev, dtype=torch.float32)
+            rows, positions = lse, lse  # not read
+            masses.append(mass)
+        else:
+            mass = lse  # not written
+            rows, positions = into[i]
+        launch(_mass_kernel, (b, t.h, triton.cdiv(t.max_len, blk)),
+               (lg, lse, p.seq_lens, mass, rows, positions, positions.stride(0), t.max_len),
+               dict(G=t.g, GP=t.gp, BLOCK=blk, INTO=into is not None, num_warps=4), (t.g, t.gp, blk, into is not None))
+    return (out, lse, masses) if return_mass else (out, lse)
+
+
+# (address, head stride, columns) tables of mass_into's buffers, by those numbers: the same
+# buffers are handed over at every layer of a step and every step until one grows
+_ROWS: dict[tuple, torch.Tensor] = {}
+
+
+def _mass_rows(entry, b: int, tile: _Tile, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One set's mass_into entry checked: ([B, 3] int64 row table on dev, positions)."""
+    if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+        raise KernelArgError("each mass_into entry is (buffers, positions)")
+    buffers, positions = entry
+    if not isinstance(buffers, (list, tuple)) or len(buffers) != b:
+        raise KernelArgError(f"mass_into needs one buffer per row ({b})")
+    for x in buffers:
+        check(x, "a mass_into buffer", dtype=torch.float32, shape=(tile.h, None), contiguous=False)
+        if x.stride(1) != 1 or x.device != dev:
+            raise KernelArgError(f"a mass_into buffer must have contiguous rows and be on {dev}")
+    check(positions, "mass_into positions", dtype=INDEX_DTYPES, shape=(b, None), contiguous=False)
+    if positions.stride(1) != 1 or positions.device != dev or positions.shape[1] < tile.max_len:
+        raise KernelArgError(f"mass_into positions must be [{b}, >= {tile.max_len}] with contiguous rows, on {dev}")
+    key = (dev, tuple((x.data_ptr(), x.stride(0), x.shape[1]) for x in buffers))
+    rows = _ROWS.get(key)
+    if rows is None:
+        if len(_ROWS) >= 64:
+            _ROWS.clear()
+        rows = _ROWS[key] = torch.tensor(key[1], dtype=torch.int64).to(dev, non_blocking=True)
+    return rows, positions
 
 
 @dataclass
@@ -697,10 +756,11 @@ def paged_decode_ref(q, pages, block_table, seq_lens, sm_scale=None, return_mass
     return (res[0], res[1], res[2][0]) if return_mass else res
 
 
-def paged_decode_sets_ref(q, sets, sm_scale=None, return_mass=False):
+def paged_decode_sets_ref(q, sets, sm_scale=None, return_mass=False, mass_into=None):
     """Reference of paged_decode_sets: each sequence's keys of every set dequantized and
     joined, dense fp32 attention over them. Returns out [B, Hq, D] fp32, lse and with
-    return_mass a list of mass [B, H, max_pages_i * S] per set."""
+    return_mass a list of mass [B, H, max_pages_i * S] per set; with mass_into, adds the mass
+    into the buffers instead."""
     b, hq, d = q.shape
     h = sets[0][0]["k"].shape[1]
     g = hq // h
@@ -722,6 +782,11 @@ def paged_decode_sets_ref(q, sets, sm_scale=None, return_mass=False):
         out[i] = torch.einsum("hgn,hnd->hgd", p, v).reshape(hq, d)
         for mass, part in zip(masses, p.sum(1).split(lens, -1)):
             mass[i, :, : part.shape[-1]] = part
+    for (buffers, positions), mass, e in zip(mass_into or [], masses, sets):
+        for i, buf in enumerate(buffers):
+            pos = positions[i, : int(e[2][i])].long()
+            keep = (pos >= 0) & (pos < buf.shape[1])
+            buf.index_add_(1, pos[keep], mass[i, :, : pos.shape[0]][:, keep].to(buf.device))
     return (out, lse, masses) if return_mass else (out, lse)
 
 

@@ -495,13 +495,12 @@ class CacheManager:
         sets, used = self._decode_sets(seqs, layer)
         tokens = tuple(tuple(t) for _, t in used)
         lens = self._device_ints(("lens", tokens), lambda: tokens, torch.int32)  # [sets, B]
-        out, masses = paged.decode(q, sets, lens, scale, with_mass)
-        s = self.cfg.page_size
-        for (name, tokens), m in zip(used, masses):
-            for b, (seq, n) in enumerate(zip(seqs, tokens)):
-                if n:
-                    seq.mass_buf[layer].index_add_(1, self._positions(seq, name)[:n], m[b, :, :n])
-        return out
+        into = None
+        if with_mass:  # the kernels add each key's mass into the row's totals at the key's position
+            buffers = [seq.mass_buf[layer] for seq in seqs]
+            into = [(buffers, self._positions(seqs[0], name)[None] if len(seqs) == 1
+                     else self._batch_positions(seqs, name)) for name, _ in used]
+        return paged.decode(q, sets, lens, scale, into)
 
     def _prefill_paged(self, seq: Sequence, layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
         """Causal attention of a chunk q [T, Hq, D] (the last T positions) through the prefill
@@ -580,6 +579,24 @@ class CacheManager:
         while len(self._ints) > 64:
             self._ints.popitem(last=False)
         return t
+
+    def _batch_positions(self, seqs: list[Sequence], name: str) -> torch.Tensor:
+        """[B, most pages * S] positions of several sequences' tokens in one pool, in the order
+        of _batch_table's rows, padded with -1; kept while no row's pages change."""
+        lays = [self._layout(seq) for seq in seqs]
+        key = ("positions", name, tuple(seq.id for seq in seqs))
+        versions = tuple(lay.version for lay in lays)
+        hit = self._tables.get(key)
+        if hit is not None and hit[0] == versions:
+            self._tables.move_to_end(key)
+            return hit[1]
+        empty = torch.zeros(0, dtype=torch.long, device=self.cfg.device)
+        rows = [self._positions(seq, name) if lay.idx[name] else empty for seq, lay in zip(seqs, lays)]
+        table = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=-1)
+        self._tables[key] = (versions, table)
+        while len(self._tables) > 16:
+            self._tables.popitem(last=False)
+        return table
 
     def _layout(self, seq: Sequence) -> Layout:
         """The sequence's pages per pool, rebuilt only when its page list changed."""

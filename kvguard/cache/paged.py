@@ -28,20 +28,20 @@ def quantize_pages(hot_fields: dict[str, torch.Tensor], main_fields: dict[str, t
 
 
 def decode(q: torch.Tensor, sets: list[tuple[dict[str, torch.Tensor], torch.Tensor, list[int]]],
-           lens: torch.Tensor, scale: float | None, with_mass: bool):
+           lens: torch.Tensor, scale: float | None, mass_into: list[tuple] | None = None) -> torch.Tensor:
     """q [B, Hq, D]; sets: (one layer's page fields, block table [B, n_i] int32 on q's device,
     tokens of each row held in those pages) per pool; lens [sets, B] int32 on q's device: the
     same tokens.
 
     One pass over every pool's pages: each pool's splits go to one merge, so the result is
-    attention over the union of the pools' keys. Returns out [B, Hq, D] and, with_mass, a list
-    of mass [B, H, n_i * S] per set: each key's probability under that softmax, summed over its
-    KV head's query group."""
+    attention over the union of the pools' keys. Returns out [B, Hq, D]. With mass_into, per
+    set (the rows' mass buffers [H, capacity], positions [B, n_i * S] of the set's tokens):
+    each key's probability under that softmax, summed over its KV head's query group, is added
+    into its row's buffer at its position (paged_decode_sets' mass_into)."""
     from kernels.paged_decode import paged_decode_sets
 
     args = [(fields, table, lens[i], max(tokens)) for i, (fields, table, tokens) in enumerate(sets)]
-    res = paged_decode_sets(q, args, sm_scale=scale, return_mass=with_mass)
-    return res[0], res[2] if with_mass else []
+    return paged_decode_sets(q, args, sm_scale=scale, mass_into=mass_into)[0]
 
 
 def prefill(q: torch.Tensor, parts: list[tuple[dict[str, torch.Tensor], torch.Tensor, int, torch.Tensor]],

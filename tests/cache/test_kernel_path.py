@@ -80,7 +80,7 @@ from tests.conftest import outlier_kv
 def run(use_kernels):
     cfg = CacheConfig(num_layers=2, num_kv_heads=2, num_query_heads=8, head_dim=64, num_pages=48, codec="{codec}",
                       fp_sink=4, fp_window=16, use_kernels=use_kernels, evictor="h2o",
-                      evictor_options={{"budget": 4096, "sink": 4, "window": 16}})
+                      evictor_options={{"budget": {budget}, "sink": 4, "window": 16}})
     m = CacheManager(cfg)
     seqs = [m.open(Subject("t", f"u{{i}}", f"s{{i}}")) for i in range(3)]
     for i, (seq, n) in enumerate(zip(seqs, (70, 16, 33))):  # rows of different lengths and pools
@@ -89,16 +89,17 @@ def run(use_kernels):
             m.append(seq, layer, k, v)
     g = torch.Generator().manual_seed(5)
     outs = []
-    for _ in range(3):
+    for _ in range({steps}):
         k = torch.randn(3, 2, 64, generator=g).half()
         q = torch.randn(3, 8, 64, generator=g).half()
         for layer in range(2):
             assert m.append_step(seqs, layer, k, k)
             outs.append(m.attend_step(seqs, layer, q).float())
-    return torch.stack(outs), torch.cat([m._seq(s).mass.flatten() for s in seqs])
+    return torch.stack(outs), torch.cat([m._seq(s).mass.flatten() for s in seqs]), m.stats().tokens_evicted
 
-ref_out, ref_mass = run(False)
-out, mass = run(True)
+ref_out, ref_mass, ref_evicted = run(False)
+out, mass, evicted = run(True)
+assert evicted == ref_evicted and (evicted > 0) == ({budget} < 100), (evicted, ref_evicted)
 rel = ((out - ref_out).norm() / ref_out.norm()).item()
 mrel = ((mass - ref_mass).norm() / ref_mass.norm()).item()
 assert rel < 2e-3 and mrel < 1e-3, (rel, mrel)
@@ -106,10 +107,13 @@ print("ok", rel, mrel)
 """
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
-def test_batch_step_kernel_path_matches_reference_path(codec):
+@pytest.mark.parametrize("codec, budget, steps", [("int8", 4096, 3), ("int4", 4096, 3), ("int8", 48, 20)])
+def test_batch_step_kernel_path_matches_reference_path(codec, budget, steps):
     # one pass of the kernels over three rows' 16-bit and quantized pages, with H2O's mass
+    # added into each row's totals at its keys' positions; with budget 48 rows are compacted
+    # on the way (positions no longer equal token indices) and pages fill and get quantized
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", BATCH_SCRIPT.format(codec=codec)], cwd=ROOT, env=env,
+    script = BATCH_SCRIPT.format(codec=codec, budget=budget, steps=steps)
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

@@ -314,3 +314,63 @@ def test_sets_errors():
     other = make_pages("int8", 8, 1, 16, 64, torch.float16)
     with pytest.raises(KernelArgError, match="same KV heads"):
         paged_decode_sets(q[:, :4].contiguous(), [(other, sets[1][1], sets[1][2]), sets[0]])
+
+
+def _mass_buffers(q, sets, heads, seed):
+    """Per set, a buffer per row (fp32 [heads, columns], random totals already in it, columns
+    differing by row) and positions: a row's keys scattered over its columns, some out of range."""
+    gen = torch.Generator().manual_seed(seed)
+    into = []
+    for _, table, lens in sets:
+        width = table.shape[1] * 16
+        buffers, rows = [], []
+        for i in range(q.shape[0]):
+            cols = width + 3 * i
+            buffers.append(torch.rand(heads, cols, generator=gen).to(DEVICE))
+            pos = torch.randperm(cols, generator=gen)[:width]
+            pos[::7] = -1  # skipped
+            pos[1::11] = cols + 5  # past the buffer: skipped
+            rows.append(pos)
+        into.append((buffers, torch.stack(rows).to(torch.int32).to(DEVICE)))
+    return into
+
+
+@pytest.mark.parametrize("codecs", [("16bit", "int8"), ("int4",)])
+def test_mass_into_adds_into_the_callers_buffers(codecs):
+    # what an H2O cache keeps: each row's running totals by position, added to in place
+    lens = [[150, 0, 33, 9], [40, 97, 0, 16]][: len(codecs)]
+    q, sets = _sets_case(codecs, 64, lens)
+    into = _mass_buffers(q, sets, 2, seed=4)
+    want = [([b.clone() for b in buffers], pos) for buffers, pos in into]
+    out, lse = paged_decode_sets(q, sets, mass_into=into)
+    r_out, _ = paged_decode_sets_ref(q, sets, mass_into=want)
+    assert rel_ok(out[lse > float("-inf")], r_out[lse > float("-inf")], TOL[torch.float16, True])
+    for (got, _), (ref_bufs, _) in zip(into, want):
+        for x, y in zip(got, ref_bufs):
+            assert torch.allclose(x, y, atol=5e-3)
+    # the same as returning the mass and adding it by hand
+    _, _, masses = paged_decode_sets(q, sets, return_mass=True)
+    for (buffers, pos), (before, _), m, (_, _, seq_lens) in zip(into, _mass_buffers(q, sets, 2, seed=4), masses, sets):
+        for i, (x, x0) in enumerate(zip(buffers, before)):
+            n = int(seq_lens[i])
+            p = pos[i, :n].long()
+            keep = (p >= 0) & (p < x0.shape[1])
+            x0.index_add_(1, p[keep], m[i, :, :n][:, keep])
+            assert torch.allclose(x, x0, atol=1e-5)
+
+
+def test_mass_into_errors():
+    q, sets = _sets_case(("16bit", "int8"), 64, [[20, 3], [40, 0]])
+    into = _mass_buffers(q, sets, 2, seed=5)
+    with pytest.raises(KernelArgError, match="not with return_mass"):
+        paged_decode_sets(q, sets, return_mass=True, mass_into=into)
+    with pytest.raises(KernelArgError, match="for every set"):
+        paged_decode_sets(q, sets, mass_into=into[:1])
+    with pytest.raises(KernelArgError, match="one buffer per row"):
+        paged_decode_sets(q, sets, mass_into=[(into[0][0][:1], into[0][1]), into[1]])
+    with pytest.raises(KernelArgError, match="mass_into buffer must be"):
+        paged_decode_sets(q, sets, mass_into=[([b.double() for b in into[0][0]], into[0][1]), into[1]])
+    with pytest.raises(KernelArgError, match="contiguous rows"):
+        paged_decode_sets(q, sets, mass_into=[([b.t().contiguous().t() for b in into[0][0]], into[0][1]), into[1]])
+    with pytest.raises(KernelArgError, match="positions must be"):
+        paged_decode_sets(q, sets, mass_into=[(into[0][0], into[0][1][:, :8]), into[1]])
