@@ -126,7 +126,7 @@ def kernel_time(m: CacheManager, seqs: list) -> float:
 
     def step():
         for sets, into in calls:
-            paged_decode_sets(q, sets, mass_into=into)
+            paged_decode_sets(q, sets, **({"mass_into": into} if into else {}))
 
     return time_calls([step])
 
