@@ -178,7 +178,7 @@ class CacheManager:
         self._seqs: dict[SeqId, Sequence] = {}
         self._ids = itertools.count(1)
         self.lock = threading.RLock()
-        self._tables: OrderedDict[tuple, tuple] = OrderedDict()  # batch block tables, see _batch_table
+        self._tables: OrderedDict[tuple, tuple] = OrderedDict()  # see _while_pages_hold
         self._ints: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # see _device_ints
 
     # --- sequences ------------------------------------------------------------------------------
@@ -550,21 +550,39 @@ class CacheManager:
         return sets, used
 
     def _batch_table(self, seqs: list[Sequence], lays: list[Layout], name: str) -> torch.Tensor:
-        """[B, most pages] int32 block table of several sequences in one pool, zero-padded; kept
-        while no row's pages change (the same for every layer of a step)."""
-        key = (name, tuple(seq.id for seq in seqs))
+        """[B, most pages] int32 block table of several sequences in one pool, zero-padded."""
+        def build():
+            empty = torch.zeros(0, dtype=torch.int32)
+            rows = torch.nn.utils.rnn.pad_sequence([lay.host.get(name, empty) for lay in lays], batch_first=True)
+            return rows.to(self.cfg.device, non_blocking=True)
+
+        return self._while_pages_hold(("table", name, tuple(seq.id for seq in seqs)), lays, build)
+
+    def _batch_positions(self, seqs: list[Sequence], name: str) -> torch.Tensor:
+        """[B, most pages * S] positions of several sequences' tokens in one pool, in the order
+        of _batch_table's rows, padded with -1."""
+        lays = [self._layout(seq) for seq in seqs]
+
+        def build():
+            empty = torch.zeros(0, dtype=torch.long, device=self.cfg.device)
+            rows = [self._positions(seq, name) if lay.idx[name] else empty for seq, lay in zip(seqs, lays)]
+            return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=-1)
+
+        return self._while_pages_hold(("positions", name, tuple(seq.id for seq in seqs)), lays, build)
+
+    def _while_pages_hold(self, key: tuple, lays: list[Layout], build) -> torch.Tensor:
+        """build(), kept under key while no row's pages change (the same for every layer of a
+        step, and for the steps until a row's next page): an LRU of the last few batches'."""
         versions = tuple(lay.version for lay in lays)
         hit = self._tables.get(key)
         if hit is not None and hit[0] == versions:
             self._tables.move_to_end(key)
             return hit[1]
-        empty = torch.zeros(0, dtype=torch.int32)
-        rows = torch.nn.utils.rnn.pad_sequence([lay.host.get(name, empty) for lay in lays], batch_first=True)
-        table = rows.to(self.cfg.device, non_blocking=True)
-        self._tables[key] = (versions, table)
-        while len(self._tables) > 16:  # the batches of the last few steps
+        value = build()
+        self._tables[key] = (versions, value)
+        while len(self._tables) > 32:
             self._tables.popitem(last=False)
-        return table
+        return value
 
     def _device_ints(self, key: tuple, values, dtype: torch.dtype = torch.long) -> torch.Tensor:
         """Host ints (`values()`) as a tensor on the cache's device, kept under `key` for the
@@ -579,24 +597,6 @@ class CacheManager:
         while len(self._ints) > 64:
             self._ints.popitem(last=False)
         return t
-
-    def _batch_positions(self, seqs: list[Sequence], name: str) -> torch.Tensor:
-        """[B, most pages * S] positions of several sequences' tokens in one pool, in the order
-        of _batch_table's rows, padded with -1; kept while no row's pages change."""
-        lays = [self._layout(seq) for seq in seqs]
-        key = ("positions", name, tuple(seq.id for seq in seqs))
-        versions = tuple(lay.version for lay in lays)
-        hit = self._tables.get(key)
-        if hit is not None and hit[0] == versions:
-            self._tables.move_to_end(key)
-            return hit[1]
-        empty = torch.zeros(0, dtype=torch.long, device=self.cfg.device)
-        rows = [self._positions(seq, name) if lay.idx[name] else empty for seq, lay in zip(seqs, lays)]
-        table = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=-1)
-        self._tables[key] = (versions, table)
-        while len(self._tables) > 16:
-            self._tables.popitem(last=False)
-        return table
 
     def _layout(self, seq: Sequence) -> Layout:
         """The sequence's pages per pool, rebuilt only when its page list changed."""
