@@ -83,6 +83,11 @@ class Summary:
     passed: bool = False
     texts: list[TextResult] = field(default_factory=list)
 
+    @property
+    def footprint(self) -> float:
+        """Fraction of the 16-bit KV bytes held, or read for a read-time selector."""
+        return self.held_ratio * self.read_ratio
+
 
 def token_ids(tokenizer, text: str, n: int) -> torch.Tensor:
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :n]

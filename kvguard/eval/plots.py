@@ -31,12 +31,10 @@ def _distinct(report):
 
 
 def _scatter(report, y, ylabel: str, title: str, logy: bool = False) -> str:
-    from .report import footprint
-
     fig, ax = plt.subplots(figsize=(7.5, 5))
     for s in _distinct(report):
-        ax.scatter(footprint(s), y(s), color="tab:green" if s.passed else "tab:red", zorder=3)
-        ax.annotate(s.method, (footprint(s), y(s)), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.scatter(s.footprint, y(s), color="tab:green" if s.passed else "tab:red", zorder=3)
+        ax.annotate(s.method, (s.footprint, y(s)), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlabel(XLABEL)
     ax.set_ylabel(ylabel)
     ax.set_title(title)

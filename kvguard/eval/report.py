@@ -18,11 +18,6 @@ SEEDS = {"none": (1.00, 0.0000, "PASS"), "int8": (0.50, 0.0020, "PASS"), "int4":
          "snapkv": (0.28, 0.0060, "PASS")}
 
 
-def footprint(s: Summary) -> float:
-    """Fraction of the 16-bit KV bytes held, or read for a read-time selector."""
-    return s.held_ratio * s.read_ratio
-
-
 def pct(x: float) -> str:
     return f"{100 * x:.2f} %"
 
@@ -53,7 +48,7 @@ def seeds_table(r: Report) -> tuple[list[str], list[list[str]]]:
             s = ours[mine]
             got = "PASS" if s.deviation < r.bound.max_attention_deviation else "FAIL"
             holds = "yes" if got == verdict and s.deviation <= max(2 * dev, dev + 0.001) else "no"
-            rows.append([name, mine, f"{ratio:.2f}", f"{footprint(s):.2f}" + (" (read)" if s.read_ratio < 1 else ""),
+            rows.append([name, mine, f"{ratio:.2f}", f"{s.footprint:.2f}" + (" (read)" if s.read_ratio < 1 else ""),
                          f"{dev:.4f}", f"{s.deviation:.4f}", verdict, got, holds])
     return head, rows
 
