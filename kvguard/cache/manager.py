@@ -676,8 +676,12 @@ class CacheManager:
             k = k.reshape(c.num_kv_heads, n_new, s, c.head_dim).transpose(0, 1)
             v = v.reshape(c.num_kv_heads, n_new, s, c.head_dim).transpose(0, 1)
             for name, slots, got in ((HOT, hot_slots, got_hot), (MAIN, main_slots, got_main)):
-                if slots:
-                    pool = self.pools[name]
+                if not slots:
+                    continue
+                pool = self.pools[name]
+                if name == MAIN and c.use_kernels:  # requantized by the kernel that quantizes on write
+                    paged.encode_pages(k[slots].contiguous(), v[slots].contiguous(), pool.fields[layer], got)
+                else:
                     pool.write(layer, got, pool.codec.encode(k[slots], v[slots]))
         freed = []
         for name in self.pools:

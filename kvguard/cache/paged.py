@@ -7,6 +7,10 @@ attention is order-free over keys, so each pool's pages may be taken in any orde
 chunks go through the prefill kernel once per pool, each query limited to the pool's tokens at
 or before its position, merged by log-sum-exp (the dequantize-then-attend path when an evictor
 needs the chunk's attention mass).
+
+Compaction's regrouped survivors are requantized by the quantize-on-write kernel too; the
+gather before it is torch's (kernels/compact.py moves one set of slots for every head within
+one pool, while the cache compacts per layer and head across its two pools).
 """
 
 from __future__ import annotations
@@ -25,6 +29,14 @@ def quantize_pages(hot_fields: dict[str, torch.Tensor], main_fields: dict[str, t
     dev = hot_fields["k"].device
     quantize_scatter(hot_fields["k"], hot_fields["v"], device_index(dst, dev, torch.int32), main_fields,
                      src_pages=device_index(src, dev, torch.int32))
+
+
+def encode_pages(k: torch.Tensor, v: torch.Tensor, main_fields: dict[str, torch.Tensor], dst: list[PageId]) -> None:
+    """Quantize full 16-bit pages k, v [N, H, S, D] into pages `dst` of the codec's pool, in
+    place (compaction's regrouped survivors)."""
+    from kernels.quantize_scatter import quantize_scatter
+
+    quantize_scatter(k, v, device_index(dst, k.device, torch.int32), main_fields)
 
 
 def decode(q: torch.Tensor, sets: list[tuple[dict[str, torch.Tensor], torch.Tensor, list[int]]],
