@@ -26,3 +26,14 @@ def test_kernels_ab_refuses_a_copy_named_kernels(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "under another name" in r.stderr
+
+
+def test_cache_host_benchmark_runs():
+    r = subprocess.run([sys.executable, "benchmarks/cache_host_bench.py", "--shapes", "smollm2-int8+h2o-2",
+                        "--steps", "1", "--context", "40"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = r.stdout.splitlines()[-1].split()
+    assert row[0] == "smollm2-int8+h2o-2" and float(row[1]) > 0 and float(row[2]) >= 2  # pass 1 and mass at least
+    bad = subprocess.run([sys.executable, "benchmarks/cache_host_bench.py", "--shapes", "gpt9-int8-1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "bad shape" in bad.stderr
