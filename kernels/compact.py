@@ -149,13 +149,7 @@ def dequantize_tokens(pages: dict[str, torch.Tensor], slots: torch.Tensor, dtype
 
 def dequantize_tokens_ref(pages, slots, dtype=torch.float16):
     s = pages["k"].shape[2]
-    sel = {name: t[slots.long() // s] for name, t in pages.items()}  # the pages of each token
-    if pages["k"].dtype in SIXTEEN_BIT:
-        k, v = sel["k"].float(), sel["v"].float()
-    elif pages["k"].dtype == torch.uint8:
-        k, v = ref.decode_int4(sel)
-    else:
-        k, v = ref.decode_int8(sel)
+    k, v = ref.decode_pages({name: t[slots.long() // s] for name, t in pages.items()})  # each token's page
     off = (slots.long() % s)[:, None, None, None].expand(-1, k.shape[1], 1, k.shape[3])
     return k.gather(2, off).squeeze(2).to(dtype), v.gather(2, off).squeeze(2).to(dtype)  # [T, H, D]
 

@@ -769,7 +769,7 @@ def paged_decode_sets_ref(q, sets, sm_scale=None, return_mass=False, mass_into=N
     lse = torch.full((b, hq), float("-inf"), device=q.device)
     masses = [torch.zeros(b, h, e[1].shape[1] * e[0]["k"].shape[2], device=q.device) for e in sets]
     for i in range(b):
-        kv = [_dense_kv(e[0], e[1], e[2], i) for e in sets]
+        kv = [ref.sequence_kv(e[0], e[1][i], int(e[2][i])) for e in sets]
         lens = [k.shape[1] for k, _ in kv]
         if sum(lens) == 0:
             continue
@@ -788,23 +788,3 @@ def paged_decode_sets_ref(q, sets, sm_scale=None, return_mass=False, mass_into=N
             keep = (pos >= 0) & (pos < buf.shape[1])
             buf.index_add_(1, pos[keep], mass[i, :, : pos.shape[0]][:, keep].to(buf.device))
     return (out, lse, masses) if return_mass else (out, lse)
-
-
-def _dense_kv(pages, block_table, seq_lens, i):
-    """Sequence i's K and V [H, n, D] fp32, dequantized from its pages."""
-    codec = {torch.int8: "int8", torch.float8_e4m3fn: "int8", torch.uint8: "int4"}.get(pages["k"].dtype, "16bit")
-    _, h, s, dk = pages["k"].shape
-    n = int(seq_lens[i])
-    if n == 0:
-        empty = torch.zeros(h, 0, dk * 2 if codec == "int4" else dk, device=pages["k"].device)
-        return empty, empty
-    ids = block_table[i, : -(-n // s)].long()
-    sel = {name: t[ids] for name, t in pages.items()}
-    if codec == "16bit":
-        k, v = sel["k"].float(), sel["v"].float()
-    elif codec == "int8":
-        k, v = ref.decode_int8(sel)
-    else:
-        k, v = ref.decode_int4(sel)
-    d = k.shape[-1]
-    return k.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :n], v.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :n]

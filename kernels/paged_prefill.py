@@ -113,18 +113,9 @@ def paged_prefill_ref(q, pages, block_table, seq_len, sm_scale=None, limits=None
     """Dense fp32 reference: dequantize with kernels/quantize.py, causal softmax attention in fp32
     (or each query over its first `limits` keys). Returns out [T, Hq, D] fp32 and lse [T, Hq]."""
     t, hq, d = q.shape
-    h, s = pages["k"].shape[1:3]
+    h = pages["k"].shape[1]
     g = hq // h
-    ids = block_table[: -(-seq_len // s)].long()
-    sel = {name: x[ids] for name, x in pages.items()}
-    if pages["k"].dtype in (torch.float16, torch.bfloat16):
-        k, v = sel["k"].float(), sel["v"].float()
-    elif pages["k"].dtype == torch.uint8:
-        k, v = ref.decode_int4(sel)
-    else:
-        k, v = ref.decode_int8(sel)
-    k = k.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :seq_len]  # [H, L, D]
-    v = v.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :seq_len]
+    k, v = ref.sequence_kv(pages, block_table, seq_len)  # [H, L, D]
     qf = q.float().reshape(t, h, g, d).permute(1, 2, 0, 3)  # [H, g, T, D]
     sc = torch.einsum("hgtd,hld->hgtl", qf, k) * (1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
     seen = (torch.arange(seq_len - t, seq_len, device=q.device) + 1 if limits is None else limits.long())[:, None]

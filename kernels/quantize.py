@@ -97,3 +97,24 @@ def decode_int4(f: dict[str, torch.Tensor], out_dtype=torch.float32, group: int 
     vg = vc.reshape(n, h, s, d // group, group)
     v = vg * f["v_scale"].float().unsqueeze(-1) + f["v_zero"].float().unsqueeze(-1)
     return k.to(out_dtype), v.reshape(n, h, s, d).to(out_dtype)
+
+
+def decode_pages(f: dict[str, torch.Tensor], out_dtype=torch.float32):
+    """k, v [N, H, S, D] of page fields in any codec (16-bit, int8, fp8, int4), dequantized."""
+    dt = f["k"].dtype
+    if dt in (torch.float16, torch.bfloat16):
+        return f["k"].to(out_dtype), f["v"].to(out_dtype)
+    return decode_int4(f, out_dtype) if dt == torch.uint8 else decode_int8(f, out_dtype)
+
+
+def sequence_kv(pages: dict[str, torch.Tensor], block_row: torch.Tensor, n: int):
+    """A sequence's first n tokens as k, v [H, n, D] fp32, dequantized from its pages (block_row:
+    its page ids in order, at least ceil(n / S) of them)."""
+    _, h, s, dk = pages["k"].shape
+    if n == 0:
+        empty = torch.zeros(h, 0, dk * 2 if pages["k"].dtype == torch.uint8 else dk, device=pages["k"].device)
+        return empty, empty
+    ids = block_row[: -(-n // s)].long()
+    k, v = decode_pages({name: x[ids] for name, x in pages.items()})
+    d = k.shape[-1]
+    return k.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :n], v.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :n]
