@@ -105,28 +105,22 @@ def kernel_time(m: CacheManager, seqs: list) -> float:
     """Device time of the decode kernels of one batch step: every layer's paged decode over the
     rows' pages as the cache hands them over, timed by gpu_bench.time_calls (a CUDA graph of the
     step replayed: no host in the way)."""
-    mass = m.evictor is not None and m.evictor.needs_mass
-    if not hasattr(m, "_decode_sets") or (mass and not hasattr(m, "_batch_positions")) or DEV.type != "cuda":
-        return float("nan")  # an older CacheManager; no GPU (--smoke)
+    if not hasattr(m, "_decode_args") or DEV.type != "cuda":  # an older CacheManager; no GPU (--smoke)
+        return float("nan")
     from benchmarks.gpu_bench import time_calls
-    from kernels.paged_decode import paged_decode_sets
+    from kvguard.cache import paged
 
     c = m.cfg
     q = torch.randn(len(seqs), c.num_query_heads, c.head_dim, device=DEV, dtype=c.dtype)
     rows = [m._seq(seq) for seq in seqs]
-    calls = []  # the layers' kernel arguments as the cache makes them, the lengths already on the device
-    for layer in range(c.num_layers):
-        sets, used = m._decode_sets(rows, layer)
-        into = None
-        if mass:  # added into the rows' totals, as the cache does (the replays add to them too)
-            into = [([r.mass_buf[layer] for r in rows], m._positions(rows[0], name)[None] if len(rows) == 1
-                     else m._batch_positions(rows, name)) for name, _ in used]
-        calls.append(([(fields, table, torch.tensor(tokens, dtype=torch.int32, device=DEV), max(tokens))
-                       for fields, table, tokens in sets], into))
+    mass = m.evictor is not None and m.evictor.needs_mass
+    # the layers' kernel arguments as the cache makes them (with an evictor, the replays add
+    # their mass into the rows' totals too)
+    calls = [m._decode_args(rows, layer, mass) for layer in range(c.num_layers)]
 
     def step():
-        for sets, into in calls:
-            paged_decode_sets(q, sets, **({"mass_into": into} if into else {}))
+        for args in calls:
+            paged.decode(q, *args)
 
     return time_calls([step])
 

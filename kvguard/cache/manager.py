@@ -256,18 +256,16 @@ class CacheManager:
             if new is None:
                 return False
             seq.pages.extend(PageRef(HOT, p, HOT) for p in new)
-        fields = self.pools[HOT].fields[layer]  # [P, H, S, D]; k, v [T, H, D]
-        if t == 1:  # a decode step: one slot, addressed from the host
-            page, off = int(seq.pages[start // c.page_size].page), start % c.page_size
-            fields["k"][page, :, off] = k[0]
-            fields["v"][page, :, off] = v[0]
+        s = c.page_size
+        if t == 1:  # a decode step: its rows come from the host, kept for the step's other layers
+            rows = self._token_rows([seq], layer)
         else:
             pos = torch.arange(start, start + t)
-            page_idx, offset = pos // c.page_size, pos % c.page_size
-            pages = device_index([seq.pages[i].page for i in page_idx.tolist()], c.device)
-            off = offset.to(c.device, non_blocking=True)
-            fields["k"][pages, :, off] = k
-            fields["v"][pages, :, off] = v
+            pages = device_index([seq.pages[i].page for i in (pos // s).tolist()], c.device)
+            off = (pos % s).to(c.device, non_blocking=True)
+            heads = torch.arange(c.num_kv_heads, device=c.device)
+            rows = ((pages.unsqueeze(1) * c.num_kv_heads + heads) * s + off.unsqueeze(1)).flatten()
+        self._write_tokens(layer, rows, k, v)
         self._written(seq, layer, t)
         return True
 
@@ -292,16 +290,25 @@ class CacheManager:
                 return False
             for seq in starting:
                 seq.pages.append(PageRef(HOT, hot.allocate(1, seq.subject)[0], HOT))
-        at = tuple((int(seq.pages[seq.lengths[layer] // s].page), seq.lengths[layer] % s) for seq in seqs)
-        h = c.num_kv_heads
-        # row (b, head) of the step goes to row (page * H + head) * S + slot of the pool's [P * H * S, D]
-        rows = self._device_ints(("write", at), lambda: [(p * h + i) * s + o for p, o in at for i in range(h)])
-        fields = self.pools[HOT].fields[layer]  # [P, H, S, D]
-        fields["k"].view(-1, c.head_dim).index_copy_(0, rows, k.reshape(-1, c.head_dim))
-        fields["v"].view(-1, c.head_dim).index_copy_(0, rows, v.reshape(-1, c.head_dim))
+        self._write_tokens(layer, self._token_rows(seqs, layer), k, v)
         for seq in seqs:
             self._written(seq, layer, 1)
         return True
+
+    def _token_rows(self, seqs: list[Sequence], layer: int) -> torch.Tensor:
+        """Where each sequence's next token of this layer goes in the 16-bit pool viewed as
+        [P * H * S, D]: rows (page * H + head) * S + slot, sequence by sequence, head by head;
+        the same for every layer of a step, so copied to the device once."""
+        s, h = self.cfg.page_size, self.cfg.num_kv_heads
+        at = tuple((int(seq.pages[seq.lengths[layer] // s].page), seq.lengths[layer] % s) for seq in seqs)
+        return self._device_ints(("write", at), lambda: [(p * h + i) * s + o for p, o in at for i in range(h)])
+
+    def _write_tokens(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K/V [T, H, D] into the 16-bit pool at rows [T * H] of _token_rows' form."""
+        d = self.cfg.head_dim
+        fields = self.pools[HOT].fields[layer]  # [P, H, S, D]
+        fields["k"].view(-1, d).index_copy_(0, rows, k.reshape(-1, d))
+        fields["v"].view(-1, d).index_copy_(0, rows, v.reshape(-1, d))
 
     def _auto_compact(self, seq: Sequence, layer: int) -> None:
         """Before a step's first layer: compact a sequence that outgrew the evictor's budget."""
@@ -492,6 +499,10 @@ class CacheManager:
         sequence's layout, no walk over the pages and no host sync."""
         for seq in seqs:
             self._fetch_all(seq)
+        return paged.decode(q, *self._decode_args(seqs, layer, with_mass), scale=scale)
+
+    def _decode_args(self, seqs: list[Sequence], layer: int, with_mass: bool):
+        """paged.decode's sets, lens and mass_into for one layer of a batch step."""
         sets, used = self._decode_sets(seqs, layer)
         tokens = tuple(tuple(t) for _, t in used)
         lens = self._device_ints(("lens", tokens), lambda: tokens, torch.int32)  # [sets, B]
@@ -500,7 +511,7 @@ class CacheManager:
             buffers = [seq.mass_buf[layer] for seq in seqs]
             into = [(buffers, self._positions(seqs[0], name)[None] if len(seqs) == 1
                      else self._batch_positions(seqs, name)) for name, _ in used]
-        return paged.decode(q, sets, lens, scale, into)
+        return sets, lens, into
 
     def _prefill_paged(self, seq: Sequence, layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
         """Causal attention of a chunk q [T, Hq, D] (the last T positions) through the prefill

@@ -40,7 +40,7 @@ def encode_pages(k: torch.Tensor, v: torch.Tensor, main_fields: dict[str, torch.
 
 
 def decode(q: torch.Tensor, sets: list[tuple[dict[str, torch.Tensor], torch.Tensor, list[int]]],
-           lens: torch.Tensor, scale: float | None, mass_into: list[tuple] | None = None) -> torch.Tensor:
+           lens: torch.Tensor, mass_into: list[tuple] | None = None, *, scale: float | None = None) -> torch.Tensor:
     """q [B, Hq, D]; sets: (one layer's page fields, block table [B, n_i] int32 on q's device,
     tokens of each row held in those pages) per pool; lens [sets, B] int32 on q's device: the
     same tokens.
