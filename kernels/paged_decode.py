@@ -525,7 +525,10 @@ def paged_decode_sets(q: torch.Tensor, sets: list[tuple], sm_scale: float | None
     buffers a list of B fp32 tensors [H, columns] (rows contiguous, on q's device), positions
     [B, >= max_pages_i * S] int32/int64 on q's device. Key j of row b's set adds its mass into
     buffers[b][:, positions[b, j]]; positions outside [0, columns) are skipped. Rows' buffers
-    must not overlap, nor a row's positions repeat."""
+    must not overlap, nor a row's positions repeat. buffers may also be the row table itself,
+    [B, 3] int64 on q's device, (address, head stride, columns) of each row's buffer: a caller
+    whose buffers may move between replays of a CUDA graph keeps it and rewrites it in place;
+    its addresses are taken as given."""
     if not sets:
         raise KernelArgError("paged_decode_sets needs at least one set of pages")
     if mass_into is not None and (return_mass or not isinstance(mass_into, (list, tuple))
@@ -611,15 +614,20 @@ def _mass_rows(entry, b: int, tile: _Tile, dev: torch.device) -> tuple[torch.Ten
     if not isinstance(entry, (tuple, list)) or len(entry) != 2:
         raise KernelArgError("each mass_into entry is (buffers, positions)")
     buffers, positions = entry
+    check(positions, "mass_into positions", dtype=INDEX_DTYPES, shape=(b, None), contiguous=False)
+    if positions.stride(1) != 1 or positions.device != dev or positions.shape[1] < tile.max_len:
+        raise KernelArgError(f"mass_into positions must be [{b}, >= {tile.max_len}] with contiguous rows, on {dev}")
+    if isinstance(buffers, torch.Tensor):  # the caller's own row table (a CUDA graph's, kept in place)
+        check(buffers, "a mass_into row table", dtype=torch.int64, shape=(b, 3))
+        if buffers.device != dev:
+            raise KernelArgError(f"a mass_into row table must be on {dev}")
+        return buffers, positions
     if not isinstance(buffers, (list, tuple)) or len(buffers) != b:
         raise KernelArgError(f"mass_into needs one buffer per row ({b})")
     for x in buffers:
         check(x, "a mass_into buffer", dtype=torch.float32, shape=(tile.h, None), contiguous=False)
         if x.stride(1) != 1 or x.device != dev:
             raise KernelArgError(f"a mass_into buffer must have contiguous rows and be on {dev}")
-    check(positions, "mass_into positions", dtype=INDEX_DTYPES, shape=(b, None), contiguous=False)
-    if positions.stride(1) != 1 or positions.device != dev or positions.shape[1] < tile.max_len:
-        raise KernelArgError(f"mass_into positions must be [{b}, >= {tile.max_len}] with contiguous rows, on {dev}")
     key = (dev, tuple((x.data_ptr(), x.stride(0), x.shape[1]) for x in buffers))
     rows = _ROWS.get(key)
     if rows is None:

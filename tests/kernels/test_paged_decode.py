@@ -374,3 +374,24 @@ def test_mass_into_errors():
         paged_decode_sets(q, sets, mass_into=[([b.t().contiguous().t() for b in into[0][0]], into[0][1]), into[1]])
     with pytest.raises(KernelArgError, match="positions must be"):
         paged_decode_sets(q, sets, mass_into=[(into[0][0], into[0][1][:, :8]), into[1]])
+    table = torch.zeros(2, 3, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(KernelArgError, match="row table must have shape"):
+        paged_decode_sets(q, sets, mass_into=[(table[:1], into[0][1]), into[1]])
+    with pytest.raises(KernelArgError, match="row table must be"):
+        paged_decode_sets(q, sets, mass_into=[(table.int(), into[0][1]), into[1]])
+
+
+def test_mass_into_takes_the_callers_row_table():
+    # a CUDA graph's caller keeps the (address, head stride, columns) table itself and rewrites
+    # it when a buffer moves: the same sums as with the buffers handed over
+    q, sets = _sets_case(("16bit", "int8"), 64, [[150, 0, 33, 9], [40, 97, 0, 16]])
+    into = _mass_buffers(q, sets, 2, seed=6)
+    want = [([b.clone() for b in buffers], pos) for buffers, pos in into]
+    tables = [torch.tensor([(b.data_ptr(), b.stride(0), b.shape[1]) for b in buffers], dtype=torch.int64,
+                           device=DEVICE) for buffers, _ in into]
+    out, _ = paged_decode_sets(q, sets, mass_into=[(t, pos) for t, (_, pos) in zip(tables, into)])
+    r_out, _ = paged_decode_sets(q, sets, mass_into=want)
+    assert torch.equal(out, r_out)
+    for (got, _), (ref_bufs, _) in zip(into, want):
+        for x, y in zip(got, ref_bufs):
+            assert torch.equal(x, y)
