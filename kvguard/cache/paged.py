@@ -42,8 +42,9 @@ def encode_pages(k: torch.Tensor, v: torch.Tensor, main_fields: dict[str, torch.
 def decode(q: torch.Tensor, sets: list[tuple[dict[str, torch.Tensor], torch.Tensor, list[int]]],
            lens: torch.Tensor, mass_into: list[tuple] | None = None, *, scale: float | None = None) -> torch.Tensor:
     """q [B, Hq, D]; sets: (one layer's page fields, block table [B, n_i] int32 on q's device,
-    tokens of each row held in those pages) per pool; lens [sets, B] int32 on q's device: the
-    same tokens.
+    tokens of each row held in those pages, or an upper bound of them) per pool; lens [sets, B]
+    int32 on q's device: the tokens. The bound sizes the kernels' split of the context, so a
+    fixed one keeps a CUDA graph's launches valid as the rows grow.
 
     One pass over every pool's pages: each pool's splits go to one merge, so the result is
     attention over the union of the pools' keys. Returns out [B, Hq, D]. With mass_into, per
@@ -52,7 +53,8 @@ def decode(q: torch.Tensor, sets: list[tuple[dict[str, torch.Tensor], torch.Tens
     into its row's buffer at its position (paged_decode_sets' mass_into)."""
     from kernels.paged_decode import paged_decode_sets
 
-    args = [(fields, table, lens[i], max(tokens)) for i, (fields, table, tokens) in enumerate(sets)]
+    args = [(fields, table, lens[i], tokens if isinstance(tokens, int) else max(tokens))
+            for i, (fields, table, tokens) in enumerate(sets)]
     return paged_decode_sets(q, args, sm_scale=scale, mass_into=mass_into)[0]
 
 

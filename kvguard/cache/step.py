@@ -1,0 +1,216 @@
+"""A batch's decode steps with device arguments that stay put, for CUDA graphs.
+
+A decode step on the kernel path hands the kernels a few small device tensors: the rows the
+new token goes to, each pool's block table, the tokens each row holds there, and (for an
+evictor that scores by attention mass) where each key's mass goes. `StaticStep` keeps them in
+buffers of fixed shape and address, sized once for `max_tokens` tokens a row, and refreshes
+them in place before every step. A CUDA graph captured over a step (with the model's forward
+around it) then reads the current pages when it is replayed.
+
+The host's work that an eager step does between layers moves out of the step: `begin` does,
+in this order, what the first layer's `append_step` does (compaction past the evictor's
+budget, a new 16-bit page for each row that starts one) and what `attend_step` needs (pages
+back from lower tiers), then fills the buffers; `end` does what the layers' writes leave for
+the host (lengths, room for the mass, pages that left the 16-bit window quantized). Between
+the two, `write` and `attend` per layer only launch device work. One difference from an eager
+step: the pages that leave the 16-bit window are quantized after the step, so its last layer
+reads them still in 16-bit, as every other layer does.
+
+The manager's lock is held from `begin` to `end`: an erasure that arrives meanwhile waits until
+the step has written its tokens, and finds no step in flight over pages it frees.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence as Seq
+
+import torch
+
+from ..errors import ConfigError, InputError, OutOfPages
+from ..types import SeqId
+from . import paged
+from .manager import HOT, CacheManager, PageRef, Sequence
+
+
+class StaticStep:
+    """Decode steps of one batch of sequences through fixed device buffers.
+
+    manager: a CacheManager on the kernel path (`use_kernels`).
+    seq_ids: the batch's sequences, one per row, each holding the same tokens in every layer.
+    max_tokens: the most tokens a row may hold after a step; sizes the buffers and the
+        kernels' split of the context (a graph captured for it serves every length below).
+
+    Use: `begin()`, then per layer `write(layer, k, v)` and `attend(layer, q)`, then `end()`;
+    or `with step: ...` around the layers.
+    """
+
+    def __init__(self, manager: CacheManager, seq_ids: Seq[SeqId], max_tokens: int):
+        c = manager.cfg
+        if not c.use_kernels:
+            raise ConfigError("a static decode step runs on the kernel path: a cache with use_kernels "
+                              "(on CUDA with float16 or bfloat16 K/V)")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise InputError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        with manager.lock:
+            seqs = manager._batch(seq_ids)
+            for seq in seqs:
+                self._check_between_steps(seq)
+                if seq.lengths[0] >= max_tokens:
+                    raise InputError(f"sequence {seq.id} already holds {seq.lengths[0]} tokens; "
+                                     f"max_tokens is {max_tokens}")
+        self.manager = manager
+        self.seq_ids = [seq.id for seq in seqs]
+        self.max_tokens = max_tokens
+        s, h, dev = c.page_size, c.num_kv_heads, c.device
+        b = len(seqs)
+        self.pages = math.ceil(max_tokens / s)
+        self.names = list(manager.pools)  # the 16-bit pool, then the codec's
+        self.with_mass = manager.evictor is not None and manager.evictor.needs_mass
+        self.rows = torch.zeros(b * h, dtype=torch.long, device=dev)
+        self.lens = torch.zeros(len(self.names), b, dtype=torch.int32, device=dev)
+        self.tables = {name: torch.zeros(b, self.pages, dtype=torch.int32, device=dev) for name in self.names}
+        self.positions = ({name: torch.full((b, self.pages * s), -1, dtype=torch.long, device=dev)
+                           for name in self.names} if self.with_mass else {})
+        # (address, head stride, columns) of each row's mass buffer, per layer (paged_decode_sets'
+        # mass_into row table): rewritten when a buffer moves (a compaction replaces it)
+        self.mass_rows = (torch.zeros(c.num_layers, b, 3, dtype=torch.int64, device=dev)
+                          if self.with_mass else None)
+        self._versions: tuple | None = None  # the page-list versions the tables were filled from
+        self._mass_at: tuple | None = None
+        self._open = False
+
+    # --- host, between steps --------------------------------------------------------------------
+
+    def _check_between_steps(self, seq: Sequence) -> None:
+        if len(set(seq.lengths)) != 1:
+            raise InputError(f"sequence {seq.id} holds different numbers of tokens in its layers: "
+                             "a static step starts between steps")
+        if seq.lengths[0] < 1:
+            raise InputError(f"sequence {seq.id} holds no token yet: prefill it first")
+
+    def begin(self) -> None:
+        """Make room for every row's next token and point the buffers at the pages."""
+        if self._open:
+            raise InputError("this step has begun already; end() it first")
+        m, c = self.manager, self.manager.cfg
+        s = c.page_size
+        m.lock.acquire()
+        try:
+            seqs = m._batch(self.seq_ids)
+            for seq in seqs:
+                self._check_between_steps(seq)
+                if seq.lengths[0] + 1 > self.max_tokens:
+                    raise InputError(f"sequence {seq.id} would hold {seq.lengths[0] + 1} tokens; this step "
+                                     f"was made for at most {self.max_tokens}")
+            for seq in seqs:
+                m._auto_compact(seq, 0)
+            starting = [seq for seq in seqs if seq.lengths[0] // s >= len(seq.pages)]
+            hot = m.pools[HOT]
+            if hot.free_count < len(starting):
+                raise OutOfPages(f"no free 16-bit page for the next token of {len(starting)} rows: raise "
+                                 "num_hot_pages or configure an evictor with a budget")
+            for seq in starting:
+                seq.pages.append(PageRef(HOT, hot.allocate(1, seq.subject)[0], HOT))
+            for seq in seqs:
+                m._fetch_all(seq)
+                if self.with_mass:
+                    seq.grow_mass(self.pages * s)
+            self._fill(seqs)
+        except BaseException:
+            m.lock.release()
+            raise
+        self._seqs = seqs
+        self._open = True
+
+    def _fill(self, seqs: list[Sequence]) -> None:
+        m, c = self.manager, self.manager.cfg
+        s, h, dev = c.page_size, c.num_kv_heads, c.device
+        at = [(int(seq.pages[seq.lengths[0] // s].page), seq.lengths[0] % s) for seq in seqs]
+        self.rows.copy_(torch.tensor([(p * h + i) * s + o for p, o in at for i in range(h)]), non_blocking=True)
+        lays = [m._layout(seq) for seq in seqs]
+        n = [seq.lengths[0] + 1 for seq in seqs]  # every layer's tokens once this step has written
+        tokens = []
+        for name in self.names:
+            row = []
+            for k, lay in zip(n, lays):
+                idx = lay.idx[name]
+                need = -(-k // s)
+                count = bisect.bisect_left(idx, need)
+                partial = need * s - k if count and idx[count - 1] == need - 1 else 0
+                row.append(count * s - partial)
+            tokens.append(row)
+        self.lens.copy_(torch.tensor(tokens, dtype=torch.int32), non_blocking=True)
+        versions = tuple(lay.version for lay in lays)
+        if versions != self._versions:
+            for name in self.names:
+                table = torch.zeros(len(seqs), self.pages, dtype=torch.int32)
+                for b, lay in enumerate(lays):
+                    ids = lay.host.get(name)
+                    if ids is not None:
+                        table[b, : ids.numel()] = ids
+                self.tables[name].copy_(table, non_blocking=True)
+                if self.with_mass:
+                    pos = self.positions[name]
+                    pos.fill_(-1)
+                    for b, (seq, lay) in enumerate(zip(seqs, lays)):
+                        if lay.idx[name]:
+                            p = m._positions(seq, name)
+                            pos[b, : p.numel()] = p
+            self._versions = versions
+        if self.with_mass:
+            at = tuple((seq.mass_buf.data_ptr(), seq.mass_buf.stride(0), seq.mass_buf.stride(1),
+                        seq.mass_buf.shape[-1]) for seq in seqs)
+            if at != self._mass_at:
+                esize = 4  # fp32
+                table = torch.tensor([[(ptr + layer * stride0 * esize, head, cols) for ptr, stride0, head, cols in at]
+                                      for layer in range(c.num_layers)], dtype=torch.int64)
+                self.mass_rows.copy_(table, non_blocking=True)
+                self._mass_at = at
+
+    def end(self) -> None:
+        """Account for the step's tokens: lengths, and the pages that left the 16-bit window."""
+        if not self._open:
+            raise InputError("end() without begin()")
+        m = self.manager
+        try:
+            for seq in self._seqs:
+                for layer in range(m.cfg.num_layers):
+                    m._written(seq, layer, 1)
+        finally:
+            self._open = False
+            self._seqs = []
+            m.lock.release()
+
+    def abort(self) -> None:
+        """Leave a step that did not run (the forward pass failed): the lengths stay as they were."""
+        if self._open:
+            self._open = False
+            self._seqs = []
+            self.manager.lock.release()
+
+    def __enter__(self) -> StaticStep:
+        self.begin()
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.end()
+        else:
+            self.abort()
+
+    # --- device, inside a step ------------------------------------------------------------------
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Every row's new token of one layer, k, v [B, H, D] in the cache's dtype."""
+        self.manager._write_tokens(layer, self.rows, k, v)
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Decode attention of q [B, Hq, D] over what every row holds (this step's token included)."""
+        m = self.manager
+        sets = [(m.pools[name].fields[layer], self.tables[name], self.max_tokens) for name in self.names]
+        into = None
+        if self.with_mass:
+            into = [(self.mass_rows[layer], self.positions[name]) for name in self.names]
+        return paged.decode(q, sets, self.lens, into, scale=scale)
