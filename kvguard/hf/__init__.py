@@ -13,9 +13,10 @@ Importing this module registers the "kvguard" attention implementation.
 
 from .attention import kvguard_attention, kvguard_mask, register
 from .cache import ATTN_IMPLEMENTATION, CacheFullError, KVGuardCache, KVGuardLayer, cache_kwarg
+from .graph import DecodeGraph, greedy
 from .model import load_smollm2, smollm2_gguf
 
 register()
 
-__all__ = ["ATTN_IMPLEMENTATION", "CacheFullError", "KVGuardCache", "KVGuardLayer", "cache_kwarg", "kvguard_attention",
-           "kvguard_mask", "load_smollm2", "register", "smollm2_gguf"]
+__all__ = ["ATTN_IMPLEMENTATION", "CacheFullError", "DecodeGraph", "KVGuardCache", "KVGuardLayer", "cache_kwarg",
+           "greedy", "kvguard_attention", "kvguard_mask", "load_smollm2", "register", "smollm2_gguf"]

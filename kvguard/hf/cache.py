@@ -134,6 +134,7 @@ class KVGuardCache(Cache):
         self._options = options
         self.seqs: list[SeqId] = []
         self._mask: tuple | None = None  # (the last padding mask seen, (t, its version), its rows' real tokens)
+        self._static = None  # the StaticStep of a decode step run by a DecodeGraph (graph.py), while it runs
 
     @classmethod
     def from_policy(cls, config, subject, policy, **overrides) -> KVGuardCache:
@@ -209,6 +210,12 @@ class KVGuardCache(Cache):
         batch, _, t, _ = query.shape
         real = self._real_tokens(padding, t)
         dtype = self._manager.cfg.dtype
+        if self._static is not None:  # a DecodeGraph's step: device work only, through fixed buffers
+            if t != 1 or (real is not None and any(r is not None for r in real)):
+                raise InputError("a DecodeGraph step takes one new token in every row, none of them padding")
+            self._static.write(layer, key[:, :, 0].to(dtype).contiguous(), value[:, :, 0].to(dtype).contiguous())
+            out = self._static.attend(layer, query[:, :, 0].to(dtype).contiguous(), scale)
+            return out.to(query.dtype).unsqueeze(1)
         if self.batched_decode and t == 1 and (real is None or all(r is None for r in real)):
             # a decode step: every row's token in one write and one pass of the decode kernels
             k, v = key[:, :, 0].to(dtype).contiguous(), value[:, :, 0].to(dtype).contiguous()  # [B, H, D]

@@ -1,0 +1,97 @@
+"""Decode steps replayed from a CUDA graph (kvguard.hf.DecodeGraph, greedy) do what eager steps do.
+
+Without a GPU the same steps run eagerly through the fixed buffers, on the kernel path under
+Triton's interpreter, in a fresh interpreter (TRITON_INTERPRET must be set before triton
+loads); with one, the graph is captured and replayed as well."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvguard.errors import InputError
+from kvguard.types import Subject
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU = torch.cuda.is_available()
+
+GENERATE = r"""
+import tests.kernels.conftest  # compiled on a GPU, else TRITON_INTERPRET (set before triton loads)
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from kvguard.hf import KVGuardCache, greedy
+from kvguard.types import Subject
+
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+cfg = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+torch.manual_seed(0)
+model = LlamaForCausalLM(cfg).to(dev, torch.float16).eval()
+model.set_attn_implementation("kvguard")
+ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1)).to(dev)
+mask = torch.ones_like(ids)
+mask[1, :9] = 0  # row 1 is left-padded
+who = [Subject("acme", "alice", "s1"), Subject("globex", "bob", "s2")]
+opts = {opts}
+
+def events(cache):
+    return sorted(type(e).__name__ for e in cache.events.take_events())
+
+eager = KVGuardCache(cfg, who, **opts)
+want = model.generate(ids, attention_mask=mask, max_new_tokens={new}, do_sample=False, pad_token_id=0,
+                      past_key_values=eager)
+want_events = events(eager)
+runs = [False] + ([True] if dev == "cuda" else [])
+for capture in runs:
+    cache = KVGuardCache(cfg, who, **opts)
+    got = greedy(model, cache, ids, attention_mask=mask, max_new_tokens={new}, capture=capture)
+    assert torch.equal(got, want), (capture, got[:, 40:], want[:, 40:])
+    assert [cache.manager.length(s) for s in cache.seqs] == [eager.manager.length(s) for s in eager.seqs]
+    assert [layer.seen for layer in cache.layers] == [layer.seen for layer in eager.layers]
+    assert cache.stats().tokens_evicted == eager.stats().tokens_evicted
+    assert events(cache) == want_events, (events(cache), want_events)
+    if "evictor" in opts:
+        assert cache.stats().tokens_evicted > 0
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("opts", [
+    {"codec": "fp16", "num_pages": 32},
+    {"codec": "int8", "num_pages": 32, "fp_sink": 4, "fp_window": 16, "evictor": "h2o",
+     "evictor_options": {"budget": 32, "sink": 4, "window": 16}},
+], ids=["fp16", "int8-h2o"])
+def test_greedy_through_static_steps_equals_generate(opts):
+    # 24 new tokens: pages fill, leave the 16-bit window and get quantized; with H2O the rows are
+    # compacted on the way (their mass buffers replaced, their positions no longer token indices)
+    env = dict(os.environ)
+    if not GPU:
+        env["TRITON_INTERPRET"] = "1"
+    script = GENERATE.replace("{opts}", repr({**opts, "use_kernels": True})).replace("{new}", "24")
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_decode_graph_refuses_bad_input():
+    from transformers import LlamaConfig
+
+    from kvguard.hf import DecodeGraph, KVGuardCache, greedy
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    who = Subject("acme", "alice", "s1")
+    with pytest.raises(InputError, match="KVGuardCache"):
+        DecodeGraph(None, object(), 64)
+    with pytest.raises(InputError, match="no rows yet"):
+        DecodeGraph(None, KVGuardCache(cfg, who), 64)
+    with pytest.raises(InputError, match="max_new_tokens"):
+        greedy(None, KVGuardCache(cfg, who), torch.zeros(1, 4, dtype=torch.long), max_new_tokens=0)
+    with pytest.raises(InputError, match="pad on the left"):
+        greedy(None, KVGuardCache(cfg, who), torch.zeros(1, 4, dtype=torch.long), max_new_tokens=2,
+               attention_mask=torch.tensor([[1, 1, 1, 0]]))
