@@ -238,14 +238,65 @@ def bench_cache(models, contexts, codecs, batches, steps) -> list[str]:
     return lines
 
 
-def bench_generate(new_tokens: int, prompt: int, codecs, batches, rounds: int = 3) -> list[str]:
+def static_graph_generate(model, cfg, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy decoding through transformers' StaticCache + SDPA with each decode step replayed
+    from a CUDA graph (one eager warm-up step, then capture): the graphed baseline."""
+    import inspect
+
+    from transformers import StaticCache
+
+    b, t = ids.shape
+    cache = StaticCache(config=cfg, max_cache_len=t + new_tokens)
+    kw = cache_kwarg_of(model)
+    takes_position = "cache_position" in inspect.signature(model.model.forward).parameters
+
+    def forward(x, pos):
+        extra = {"cache_position": pos[0]} if takes_position else {}
+        return model(input_ids=x, position_ids=pos, use_cache=True, **{kw: cache}, **extra).logits[:, -1]
+
+    with torch.no_grad():
+        pos = torch.arange(t, device=DEV).expand(b, t)
+        nxt = forward(ids, pos).argmax(-1)
+        x = torch.zeros(b, 1, dtype=torch.long, device=DEV)
+        p = torch.zeros(b, 1, dtype=torch.long, device=DEV)
+        out, graph, static_out = [nxt], None, None
+        for i in range(new_tokens - 1):
+            x.copy_(nxt.view(b, 1))
+            p.fill_(t + i)
+            if i == 0:  # warm-up, eagerly on a side stream
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    logits = forward(x, p)
+                torch.cuda.current_stream().wait_stream(side)
+            else:
+                if graph is None:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        static_out = forward(x, p)
+                graph.replay()
+                logits = static_out
+            nxt = logits.argmax(-1)
+            out.append(nxt)
+    return torch.cat([ids, torch.stack(out, 1)], 1)
+
+
+def cache_kwarg_of(model) -> str:
+    from kvguard.hf import cache_kwarg
+
+    return cache_kwarg(model)
+
+
+def bench_generate(new_tokens: int, prompt: int, codecs, batches, rounds: int = 3, graphs: bool = True) -> list[str]:
     """SmolLM2-135M's architecture with random weights (bf16, on the GPU): greedy generation
-    through KVGuardCache per codec beside DynamicCache + SDPA, ms per new token of the batch.
+    through KVGuardCache per codec beside DynamicCache + SDPA, ms per new token of the batch;
+    with graphs, also each decode step replayed from a CUDA graph: KVGuardCache through
+    kvguard.hf.greedy (DecodeGraph) beside StaticCache + SDPA captured the same way.
     The variants take turns, `rounds` times, and each keeps its fastest round: the host's
     speed drifts over a run by more than the differences measured."""
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-    from kvguard.hf import KVGuardCache, cache_kwarg
+    from kvguard.hf import KVGuardCache, cache_kwarg, greedy
 
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
@@ -258,22 +309,39 @@ def bench_generate(new_tokens: int, prompt: int, codecs, batches, rounds: int = 
     for batch in batches:
         ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device=DEV)
         who = [Subject("bench", f"user-{i}", f"session-{i}") for i in range(batch)]
-        variants = {"DynamicCache + sdpa": (lambda: DynamicCache(config=cfg), "sdpa")}
+        variants = {"DynamicCache + sdpa": (lambda: DynamicCache(config=cfg), "sdpa", False)}
+        if graphs:
+            variants["StaticCache + sdpa, graph"] = (None, "sdpa", True)
         for codec in codecs:
-            variants[f"KVGuardCache {codec}"] = (
-                lambda codec=codec: KVGuardCache(cfg, who, codec=codec, num_pages=batch * ((prompt + new_tokens) // 16
-                                                 + 8), fp_sink=4 if codec != "fp16" else 0), "kvguard")
+            def make(codec=codec):
+                return KVGuardCache(cfg, who, codec=codec, num_pages=batch * ((prompt + new_tokens) // 16 + 8),
+                                    fp_sink=4 if codec != "fp16" else 0)
+            variants[f"KVGuardCache {codec}"] = (make, "kvguard", False)
+            if graphs:
+                variants[f"KVGuardCache {codec}, graph"] = (make, "kvguard", True)
         best, tokens = {}, {}
         for _ in range(rounds):
-            for name, (make, impl) in variants.items():
+            for name, (make, impl, graph) in list(variants.items()):
                 model.set_attn_implementation(impl)
-                cache = make()
+                cache = make() if make else None
                 sync()
                 t0 = time.perf_counter()
-                with torch.no_grad():
-                    out = model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0,
-                                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                         **{cache_kwarg(model): cache})
+                try:
+                    with torch.no_grad():
+                        if graph and cache is None:
+                            out = static_graph_generate(model, cfg, ids, new_tokens)
+                        elif graph:
+                            out = greedy(model, cache, ids, max_new_tokens=new_tokens)
+                        else:
+                            out = model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0,
+                                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                 do_sample=False, **{cache_kwarg(model): cache})
+                except Exception as e:  # noqa: BLE001 - a baseline that this transformers cannot run is reported
+                    what = "not run here" if cache is None else "FAILED"  # the baseline's, or ours
+                    lines.append(f"  B = {batch:2d} {name}: {what}: {type(e).__name__}: {str(e)[:300]}")
+                    print(lines[-1], flush=True)
+                    del variants[name]
+                    continue
                 sync()
                 best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
                 tokens[name] = out[:, prompt:]
@@ -282,7 +350,7 @@ def bench_generate(new_tokens: int, prompt: int, codecs, batches, rounds: int = 
         ref_name = "DynamicCache + sdpa"
         for name, t in best.items():
             agree = (tokens[name] == tokens[ref_name]).float().mean().item()
-            lines.append(f"  B = {batch:2d} {name:22} {t / new_tokens * 1e3:8.2f} ms/step  "
+            lines.append(f"  B = {batch:2d} {name:29} {t / new_tokens * 1e3:8.2f} ms/step  "
                          f"({t / best[ref_name]:.2f}x; greedy tokens equal to DynamicCache's: {agree:.0%})")
             print(lines[-1], flush=True)
     return lines
@@ -322,7 +390,8 @@ def main():
         lines += bench_cache(a.models.split(","), [int(x) for x in a.contexts.split(",")], a.codecs.split(","),
                              batches, a.steps)
     if a.generate:
-        lines += bench_generate(a.generate, a.prompt, [c for c in a.codecs.split(",") if "+" not in c], batches)
+        lines += bench_generate(a.generate, a.prompt, [c for c in a.codecs.split(",") if "+" not in c], batches,
+                                graphs=DEV.type == "cuda")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "cache_results.json"), "w") as f:
