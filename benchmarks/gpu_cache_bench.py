@@ -1,8 +1,10 @@
 """The cache on a GPU, end to end: CacheManager on CUDA (quantize-on-write and paged decode
 through the Triton kernels) checked against its reference path; the time of a decode step of a
 whole model's layers through the cache, rows one by one and as one batch, beside the kernels'
-own device time; then generation of a random-weight model through KVGuardCache beside
-transformers' DynamicCache + SDPA.
+own device time, and as one batch replayed from a CUDA graph (kvguard.cache.step.StaticStep);
+then generation of a random-weight model through KVGuardCache beside transformers'
+DynamicCache + SDPA, eagerly and with each decode step replayed from a CUDA graph (against
+StaticCache + SDPA, graphed the same way).
 
     PYTHONPATH=. python3 benchmarks/gpu_cache_bench.py [--models smollm2-135m,llama3-8b]
         [--contexts 1024,16384] [--batches 1,8] [--codecs fp16,int8,int4,fp8,int8+h2o] [--steps 10]
@@ -99,6 +101,51 @@ def decode_steps(m: CacheManager, seqs: list, steps: int, batched: bool, repeats
         times.append((time.perf_counter() - t0) / steps)
         cpu.append((time.thread_time() - c0) / steps)
     return min(times), min(cpu)
+
+
+def graph_steps(m: CacheManager, seqs: list, steps: int, repeats: int = 5) -> tuple[float, float]:
+    """As decode_steps for the batch, with each step's layers (write the token, attend) replayed
+    from a CUDA graph through a StaticStep: the host's work per step is the static step's begin
+    and end around one replay. Returns the wall time of a step and the host's time to queue one
+    (the steps' time before the closing synchronization, which the host spends spinning)."""
+    if DEV.type != "cuda":  # --smoke
+        return float("nan"), float("nan")
+    try:
+        from kvguard.cache.step import StaticStep
+    except ImportError:  # an older cache
+        return float("nan"), float("nan")
+    c = m.cfg
+    g = torch.Generator(device=DEV).manual_seed(1)
+    q = torch.randn(len(seqs), c.num_query_heads, c.head_dim, generator=g, device=DEV, dtype=c.dtype)
+    k = torch.randn(len(seqs), c.num_kv_heads, c.head_dim, generator=g, device=DEV, dtype=c.dtype)
+    st = StaticStep(m, seqs, max(m.length(s) for s in seqs) + 4 + repeats * steps)
+
+    def layers():
+        for layer in range(c.num_layers):
+            st.write(layer, k, k)
+            st.attend(layer, q)
+
+    with st:  # eagerly: compiles and fills the kernels' caches
+        layers()
+    graph = torch.cuda.CUDAGraph()
+    with st:
+        with torch.cuda.graph(graph):
+            layers()
+        graph.replay()
+    with st:
+        graph.replay()
+    times, host = [], []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            with st:
+                graph.replay()
+        t1 = time.perf_counter()  # the host has queued every step; the GPU may still be at work
+        sync()
+        times.append((time.perf_counter() - t0) / steps)
+        host.append((t1 - t0) / steps)
+    return min(times), min(host)
 
 
 def kernel_time(m: CacheManager, seqs: list) -> float:
@@ -211,7 +258,8 @@ def launch_cost(model: str = "smollm2-135m", context: int = 1024, codec: str = "
 
 def bench_cache(models, contexts, codecs, batches, steps) -> list[str]:
     lines = [f"{'model':14} {'context':>7} {'B':>2} {'codec':10} | {'rows ms':>8} {'batch ms':>8} "
-             f"{'us/layer':>8} {'cpu us':>7} {'kernels':>8} {'host':>5} | check"]
+             f"{'us/layer':>8} {'cpu us':>7} {'kernels':>8} {'host':>5} | {'graph ms':>8} {'us/layer':>8} "
+             f"{'host us':>7} | check"]
     print(lines[0], flush=True)
     for model in models:
         for context in contexts:
@@ -227,10 +275,12 @@ def bench_cache(models, contexts, codecs, batches, steps) -> list[str]:
                     step, cpu = (decode_steps(m, seqs, steps, batched=True) if hasattr(m, "append_step")
                                  else decode_steps(m, seqs, steps, batched=False))
                     kt = kernel_time(m, seqs)
+                    gstep, ghost = graph_steps(m, seqs, steps)
                     layers = m.cfg.num_layers
                     lines.append(f"{model:14} {context:7d} {rows:2d} {name:10} | {one * 1e3:8.2f} {step * 1e3:8.2f} "
                                  f"{step / layers * 1e6:8.1f} {cpu / layers * 1e6:7.1f} {kt / layers * 1e6:8.1f} "
-                                 f"{1 - kt / step:5.0%} | "
+                                 f"{1 - kt / step:5.0%} | {gstep * 1e3:8.2f} {gstep / layers * 1e6:8.1f} "
+                                 f"{ghost / layers * 1e6:7.1f} | "
                                  f"rel {err:.1e}" + ("" if err < 2e-2 else "  FAILED"))
                     print(lines[-1], flush=True)
                     del m
@@ -304,7 +354,8 @@ def bench_generate(new_tokens: int, prompt: int, codecs, batches, rounds: int = 
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(DEV, torch.bfloat16).eval()
     lines = [f"generate: prompt {prompt}, {new_tokens} new tokens, SmolLM2-135M shape, random bf16 weights; "
-             f"ms per step (one new token for every row), fastest of {rounds} rounds"]
+             f"ms per step (one new token for every row; the whole call over its new tokens, and decode steps "
+             f"alone: the difference from a run of a quarter of the tokens), fastest of {rounds} rounds"]
     print(lines[0], flush=True)
     for batch in batches:
         ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device=DEV)
@@ -319,39 +370,54 @@ def bench_generate(new_tokens: int, prompt: int, codecs, batches, rounds: int = 
             variants[f"KVGuardCache {codec}"] = (make, "kvguard", False)
             if graphs:
                 variants[f"KVGuardCache {codec}, graph"] = (make, "kvguard", True)
+        # each variant at `new_tokens` and at a quarter of them: the difference is decode steps
+        # alone, without the prompt's forward pass and the set-up
+        short = max(1, new_tokens // 4)
         best, tokens = {}, {}
         for _ in range(rounds):
             for name, (make, impl, graph) in list(variants.items()):
-                model.set_attn_implementation(impl)
-                cache = make() if make else None
-                sync()
-                t0 = time.perf_counter()
-                try:
-                    with torch.no_grad():
-                        if graph and cache is None:
-                            out = static_graph_generate(model, cfg, ids, new_tokens)
-                        elif graph:
-                            out = greedy(model, cache, ids, max_new_tokens=new_tokens)
-                        else:
-                            out = model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0,
-                                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                                 do_sample=False, **{cache_kwarg(model): cache})
-                except Exception as e:  # noqa: BLE001 - a baseline that this transformers cannot run is reported
-                    what = "not run here" if cache is None else "FAILED"  # the baseline's, or ours
-                    lines.append(f"  B = {batch:2d} {name}: {what}: {type(e).__name__}: {str(e)[:300]}")
-                    print(lines[-1], flush=True)
-                    del variants[name]
-                    continue
-                sync()
-                best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
-                tokens[name] = out[:, prompt:]
-                if hasattr(cache, "free"):
-                    cache.free()
+                for n in (short, new_tokens):
+                    if name not in variants:
+                        break
+                    model.set_attn_implementation(impl)
+                    cache = make() if make else None
+                    sync()
+                    t0 = time.perf_counter()
+                    try:
+                        with torch.no_grad():
+                            if graph and cache is None:
+                                out = static_graph_generate(model, cfg, ids, n)
+                            elif graph:
+                                out = greedy(model, cache, ids, max_new_tokens=n)
+                            else:
+                                out = model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0,
+                                                     max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                                     **{cache_kwarg(model): cache})
+                    except Exception as e:  # noqa: BLE001 - a baseline that this transformers cannot run is reported
+                        what = "not run here" if cache is None else "FAILED"  # the baseline's, or ours
+                        lines.append(f"  B = {batch:2d} {name}: {what}: {type(e).__name__}: {str(e)[:300]}")
+                        print(lines[-1], flush=True)
+                        del variants[name]
+                        break
+                    sync()
+                    best[name, n] = min(best.get((name, n), float("inf")), time.perf_counter() - t0)
+                    if n == new_tokens:
+                        tokens[name] = out[:, prompt:]
+                    if hasattr(cache, "free"):
+                        cache.free()
         ref_name = "DynamicCache + sdpa"
-        for name, t in best.items():
+        steps = max(1, new_tokens - short)
+
+        def decode(name):
+            return (best[name, new_tokens] - best[name, short]) / steps
+
+        for name in variants:
+            if (name, new_tokens) not in best:
+                continue
             agree = (tokens[name] == tokens[ref_name]).float().mean().item()
-            lines.append(f"  B = {batch:2d} {name:29} {t / new_tokens * 1e3:8.2f} ms/step  "
-                         f"({t / best[ref_name]:.2f}x; greedy tokens equal to DynamicCache's: {agree:.0%})")
+            lines.append(f"  B = {batch:2d} {name:29} {best[name, new_tokens] / new_tokens * 1e3:8.2f} ms/step, "
+                         f"decode alone {decode(name) * 1e3:7.2f} ms/step ({decode(name) / decode(ref_name):.2f}x "
+                         f"DynamicCache's; greedy tokens equal to its: {agree:.0%})")
             print(lines[-1], flush=True)
     return lines
 
