@@ -175,9 +175,10 @@ class StaticStep:
             raise InputError("end() without begin()")
         m = self.manager
         try:
-            for seq in self._seqs:
-                for layer in range(m.cfg.num_layers):
-                    m._written(seq, layer, 1)
+            for seq in self._seqs:  # what _written does once every layer has the token
+                seq.lengths = [n + 1 for n in seq.lengths]
+                seq.grow_mass(seq.lengths[0])
+                m._quantize_ready(seq)
         finally:
             self._open = False
             self._seqs = []
