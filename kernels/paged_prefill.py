@@ -23,20 +23,26 @@ from .paged_decode import LOG2E
 
 
 @triton.jit
-def _prefill_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, out, lse, qk_scale, T, L, limits,
+def _prefill_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, out, lse, qk_scale, T, L, limits, lens, bt_stride,
                     H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PAGES: tl.constexpr, ON_GPU: tl.constexpr,
-                    LIMITS: tl.constexpr = False):
-    # grid (cdiv(T * G, BLOCK_M), H); q, out [T, Hq, D]; lse [T, Hq]; block_table [max_pages]
+                    LIMITS: tl.constexpr = False, LENS: tl.constexpr = False):
+    # grid (cdiv(T * G, BLOCK_M), H, B); q, out [B, T, Hq, D]; lse [B, T, Hq]; block_table [B, *]
+    # (row stride bt_stride); limits [B, T]; each sequence's L from lens [B] with LENS, else L
     h = tl.program_id(1)
+    b = tl.program_id(2)
+    if LENS:
+        L = tl.load(lens + b)
     f = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # flat (token, group head) index
     row_ok = f < T * G
     t = tl.where(row_ok, f // G, 0)
-    qrow = t.to(tl.int64) * (H * G) + h * G + f % G
+    bt = b.to(tl.int64) * T + t  # the query's row of the batch's [B * T] tokens
+    qrow = bt * (H * G) + h * G + f % G
+    block_table += b.to(tl.int64) * bt_stride
     d = tl.arange(0, D)
     qh = tl.load(q + qrow[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(tl.float16)
     if LIMITS:  # keys visible to each query given (some of the keys may be newer than all of them)
-        seen = tl.minimum(tl.load(limits + t, mask=row_ok, other=0), L)
+        seen = tl.minimum(tl.load(limits + bt, mask=row_ok, other=0), L)
     else:
         seen = L - T + t + 1  # [BLOCK_M] keys visible to each row
     lim = tl.maximum(seen, 1)  # key 0 keeps m finite; a row that sees none is written empty below
@@ -94,19 +100,68 @@ def paged_prefill(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: 
     dev = check_device(q, block_table, pages["k"], *([] if limits is None else [limits]))
     cfg = {**DEFAULT_CONFIG, **(config or {})}
     check_int4_tile(codec, cfg["pages"] * s)
-    g = hq // h
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     out = torch.empty_like(q)
     lse = torch.empty(t, hq, device=dev, dtype=torch.float32)
     if t == 0:
         return out, lse
-    grid = (triton.cdiv(t * g, cfg["block_m"]), h)
+    _launch(q, pages, codec, block_table, 0, out, lse, scale, t, seq_len, limits, None, cfg, 1)
+    return out, lse
+
+
+def _launch(q, pages, codec, block_table, bt_stride, out, lse, scale, t, seq_len, limits, lens, cfg, batch):
+    h, s, d = pages["k"].shape[1], pages["k"].shape[2], q.shape[-1]
+    g = q.shape[-2] // h
+    grid = (triton.cdiv(t * g, cfg["block_m"]), h, batch)
     _prefill_kernel[grid](q, *field_args(pages), block_table, out, lse, scale * LOG2E, t, seq_len,
-                          lse if limits is None else limits,
+                          lse if limits is None else limits, lse if lens is None else lens, bt_stride,
                           H=h, G=g, S=s, D=d, KIND=KIND[codec], GROUP=ref.INT4_GROUP, BLOCK_M=cfg["block_m"],
                           PAGES=cfg["pages"], ON_GPU=not interpreting(), num_warps=cfg["num_warps"],
-                          num_stages=cfg["num_stages"], LIMITS=limits is not None)
+                          num_stages=cfg["num_stages"], LIMITS=limits is not None, LENS=lens is not None)
+
+
+def paged_prefill_batch(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch.Tensor,
+                        seq_lens: torch.Tensor, max_seq_len: int, limits: torch.Tensor, sm_scale: float | None = None,
+                        config: dict | None = None):
+    """paged_prefill for a batch of sequences in one launch: chunks of T queries each.
+
+    q            [B, T, Hq, D] fp16/bf16, contiguous
+    block_table  [B, max_pages] int32: each sequence's page ids (rows contiguous)
+    seq_lens     [B] int32: tokens in each sequence's pages, at most max_seq_len
+    max_seq_len  an upper bound of seq_lens known on the host, at most max_pages * S
+    limits       [B, T] int32: how many of its sequence's first tokens each query sees (as
+                 paged_prefill's limits: a row's padding queries see 0 and get zeros, lse -inf)
+    Returns out [B, T, Hq, D] in q's dtype and lse [B, T, Hq] fp32 (natural log).
+    """
+    codec, _, h, s, d = check_pages(pages)
+    check(q, "q", dtype=SIXTEEN_BIT, shape=(None, None, None, d))
+    b, t, hq, _ = q.shape
+    if hq % h:
+        raise KernelArgError(f"q has {hq} heads, not a multiple of the pages' {h} KV heads")
+    check(block_table, "block_table", dtype=INDEX_DTYPES, shape=(b, None), contiguous=False)
+    if block_table.stride(1) != 1:
+        raise KernelArgError("block_table's rows must be contiguous")
+    check(seq_lens, "seq_lens", dtype=torch.int32, shape=(b,))
+    check(limits, "limits", dtype=torch.int32, shape=(b, t))
+    if not 0 <= int(max_seq_len) <= block_table.shape[1] * s:
+        raise KernelArgError(f"need 0 <= max_seq_len={max_seq_len} <= max_pages*S={block_table.shape[1] * s}")
+    dev = check_device(q, block_table, pages["k"], seq_lens, limits)
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    check_int4_tile(codec, cfg["pages"] * s)
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    out = torch.empty_like(q)
+    lse = torch.empty(b, t, hq, device=dev, dtype=torch.float32)
+    if t and b:
+        _launch(q, pages, codec, block_table, block_table.stride(0), out, lse, scale, t, int(max_seq_len), limits,
+                seq_lens, cfg, b)
     return out, lse
+
+
+def paged_prefill_batch_ref(q, pages, block_table, seq_lens, max_seq_len, limits, sm_scale=None):
+    """paged_prefill_ref row by row. Returns out [B, T, Hq, D] fp32 and lse [B, T, Hq]."""
+    rows = [paged_prefill_ref(q[i], pages, block_table[i], int(n), sm_scale, limits[i])
+            for i, n in enumerate(seq_lens.tolist())]
+    return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
 
 def paged_prefill_ref(q, pages, block_table, seq_len, sm_scale=None, limits=None):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels._checks import KernelArgError
-from kernels.paged_prefill import paged_prefill, paged_prefill_ref
+from kernels.paged_prefill import paged_prefill, paged_prefill_batch, paged_prefill_batch_ref, paged_prefill_ref
 
 from .conftest import DEVICE
 from .test_paged_decode import TOL, rel_ok
@@ -80,3 +80,48 @@ def test_limits_per_query(codec):
                   TOL[torch.float16, codec != "16bit"])
     with pytest.raises(KernelArgError, match="limits must have shape"):
         paged_prefill(q, pages, table, 150, limits=limits[:5])
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_batch_is_its_rows(codec):
+    # three sequences of different lengths in one launch, a chunk of 24 queries each: row 0 the
+    # causal rule, row 1 three padding queries first (they see nothing), row 2 a pool that holds
+    # only part of the sequence (limits below the causal rule)
+    heads, group, dim, t = 2, 4, 64, 24
+    pages = make_pages(codec, 40, heads, 16, dim, torch.float16, 3)
+    gen = torch.Generator().manual_seed(4)
+    table = torch.stack([torch.randperm(40, generator=gen)[:10] for _ in range(3)]).to(torch.int32).to(DEVICE)
+    q, _ = outlier_kv((3, t, heads * group, dim), torch.float16, gen, outlier=1.0)
+    lens = [150, 60, 33]
+    limits = torch.stack([torch.arange(n - t, n) + 1 for n in lens]).to(torch.int32)
+    limits[1, :3] = 0
+    limits[2] = torch.clamp(limits[2] - 10, min=0)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    limits = limits.to(DEVICE)
+    out, lse = paged_prefill_batch(q, pages, table, seq_lens, max(lens), limits)
+    r_out, r_lse = paged_prefill_batch_ref(q, pages, table, seq_lens, max(lens), limits)
+    assert out.shape == q.shape and lse.shape == (3, t, heads * group)
+    live = r_lse > float("-inf")
+    assert bool((lse[~live] == float("-inf")).all()) and bool((out[~live] == 0).all())
+    assert rel_ok(out[live], r_out[live], TOL[torch.float16, codec != "16bit"])
+    for i, n in enumerate(lens):  # the same numbers as a launch for the row alone
+        one, one_lse = paged_prefill(q[i].contiguous(), pages, table[i], n, limits=limits[i].contiguous())
+        assert torch.equal(one, out[i]) and torch.equal(one_lse, lse[i])
+
+
+def test_batch_errors():
+    pages = make_pages("int8", 12, 2, 16, 64, torch.float16, 0)
+    q = torch.zeros(2, 8, 8, 64, dtype=torch.float16, device=DEVICE)
+    table = torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)
+    lens = torch.full((2,), 20, dtype=torch.int32, device=DEVICE)
+    limits = torch.zeros(2, 8, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(KernelArgError, match="max_seq_len"):
+        paged_prefill_batch(q, pages, table, lens, 65, limits)
+    with pytest.raises(KernelArgError, match="block_table must have shape"):
+        paged_prefill_batch(q, pages, table[:1], lens, 20, limits)
+    with pytest.raises(KernelArgError, match="limits must have shape"):
+        paged_prefill_batch(q, pages, table, lens, 20, limits[:, :4])
+    with pytest.raises(KernelArgError, match="seq_lens must be"):
+        paged_prefill_batch(q, pages, table, lens.long(), 20, limits)
+    with pytest.raises(KernelArgError, match="q must have shape"):
+        paged_prefill_batch(q[0], pages, table, lens, 20, limits)
