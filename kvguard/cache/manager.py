@@ -295,6 +295,66 @@ class CacheManager:
             self._written(seq, layer, 1)
         return True
 
+    @_locked
+    def append_chunk(self, seq_ids: Seq[SeqId], layer: int, k: torch.Tensor, v: torch.Tensor,
+                     counts: Seq[int] | None = None) -> bool:
+        """Append a chunk of new tokens to each of several sequences for one layer (a batch's
+        prefill): k, v [B, T, H, D], row i for seq_ids[i], of which the last counts[i] tokens
+        are real and the rest padding, not written (default: all T). Returns False, writing
+        nothing, when the 16-bit pool has too few free pages for them."""
+        seqs = self._batch(seq_ids)
+        c = self.cfg
+        self._check_layer(layer)
+        if not isinstance(k, torch.Tensor) or k.dim() != 4 or k.shape[0] != len(seqs):
+            shape = list(k.shape) if isinstance(k, torch.Tensor) else type(k).__name__
+            raise InputError(f"k must have shape [{len(seqs)}, T, {c.num_kv_heads}, {c.head_dim}], got {shape}")
+        if not isinstance(v, torch.Tensor) or v.shape != k.shape:
+            raise InputError("k and v differ in shape")
+        t = k.shape[1]
+        self._check_kv(k.flatten(0, 1), v.flatten(0, 1))
+        counts = self._counts(counts, len(seqs), t)
+        for seq in seqs:
+            self._auto_compact(seq, layer)
+        s = c.page_size
+        need = [max(0, math.ceil((seq.lengths[layer] + n) / s) - len(seq.pages)) for seq, n in zip(seqs, counts)]
+        hot = self.pools[HOT]
+        if hot.free_count < sum(need):
+            return False
+        for seq, n in zip(seqs, need):
+            if n:
+                seq.pages.extend(PageRef(HOT, p, HOT) for p in hot.allocate(n, seq.subject))
+        at = tuple((seq.id, seq.pages.version, seq.lengths[layer], n) for seq, n in zip(seqs, counts))
+        h = c.num_kv_heads
+
+        def rows():
+            out = []
+            for seq, (_, _, start, n) in zip(seqs, at):
+                for pos in range(start, start + n):
+                    page = int(seq.pages[pos // s].page)
+                    out.extend((page * h + i) * s + pos % s for i in range(h))
+            return out
+
+        if all(n == t for n in counts):
+            k, v = k.flatten(0, 1), v.flatten(0, 1)
+        else:
+            k = torch.cat([k[i, t - n:] for i, n in enumerate(counts)])
+            v = torch.cat([v[i, t - n:] for i, n in enumerate(counts)])
+        if k.shape[0]:
+            self._write_tokens(layer, self._device_ints(("chunk", at), rows), k, v)
+        for seq, n in zip(seqs, counts):
+            if n:
+                self._written(seq, layer, n)
+        return True
+
+    @staticmethod
+    def _counts(counts, b: int, t: int) -> list[int]:
+        if counts is None:
+            return [t] * b
+        counts = list(counts)
+        if len(counts) != b or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= t for n in counts):
+            raise InputError(f"counts must be {b} integers in [0, {t}], one per row")
+        return counts
+
     def _token_rows(self, seqs: list[Sequence], layer: int) -> torch.Tensor:
         """Where each sequence's next token of this layer goes in the 16-bit pool viewed as
         [P * H * S, D]: rows (page * H + head) * S + slot, sequence by sequence, head by head;
@@ -491,6 +551,73 @@ class CacheManager:
             raise InputError(f"q has dtype {q.dtype}; the decode kernels take float16 or bfloat16")
         with_mass = self.evictor is not None and self.evictor.needs_mass
         return self._attend_paged(seqs, layer, q.contiguous(), scale, with_mass)
+
+    @_locked
+    def attend_chunk(self, seq_ids: Seq[SeqId], layer: int, q: torch.Tensor, counts: Seq[int] | None = None, *,
+                     scale: float | None = None) -> torch.Tensor:
+        """Causal attention of a batch's chunk: q [B, T, Hq, D], of which row i's last counts[i]
+        queries are its sequence's last counts[i] positions and the rest padding (zeros out;
+        default: all T), over what each sequence holds for this layer. Returns [B, T, Hq, D]. On
+        the kernel path every row is one launch of the prefill kernel per pool; a chunk whose
+        mass the evictor needs takes each row's own `attend`."""
+        seqs = self._batch(seq_ids)
+        c = self.cfg
+        self._check_layer(layer)
+        if (not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != len(seqs)
+                or q.shape[2:] != (c.num_query_heads, c.head_dim)):
+            shape = list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise InputError(f"q must have shape [{len(seqs)}, T, {c.num_query_heads}, {c.head_dim}], got {shape}")
+        t = q.shape[1]
+        counts = self._counts(counts, len(seqs), t)
+        for seq, n in zip(seqs, counts):
+            if n > seq.lengths[layer]:
+                raise InputError(f"{n} queries but sequence {seq.id} holds {seq.lengths[layer]} positions")
+        mass = self.evictor is not None and self.evictor.needs_mass
+        if not c.use_kernels or mass or q.dtype not in (torch.float16, torch.bfloat16):
+            out = q.new_zeros(q.shape)
+            for i, (seq, n) in enumerate(zip(seqs, counts)):
+                if n:
+                    out[i, t - n:] = self.attend(seq.id, layer, q[i, t - n:], scale=scale).to(q.dtype)
+            return out
+        for seq in seqs:
+            self._fetch_all(seq)
+        return self._prefill_batch(seqs, layer, q.contiguous(), counts, scale)
+
+    def _prefill_batch(self, seqs: list[Sequence], layer: int, q: torch.Tensor, counts: list[int],
+                       scale: float | None) -> torch.Tensor:
+        """attend_chunk on the kernel path: per pool, each query sees the pool's tokens at or
+        before its position (`limits`, as _prefill_paged), every row in one launch; the pools'
+        results merged by log-sum-exp."""
+        sets, used = self._decode_sets(seqs, layer)
+        t = q.shape[1]
+        lengths = tuple(seq.lengths[layer] for seq in seqs)
+        # the queries' positions, -1 for padding (which then sees no key)
+        at = self._device_ints(("queries", lengths, tuple(counts), t), lambda: [
+            [n - t + j if j >= t - k else -1 for j in range(t)] for n, k in zip(lengths, counts)])
+        outs, lses = [], []
+        for (fields, table, tokens), (name, _) in zip(sets, used):
+            pos = self._sorted_positions(seqs, name)
+            limits = torch.searchsorted(pos, at, right=True).to(torch.int32)
+            lens = self._device_ints(("lens", tuple(tokens)), lambda tokens=tokens: tokens, torch.int32)
+            out, lse = paged.prefill_batch(q, fields, table, lens, max(tokens), limits, scale)
+            outs.append(out)
+            lses.append(lse)
+        if len(outs) == 1:
+            return outs[0]
+        w = torch.softmax(torch.stack(lses), dim=0).nan_to_num(0.0)  # [P, B, T, Hq]; padding: 0
+        return (torch.stack(outs).float() * w.unsqueeze(-1)).sum(0).to(q.dtype)
+
+    def _sorted_positions(self, seqs: list[Sequence], name: str) -> torch.Tensor:
+        """[B, most pages * S] positions of the rows' tokens in one pool (ascending, as
+        _positions), padded with a position past any query's: searchsorted's rows."""
+        lays = [self._layout(seq) for seq in seqs]
+
+        def build():
+            empty = torch.zeros(0, dtype=torch.long, device=self.cfg.device)
+            rows = [self._positions(seq, name) if lay.idx[name] else empty for seq, lay in zip(seqs, lays)]
+            return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=2**62)
+
+        return self._while_pages_hold(("sorted", name, tuple(seq.id for seq in seqs)), lays, build)
 
     def _attend_paged(self, seqs: list[Sequence], layer: int, q: torch.Tensor, scale: float | None,
                       with_mass: bool) -> torch.Tensor:

@@ -76,3 +76,14 @@ def prefill(q: torch.Tensor, parts: list[tuple[dict[str, torch.Tensor], torch.Te
         return outs[0]
     w = torch.softmax(torch.stack(lses), dim=0)  # [P, T, Hq]: each pool's share (0 where it has none)
     return (torch.stack(outs).float() * w.unsqueeze(-1)).sum(0).to(q.dtype)
+
+
+def prefill_batch(q: torch.Tensor, fields: dict[str, torch.Tensor], table: torch.Tensor, lens: torch.Tensor,
+                  max_tokens: int, limits: torch.Tensor, scale: float | None):
+    """One pool's share of a batch's chunk: q [B, T, Hq, D]; table [B, n] int32; lens [B] int32
+    tokens of each row in the pool; limits [B, T] int32 of them each query sees. Returns out
+    [B, T, Hq, D] and lse [B, T, Hq] (paged_prefill_batch)."""
+    from kernels.paged_prefill import paged_prefill_batch
+
+    return paged_prefill_batch(q, fields, table, lens, max_tokens, limits, sm_scale=scale)
+

@@ -162,3 +162,59 @@ def test_dense_attention_in_query_blocks_is_the_whole(monkeypatch, mass_queries)
         assert torch.allclose(whole[1].sum(), torch.tensor(4.0 * mass_queries), atol=1e-3)
     else:
         assert blocks[1] is None and whole[1] is None
+
+
+def chunks(m, seqs, batched, seed=9):
+    """A chunk for every row, then one with padding on the left (a row with none); per row
+    (append + attend) or as one batch (append_chunk + attend_chunk)."""
+    g = torch.Generator().manual_seed(seed)
+    outs = []
+    for t, counts in ((30, [30, 30, 30]), (20, [20, 7, 0])):
+        k = torch.randn(len(seqs), t, 2, 64, generator=g).half()
+        q = torch.randn(len(seqs), t, 4, 64, generator=g).half()
+        for layer in range(2):
+            if batched:
+                assert m.append_chunk(seqs, layer, k, k * 0.5, counts)
+                outs.append(m.attend_chunk(seqs, layer, q, counts))
+                continue
+            out = torch.zeros(len(seqs), t, 4, 64, dtype=torch.float16)
+            for i, (seq, n) in enumerate(zip(seqs, counts)):
+                if n:
+                    assert m.append(seq, layer, k[i, t - n:], k[i, t - n:] * 0.5)
+                    out[i, t - n:] = m.attend(seq, layer, q[i, t - n:])
+            outs.append(out)
+    return torch.cat([o.flatten() for o in outs])
+
+
+@pytest.mark.parametrize("options", [{}, {"evictor": "h2o", "evictor_options": {"budget": 48, "sink": 4,
+                                                                                 "window": 16}}])
+def test_a_batch_chunk_is_its_rows_chunks(options):
+    a, b = make(**options), make(**options)
+    sa, sb = opened(a, (37, 16, 5)), opened(b, (37, 16, 5))
+    assert torch.equal(chunks(a, sa, batched=True), chunks(b, sb, batched=False))
+    for x, y in zip(sa, sb):
+        assert a.length(x) == b.length(y)
+        for layer in range(2):
+            assert all(torch.equal(p, q) for p, q in zip(a.kv(x, layer), b.kv(y, layer)))
+        assert torch.equal(a._seq(x).mass, b._seq(y).mass)
+    assert a.stats() == b.stats()
+
+
+def test_batch_chunk_refuses_bad_input():
+    m = make()
+    seqs = opened(m)
+    k = torch.zeros(3, 4, 2, 64, dtype=torch.float16)
+    q = torch.zeros(3, 4, 4, 64, dtype=torch.float16)
+    with pytest.raises(InputError, match="k must have shape"):
+        m.append_chunk(seqs, 0, k[:2], k[:2])
+    with pytest.raises(InputError, match="differ in shape"):
+        m.append_chunk(seqs, 0, k, k[:, :2])
+    with pytest.raises(InputError, match="counts must be 3 integers in"):
+        m.append_chunk(seqs, 0, k, k, [4, 5, 0])
+    with pytest.raises(InputError, match="counts must be 3 integers in"):
+        m.attend_chunk(seqs, 0, q, [1, 1])
+    with pytest.raises(InputError, match="q must have shape"):
+        m.attend_chunk(seqs, 0, q[..., :32])
+    with pytest.raises(InputError, match="holds 16 positions"):
+        m.attend_chunk(seqs, 0, torch.zeros(3, 17, 4, 64, dtype=torch.float16))
+    assert [m.length(s) for s in seqs] == list(LENGTHS)

@@ -117,3 +117,38 @@ def test_batch_step_kernel_path_matches_reference_path(codec, budget, steps):
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+CHUNK_SCRIPT = r"""
+import tests.kernels.conftest
+import torch
+from kvguard.cache import CacheConfig, CacheManager
+from kvguard.types import Subject
+from tests.cache.test_batch_step import chunks, opened
+
+def make():
+    return CacheManager(CacheConfig(num_layers=2, num_kv_heads=2, num_query_heads=4, head_dim=64, num_pages=48,
+                                    codec="{codec}", fp_sink=4, fp_window=16, use_kernels=True))
+
+a, b = make(), make()
+sa, sb = opened(a, (37, 16, 5)), opened(b, (37, 16, 5))
+got, want = chunks(a, sa, batched=True).float(), chunks(b, sb, batched=False).float()
+rel = ((got - want).norm() / want.norm()).item()
+assert rel < 1e-5, rel
+for x, y in zip(sa, sb):
+    assert a.length(x) == b.length(y)
+for name, pool in a.pools.items():
+    for f, g in zip(pool.fields[1].values(), b.pools[name].fields[1].values()):
+        assert torch.equal(f, g), name
+print("ok", rel)
+"""
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8"])
+def test_batch_chunk_kernel_path_is_its_rows(codec):
+    # a batch's chunk in one launch of the prefill kernel per pool (rows of different lengths,
+    # pages quantized on the way, padding on the left) against its rows' own prefill calls
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", CHUNK_SCRIPT.replace("{codec}", codec)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
