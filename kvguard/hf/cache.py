@@ -110,8 +110,9 @@ class KVGuardCache(Cache):
     """
 
     attn_implementation = ATTN_IMPLEMENTATION
-    # a decode step (one new token in every row) goes to the manager as one batch; a subclass
-    # that reads rows its own way in `_attend_row` turns this off
+    # a decode step (one new token in every row) and, on the kernel path, a prefill chunk whose
+    # rows are padded on the left go to the manager as one batch; a subclass that reads rows its
+    # own way in `_attend_row` turns this off
     batched_decode = True
 
     def __init__(self, config, subject: Subject | Sequence[Subject], *, manager: CacheManager | None = None,
@@ -133,7 +134,9 @@ class KVGuardCache(Cache):
         self._manager = manager
         self._options = options
         self.seqs: list[SeqId] = []
-        self._mask: tuple | None = None  # (the last padding mask seen, (t, its version), its rows' real tokens)
+        # (the last padding mask seen, (t, its version), its rows' real tokens, their counts when
+        # they are each row's last tokens)
+        self._mask: tuple | None = None
         self._static = None  # the StaticStep of a decode step run by a DecodeGraph (graph.py), while it runs
 
     @classmethod
@@ -223,6 +226,16 @@ class KVGuardCache(Cache):
                 raise CacheFullError(f"no free page for the new tokens of {batch} rows at layer {layer}: "
                                      "raise num_pages or configure an evictor with a budget")
             return self._attend_step(layer, query[:, :, 0], scale).to(query.dtype).unsqueeze(1)
+        counts = self._suffix_counts(real, t)
+        if self.batched_decode and self._manager.cfg.use_kernels and counts is not None:
+            # a prefill chunk whose rows' real tokens come last (left padding): one write and one
+            # launch of the prefill kernel per pool for every row
+            k, v = key.transpose(1, 2).to(dtype).contiguous(), value.transpose(1, 2).to(dtype).contiguous()
+            if not self._manager.append_chunk(self.seqs, layer, k, v, counts):
+                raise CacheFullError(f"no free page for the new tokens of {batch} rows at layer {layer}: "
+                                     "raise num_pages or configure an evictor with a budget")
+            q = query.transpose(1, 2).to(dtype).contiguous()  # [B, T, Hq, D]
+            return self._manager.attend_chunk(self.seqs, layer, q, counts, scale=scale).to(query.dtype)
         out = query.new_zeros(batch, t, query.shape[1], query.shape[3])
         for b, seq in enumerate(self.seqs):
             idx = slice(None) if real is None or real[b] is None else real[b]
@@ -237,6 +250,13 @@ class KVGuardCache(Cache):
             out[b, idx] = self._attend_row(seq, layer, q, scale).to(out.dtype)
         return out
 
+    def _suffix_counts(self, real: list[torch.Tensor | None] | None, t: int) -> list[int] | None:
+        """Each row's real tokens among the t new ones when they are its last ones (no padding,
+        or padding on the left), else None."""
+        if real is None:
+            return [t] * len(self.seqs)
+        return self._mask[3] if self._mask is not None and self._mask[2] is real else None
+
     def _real_tokens(self, padding: torch.Tensor | None, t: int) -> list[torch.Tensor | None] | None:
         """Per row, the positions of its real tokens among the t new ones (None: all real), read
         to the host once per forward pass: every layer gets the same mask tensor, and a read per
@@ -248,7 +268,9 @@ class KVGuardCache(Cache):
             return self._mask[2]
         real = padding[:, -t:].to(torch.bool).cpu()
         rows = [None if bool(r.all()) else r.nonzero().squeeze(1).to(padding.device) for r in real]
-        self._mask = (padding, key, rows)
+        n = real.sum(1)
+        suffix = bool((real == (torch.arange(t) >= t - n[:, None])).all())  # each row's real tokens come last
+        self._mask = (padding, key, rows, n.tolist() if suffix else None)
         return rows
 
     def _attend_step(self, layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""Decode steps replayed from a CUDA graph (kvguard.hf.DecodeGraph, greedy) do what eager steps do.
+"""Decode steps replayed from a CUDA graph (kvguard.hf.DecodeGraph, greedy) do what eager steps do,
+and a batch's prompt in one pass of the prefill kernel (left padding included) what its rows do
+one by one.
 
 Without a GPU the same steps run eagerly through the fixed buffers, on the kernel path under
 Triton's interpreter, in a fresh interpreter (TRITON_INTERPRET must be set before triton
@@ -46,6 +48,14 @@ eager = KVGuardCache(cfg, who, **opts)
 want = model.generate(ids, attention_mask=mask, max_new_tokens={new}, do_sample=False, pad_token_id=0,
                       past_key_values=eager)
 want_events = events(eager)
+
+class RowByRow(KVGuardCache):  # the prompt and the decode steps row by row
+    batched_decode = False
+
+rows = RowByRow(cfg, who, **opts)
+assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens={new}, do_sample=False, pad_token_id=0,
+                                  past_key_values=rows), want)
+assert events(rows) == want_events
 runs = [False] + ([True] if dev == "cuda" else [])
 for capture in runs:
     cache = KVGuardCache(cfg, who, **opts)
