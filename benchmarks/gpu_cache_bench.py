@@ -370,6 +370,25 @@ def bench_generate(new_tokens: int, prompt: int, codecs, batches, rounds: int = 
             variants[f"KVGuardCache {codec}"] = (make, "kvguard", False)
             if graphs:
                 variants[f"KVGuardCache {codec}, graph"] = (make, "kvguard", True)
+        # the prompt's forward pass alone (time to the first token's logits), eager variants
+        for name, (make, impl, graph) in variants.items():
+            if graph:
+                continue
+            model.set_attn_implementation(impl)
+            times = []
+            for _ in range(rounds):
+                cache = make()
+                sync()
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True,
+                          **{cache_kwarg(model): cache})
+                sync()
+                times.append(time.perf_counter() - t0)
+                if hasattr(cache, "free"):
+                    cache.free()
+            lines.append(f"  B = {batch:2d} {name:29} prompt's forward pass {min(times) * 1e3:8.2f} ms")
+            print(lines[-1], flush=True)
         # each variant at `new_tokens` and at a quarter of them: the difference is decode steps
         # alone, without the prompt's forward pass and the set-up
         short = max(1, new_tokens // 4)
