@@ -5,6 +5,12 @@ The chunk's T queries are the last T of the sequence's L tokens (their own K/V a
 written to the pages). GQA is packed into the rows of a tile: a program takes BLOCK_M
 consecutive (token, query head) pairs of one KV head, so each K/V block read serves the
 whole group. Query row (t, g) sees keys 0 .. L - T + t.
+
+H2O and SnapKV need each key's attention mass: its probability under each query's final
+softmax, summed over the group's query heads and the chunk's last queries. That needs the
+query's final lse, which the attention pass only has at its end, so a second kernel
+(paged_prefill_mass) takes one block of keys per program, recomputes the logits of every
+counted query against it and sums exp(logit - lse): the QK work once more, no [T, L] matrix.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import triton.language as tl
 from . import quantize as ref
 from ._checks import (INDEX_DTYPES, KIND, SIXTEEN_BIT, KernelArgError, check, check_device, check_int4_tile,
                       check_pages, field_args, interpreting)
-from ._pages import attend_block, load_pages_f16
+from ._pages import attend_block, load_keys_f16, load_pages_f16
 from .paged_decode import LOG2E
 
 
@@ -67,7 +73,101 @@ def _prefill_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, out, lse, qk_sca
     tl.store(lse + qrow, tl.where(none, float("-inf"), (m + tl.log2(l)) * 0.6931471805599453), mask=row_ok)
 
 
+@triton.jit
+def _prefill_mass_kernel(q, kp, ksp, kzp, block_table, lse, mass, qk_scale, T, L, limits, first,
+                         H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr,
+                         BLOCK_M: tl.constexpr, PAGES: tl.constexpr, ON_GPU: tl.constexpr,
+                         LIMITS: tl.constexpr = False):
+    # grid (cdiv(L, PAGES * S), H); q [T, Hq, D]; lse [T, Hq] natural log; mass [H, L] fp32:
+    # the program's block of keys, summed over the query rows (t, g) with t >= first
+    h = tl.program_id(1)
+    BN: tl.constexpr = PAGES * S
+    start = tl.program_id(0) * BN
+    pi = start // S + tl.arange(0, PAGES)
+    n = start + tl.arange(0, BN)
+    tok_ok = n < L
+    page = tl.load(block_table + pi, mask=pi * S < L, other=0).to(tl.int64)
+    k = load_keys_f16(kp, ksp, kzp, page, tok_ok.reshape(PAGES, S), h, H, S, D, PAGES, KIND, ON_GPU)
+    d = tl.arange(0, D)
+    total = tl.zeros([BN], tl.float32)
+    for r0 in range(first * G, T * G, BLOCK_M):
+        f = r0 + tl.arange(0, BLOCK_M)
+        row_ok = f < T * G
+        t = tl.where(row_ok, f // G, 0)
+        qrow = t.to(tl.int64) * (H * G) + h * G + f % G
+        qh = tl.load(q + qrow[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        qh = qh.to(tl.float32).to(tl.float16)
+        if LIMITS:
+            seen = tl.minimum(tl.load(limits + t, mask=row_ok, other=0), L)
+        else:
+            seen = L - T + t + 1
+        l2 = tl.load(lse + qrow, mask=row_ok, other=0.0) * 1.4426950408889634  # base 2
+        s = tl.dot(qh, tl.trans(k)) * qk_scale
+        p = tl.exp2(s - l2[:, None])
+        p = tl.where(row_ok[:, None] & (n[None, :] < seen[:, None]) & tok_ok[None, :], p, 0.0)
+        total += tl.sum(p, 0)
+    tl.store(mass + h * L + n, total, mask=tok_ok)
+
+
 DEFAULT_CONFIG = {"block_m": 64, "pages": 4, "num_warps": 4, "num_stages": 2}
+MASS_CONFIG = {"block_m": 64, "pages": 4, "num_warps": 4, "num_stages": 2}
+
+
+def paged_prefill_mass(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch.Tensor, seq_len: int,
+                       lse: torch.Tensor, first: int = 0, sm_scale: float | None = None,
+                       limits: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """Each key's attention mass from a chunk's queries, for H2O and SnapKV.
+
+    q, pages, block_table, seq_len, sm_scale, limits: as paged_prefill takes them.
+    lse          [T, Hq] fp32: each query's log-sum-exp (natural log) over every key it attends
+                 to, which may be more than these pages hold (a cache's other pool): the
+                 probabilities are those of that softmax
+    first        the mass counts queries first .. T - 1 (SnapKV's observation window)
+    Returns mass [H, seq_len] fp32: per KV head, each key's probability summed over the group's
+    query heads and the counted queries.
+    """
+    codec, _, h, s, d = check_pages(pages)
+    check(q, "q", dtype=SIXTEEN_BIT, shape=(None, None, d))
+    t, hq, _ = q.shape
+    if hq % h:
+        raise KernelArgError(f"q has {hq} heads, not a multiple of the pages' {h} KV heads")
+    check(block_table, "block_table", dtype=INDEX_DTYPES, shape=(None,))
+    check(lse, "lse", dtype=torch.float32, shape=(t, hq))
+    seq_len, first = int(seq_len), int(first)
+    if not 0 <= first <= t:
+        raise KernelArgError(f"need 0 <= first={first} <= T={t}")
+    if limits is None and not t <= seq_len <= block_table.shape[0] * s:
+        raise KernelArgError(f"need T={t} <= seq_len={seq_len} <= max_pages*S={block_table.shape[0] * s}")
+    if limits is not None:
+        check(limits, "limits", dtype=torch.int32, shape=(t,))
+        if not 0 <= seq_len <= block_table.shape[0] * s:
+            raise KernelArgError(f"need 0 <= seq_len={seq_len} <= max_pages*S={block_table.shape[0] * s}")
+    dev = check_device(q, block_table, pages["k"], lse, *([] if limits is None else [limits]))
+    cfg = {**MASS_CONFIG, **(config or {})}
+    mass = torch.zeros(h, seq_len, device=dev, dtype=torch.float32)
+    if seq_len == 0 or first == t:
+        return mass
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    grid = (triton.cdiv(seq_len, cfg["pages"] * s), h)
+    _prefill_mass_kernel[grid](q, *field_args(pages)[:3], block_table, lse, mass, scale * LOG2E, t, seq_len, lse if limits is None else limits, first,
+                               H=h, G=hq // h, S=s, D=d, KIND=KIND[codec], BLOCK_M=cfg["block_m"],
+                               PAGES=cfg["pages"], ON_GPU=not interpreting(), num_warps=cfg["num_warps"],
+                               num_stages=cfg["num_stages"], LIMITS=limits is not None)
+    return mass
+
+
+def paged_prefill_mass_ref(q, pages, block_table, seq_len, lse, first=0, sm_scale=None, limits=None):
+    """Dense fp32 reference of paged_prefill_mass (keys dequantized with kernels/quantize.py)."""
+    t, hq, d = q.shape
+    h = pages["k"].shape[1]
+    g = hq // h
+    k, _ = ref.sequence_kv(pages, block_table, seq_len)  # [H, L, D]
+    qf = q.float().reshape(t, h, g, d).permute(1, 2, 0, 3)  # [H, g, T, D]
+    sc = torch.einsum("hgtd,hld->hgtl", qf, k) * (1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
+    seen = (torch.arange(seq_len - t, seq_len, device=q.device) + 1 if limits is None else limits.long())[:, None]
+    sc = sc.masked_fill(torch.arange(seq_len, device=q.device)[None, :] >= seen, float("-inf"))
+    p = torch.exp(sc - lse.reshape(t, h, g).permute(1, 2, 0).unsqueeze(-1))  # [H, g, T, L]
+    return p[:, :, first:].sum(dim=(1, 2))
 
 
 def paged_prefill(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch.Tensor, seq_len: int,

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kernels._checks import KernelArgError
-from kernels.paged_prefill import paged_prefill, paged_prefill_batch, paged_prefill_batch_ref, paged_prefill_ref
+from kernels.paged_prefill import (paged_prefill, paged_prefill_batch, paged_prefill_batch_ref, paged_prefill_mass,
+                                   paged_prefill_mass_ref, paged_prefill_ref)
 
 from .conftest import DEVICE
 from .test_paged_decode import TOL, rel_ok
@@ -125,3 +126,40 @@ def test_batch_errors():
         paged_prefill_batch(q, pages, table, lens.long(), 20, limits)
     with pytest.raises(KernelArgError, match="q must have shape"):
         paged_prefill_batch(q[0], pages, table, lens, 20, limits)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("group", (1, 4))
+def test_mass_matches_reference(codec, group):
+    # under the chunk's own lse, every query's probabilities sum to one over the keys it sees:
+    # the mass of all queries sums to T per query head; then the last 5 queries alone (SnapKV),
+    # a pool's share under a larger softmax (lse raised), and limits
+    t, length = 20, 150
+    q, pages, table = _case(codec, torch.float16, group, 64, t, seed=5)
+    out, lse = paged_prefill(q, pages, table, length)
+    mass = paged_prefill_mass(q, pages, table, length, lse)
+    ref = paged_prefill_mass_ref(q, pages, table, length, lse)
+    assert mass.shape == (2, length)
+    assert rel_ok(mass, ref, 3e-3)
+    assert torch.allclose(mass.sum(1), torch.full((2,), float(t * group), device=mass.device), rtol=1e-3)
+    assert bool((mass[:, : length - t] > 0).all())
+    last = paged_prefill_mass(q, pages, table, length, lse, first=t - 5)
+    assert rel_ok(last, paged_prefill_mass_ref(q, pages, table, length, lse, first=t - 5), 3e-3)
+    assert torch.allclose(last.sum(1), torch.full((2,), float(5 * group), device=mass.device), rtol=1e-3)
+    limits = (torch.arange(t, dtype=torch.int32) * 3).to(DEVICE)  # some queries see no key here
+    bigger = lse + 0.5
+    got = paged_prefill_mass(q, pages, table, 60, bigger, limits=limits)
+    want = paged_prefill_mass_ref(q, pages, table, 60, bigger, limits=limits)
+    assert rel_ok(got, want, 3e-3)
+
+
+def test_mass_errors():
+    q, pages, table = _case("int8", torch.float16, 2, 64, 8)
+    lse = torch.zeros(8, 4, device=DEVICE)
+    with pytest.raises(KernelArgError, match="lse must have shape"):
+        paged_prefill_mass(q, pages, table, 20, lse[:4])
+    with pytest.raises(KernelArgError, match="first"):
+        paged_prefill_mass(q, pages, table, 20, lse, first=9)
+    with pytest.raises(KernelArgError, match="seq_len"):
+        paged_prefill_mass(q, pages, table, 4, lse)
+    assert not paged_prefill_mass(q, pages, table, 20, lse, first=8).any()
