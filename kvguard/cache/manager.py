@@ -506,7 +506,7 @@ class CacheManager:
         the sequence holds for this layer. Returns [T, Hq, D]. Accumulates each key's
         attention mass when the evictor scores by it. On the kernel path a decode step
         (T = 1) and a causal chunk read the pages in place; a chunk whose mass the
-        evictor needs takes the dense path over the dequantized pages."""
+        evictor needs adds it from a second kernel pass over its keys."""
         seq = self._seq(seq_id)
         c = self.cfg
         if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[1:] != (c.num_query_heads, c.head_dim):
@@ -520,8 +520,8 @@ class CacheManager:
             mass_q = q.shape[0] if observe is None else min(observe, q.shape[0])
         if c.use_kernels and q.shape[0] == 1:
             return self._attend_paged([seq], layer, q.contiguous(), scale, mass_q > 0)
-        if c.use_kernels and causal and mass_q == 0:
-            return self._prefill_paged(seq, layer, q.contiguous(), scale)
+        if c.use_kernels and causal:
+            return self._prefill_paged(seq, layer, q.contiguous(), scale, mass_q)
         k, v = self.kv(seq_id, layer, dtype=torch.float32)
         out, mass = dense_attention(q, k, v, causal=causal, mass_queries=mass_q, scale=scale)
         if mass is not None:
@@ -573,7 +573,7 @@ class CacheManager:
             if n > seq.lengths[layer]:
                 raise InputError(f"{n} queries but sequence {seq.id} holds {seq.lengths[layer]} positions")
         mass = self.evictor is not None and self.evictor.needs_mass
-        if not c.use_kernels or mass or q.dtype not in (torch.float16, torch.bfloat16):
+        if not c.use_kernels or mass or q.dtype not in (torch.float16, torch.bfloat16):  # each row its own
             out = q.new_zeros(q.shape)
             for i, (seq, n) in enumerate(zip(seqs, counts)):
                 if n:
@@ -640,18 +640,20 @@ class CacheManager:
                      else self._batch_positions(seqs, name)) for name, _ in used]
         return sets, lens, into
 
-    def _prefill_paged(self, seq: Sequence, layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+    def _prefill_paged(self, seq: Sequence, layer: int, q: torch.Tensor, scale: float | None,
+                       mass_q: int = 0) -> torch.Tensor:
         """Causal attention of a chunk q [T, Hq, D] (the last T positions) through the prefill
         kernel, once per pool, merged by log-sum-exp. A pool's tokens may be older or newer
         than a query (the chunk's own pages may already be quantized), so each query sees, in
-        each pool, the tokens at or before its position: a count per query (`limits`)."""
+        each pool, the tokens at or before its position: a count per query (`limits`). With
+        mass_q, the last mass_q queries' attention mass is added into the sequence's totals."""
         self._fetch_all(seq)
         sets, used = self._decode_sets([seq], layer)
         n, t = seq.lengths[layer], q.shape[0]
         at = torch.arange(n - t, n, device=q.device)  # the queries' positions
         parts = [(fields, table[0], tokens[0], self._positions(seq, name)[: tokens[0]])
                  for (fields, table, tokens), (name, _) in zip(sets, used)]
-        return paged.prefill(q, parts, at, scale)
+        return paged.prefill(q, parts, at, scale, seq.mass_buf[layer] if mass_q else None, mass_q)
 
     def _positions(self, seq: Sequence, name: str) -> torch.Tensor:
         """Positions of a pool's tokens in the kernels' order (ascending): token j of the pool is

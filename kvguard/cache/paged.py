@@ -5,8 +5,8 @@ under Triton's interpreter). Decode attention reads each pool's pages through it
 block table, in one pass whose merge combines every pool's splits by their log-sum-exp;
 attention is order-free over keys, so each pool's pages may be taken in any order. Prefill
 chunks go through the prefill kernel once per pool, each query limited to the pool's tokens at
-or before its position, merged by log-sum-exp (the dequantize-then-attend path when an evictor
-needs the chunk's attention mass).
+or before its position, merged by log-sum-exp; an evictor's attention mass comes from a second
+kernel per pool under the merged log-sum-exp.
 
 Compaction's regrouped survivors are requantized by the quantize-on-write kernel too; the
 gather before it is torch's (kernels/compact.py moves one set of slots for every head within
@@ -59,23 +59,37 @@ def decode(q: torch.Tensor, sets: list[tuple[dict[str, torch.Tensor], torch.Tens
 
 
 def prefill(q: torch.Tensor, parts: list[tuple[dict[str, torch.Tensor], torch.Tensor, int, torch.Tensor]],
-            at: torch.Tensor, scale: float | None) -> torch.Tensor:
+            at: torch.Tensor, scale: float | None, mass_into: torch.Tensor | None = None,
+            mass_queries: int = 0) -> torch.Tensor:
     """Causal attention of q [T, Hq, D], the queries at positions `at` [T], over a sequence's
     pools: parts are (page fields, block table [n] int32, tokens, their positions [tokens]
     ascending) per pool. Each query sees the tokens at or before its position; the pools'
-    results are merged by their log-sum-exp. Returns [T, Hq, D]."""
-    from kernels.paged_prefill import paged_prefill
+    results are merged by their log-sum-exp. Returns [T, Hq, D].
 
-    outs, lses = [], []
+    With mass_into ([H, capacity] fp32, a layer's running totals by position), each key's
+    probability under that merged softmax, summed over its query group and the last
+    `mass_queries` queries, is added at its position (paged_prefill_mass, per pool)."""
+    from kernels.paged_prefill import paged_prefill, paged_prefill_mass
+
+    outs, lses, limits = [], [], []
     for fields, table, tokens, pos in parts:
-        limits = torch.searchsorted(pos, at, right=True).to(torch.int32)
-        out, lse = paged_prefill(q, fields, table, tokens, sm_scale=scale, limits=limits)
+        limits.append(torch.searchsorted(pos, at, right=True).to(torch.int32))
+        out, lse = paged_prefill(q, fields, table, tokens, sm_scale=scale, limits=limits[-1])
         outs.append(out)
         lses.append(lse)
     if len(parts) == 1:
-        return outs[0]
-    w = torch.softmax(torch.stack(lses), dim=0)  # [P, T, Hq]: each pool's share (0 where it has none)
-    return (torch.stack(outs).float() * w.unsqueeze(-1)).sum(0).to(q.dtype)
+        out, lse = outs[0], lses[0]
+    else:
+        stacked = torch.stack(lses)
+        lse = torch.logsumexp(stacked, dim=0)  # [T, Hq] over every pool
+        w = torch.exp(stacked - lse).nan_to_num(0.0)  # [P, T, Hq]: each pool's share (0 where it has none)
+        out = (torch.stack(outs).float() * w.unsqueeze(-1)).sum(0).to(q.dtype)
+    if mass_into is not None and mass_queries > 0:
+        first = q.shape[0] - min(mass_queries, q.shape[0])
+        for (fields, table, tokens, pos), lim in zip(parts, limits):
+            mass = paged_prefill_mass(q, fields, table, tokens, lse, first, sm_scale=scale, limits=lim)
+            mass_into.index_add_(1, pos, mass)
+    return out
 
 
 def prefill_batch(q: torch.Tensor, fields: dict[str, torch.Tensor], table: torch.Tensor, lens: torch.Tensor,

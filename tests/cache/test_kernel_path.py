@@ -58,10 +58,11 @@ print("ok", rel)
 
 # Both pools (16-bit and codec pages) are read in one pass, so each key's mass is its
 # probability under the softmax over all of them, as on the reference path, and the
-# evictor keeps the same tokens, per head too (the pages after compaction are compared).
+# evictor keeps the same tokens, per head too (the pages after compaction are compared). The
+# prompt and the chunk's mass come from the prefill mass kernel (SnapKV: the last 32 queries').
 @pytest.mark.parametrize("codec, evictor, per_head, tol, mass_tol", [
     ("fp16", None, False, 2e-3, 0), ("int8", None, False, 2e-3, 0), ("int4", None, False, 2e-3, 0),
-    ("int8", "h2o", False, 2e-3, 1e-3), ("int8", "h2o", True, 2e-3, 1e-3)])
+    ("int8", "h2o", False, 2e-3, 1e-3), ("int8", "h2o", True, 2e-3, 1e-3), ("int8", "snapkv", False, 2e-3, 1e-3)])
 def test_kernel_path_matches_reference_path(codec, evictor, per_head, tol, mass_tol):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     script = SCRIPT.format(codec=codec, evictor=evictor, per_head=per_head, tol=tol, mass_tol=mass_tol)
