@@ -8,7 +8,8 @@ StaticCache + SDPA, graphed the same way).
 
     PYTHONPATH=. python3 benchmarks/gpu_cache_bench.py [--models smollm2-135m,llama3-8b]
         [--contexts 1024,16384] [--batches 1,8] [--codecs fp16,int8,int4,fp8,int8+h2o] [--steps 10]
-        [--generate 64 --prompt 1024] [--profile MODEL:CONTEXT:CODEC[:ROWS]] [--launch] [--out DIR]
+        [--generate 64 --prompt 1024] [--profile MODEL:CONTEXT:CODEC[:ROWS]] [--launch]
+        [--prefill MODEL:CONTEXT:CHUNK:CODEC[+EVICTOR]] [--out DIR]
 
 A decode step is what a serving process does per new token: for every layer, append each row's
 K/V and attend over everything the row holds (CacheManager.append + attend per row, or
@@ -46,11 +47,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def make_cache(model: str, context: int, codec: str, evictor: str | None = None,
-               rows: int = 1) -> tuple[CacheManager, list]:
+               rows: int = 1, room: int = 0) -> tuple[CacheManager, list]:
     """A cache on the GPU holding `rows` sequences of `context` random tokens each (an outlier
-    key channel), prefilled in chunks of 4096 as a server would."""
+    key channel), prefilled in chunks of 4096 as a server would; `room`: tokens a row may add."""
     layers, hq, h, d = MODELS[model]
-    pages = rows * (context // 16 + 64)
+    pages = rows * ((context + room) // 16 + 64)
     opts = {"budget": context + 4096} if evictor else {}
     cfg = CacheConfig(num_layers=layers, num_kv_heads=h, num_query_heads=hq, head_dim=d, num_pages=pages,
                       dtype=torch.bfloat16, device=DEV, codec=codec, fp_sink=4 if codec != "fp16" else 0,
@@ -197,6 +198,41 @@ def check(m: CacheManager, seqs: list) -> float:
         want, _ = dense_attention(q, *m.kv(seqs[0], layer, dtype=torch.float32))
         worst = max(worst, rel(got, want))
     return worst
+
+
+def bench_prefill(specs: str, rounds: int = 3) -> list[str]:
+    """A prompt chunk through the cache: for every layer, append the chunk's K/V and attend its
+    queries (CacheManager.append + attend, one row), after `context` tokens; specs are
+    MODEL:CONTEXT:CHUNK:CODEC[+h2o|+snapkv] (comma-separated). With an evictor the chunk's
+    attention mass is accumulated too. ms for the chunk over every layer, fastest of `rounds`,
+    each on a fresh cache."""
+    lines = []
+    for spec in specs.split(","):
+        model, context, chunk, codec = spec.split(":")
+        context, chunk = int(context), int(chunk)
+        evictor = None
+        if "+" in codec:
+            codec, evictor = codec.split("+")
+        best = float("inf")
+        for _ in range(rounds):
+            m, seqs = make_cache(model, context, codec, evictor, room=chunk)
+            c = m.cfg
+            g = torch.Generator(device=DEV).manual_seed(3)
+            k = torch.randn(chunk, c.num_kv_heads, c.head_dim, generator=g, device=DEV, dtype=c.dtype)
+            q = torch.randn(chunk, c.num_query_heads, c.head_dim, generator=g, device=DEV, dtype=c.dtype)
+            sync()
+            t0 = time.perf_counter()
+            for layer in range(c.num_layers):
+                assert m.append(seqs[0], layer, k, k)
+                m.attend(seqs[0], layer, q)
+            sync()
+            best = min(best, time.perf_counter() - t0)
+            del m
+            torch.cuda.empty_cache() if DEV.type == "cuda" else None
+        lines.append(f"prefill {model} after {context} tokens, a chunk of {chunk}, {codec}"
+                     f"{' + ' + evictor if evictor else ''}: {best * 1e3:.1f} ms over every layer")
+        print(lines[-1], flush=True)
+    return lines
 
 
 def profile_steps(model: str, context: int, codec: str, steps: int, rows: int = 1, top: int = 30) -> list[str]:
@@ -454,6 +490,9 @@ def main():
                     help="profile the host side of batch decode steps of these caches (cProfile, top functions)")
     ap.add_argument("--launch", action="store_true",
                     help="time the host's side of a decode call with direct launches and with Triton's launch path")
+    ap.add_argument("--prefill", default=None, metavar="MODEL:CONTEXT:CHUNK:CODEC[+EVICTOR][,...]",
+                    help="time a prompt chunk through the cache's layers after CONTEXT tokens "
+                         "(EVICTOR: h2o or snapkv, whose mass the chunk accumulates)")
     ap.add_argument("--out", default=None, help="folder for cache_results.json")
     ap.add_argument("--smoke", action="store_true",
                     help="without a GPU: the reference path, tiny shapes, to check that the script runs")
@@ -470,6 +509,8 @@ def main():
         lines += profile_steps(model, int(context), codec, a.steps, int(rows[0]) if rows else 1)
     if a.launch and DEV.type == "cuda":
         lines += launch_cost()
+    if a.prefill:
+        lines += bench_prefill(a.prefill)
     batches = [int(x) for x in a.batches.split(",")]
     if a.models:
         lines += bench_cache(a.models.split(","), [int(x) for x in a.contexts.split(",")], a.codecs.split(","),
