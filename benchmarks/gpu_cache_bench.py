@@ -517,7 +517,7 @@ def main():
                              batches, a.steps)
     if a.generate:
         lines += bench_generate(a.generate, a.prompt, [c for c in a.codecs.split(",") if "+" not in c], batches,
-                                graphs=DEV.type == "cuda")
+                                rounds=1 if a.smoke else 3, graphs=DEV.type == "cuda")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "cache_results.json"), "w") as f:

@@ -17,7 +17,9 @@ def test_cache_benchmark_smoke():
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line for line in r.stdout.splitlines() if line.startswith("smollm2-135m")]
     assert len(rows) == 4 and not any("FAILED" in line for line in rows)
-    assert r.stdout.count("KVGuardCache int8") == 2  # generation at B = 1 and 2
+    gen = [line for line in r.stdout.splitlines() if "KVGuardCache int8" in line]
+    assert sum("ms/step" in line for line in gen) == 2  # generation at B = 1 and 2
+    assert sum("prompt's forward pass" in line for line in gen) == 2
 
 
 def test_kernels_ab_refuses_a_copy_named_kernels(tmp_path):

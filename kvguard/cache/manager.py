@@ -602,10 +602,7 @@ class CacheManager:
             out, lse = paged.prefill_batch(q, fields, table, lens, max(tokens), limits, scale)
             outs.append(out)
             lses.append(lse)
-        if len(outs) == 1:
-            return outs[0]
-        w = torch.softmax(torch.stack(lses), dim=0).nan_to_num(0.0)  # [P, B, T, Hq]; padding: 0
-        return (torch.stack(outs).float() * w.unsqueeze(-1)).sum(0).to(q.dtype)
+        return paged.merge(outs, lses)[0]
 
     def _sorted_positions(self, seqs: list[Sequence], name: str) -> torch.Tensor:
         """[B, most pages * S] positions of the rows' tokens in one pool (ascending, as

@@ -77,19 +77,25 @@ def prefill(q: torch.Tensor, parts: list[tuple[dict[str, torch.Tensor], torch.Te
         out, lse = paged_prefill(q, fields, table, tokens, sm_scale=scale, limits=limits[-1])
         outs.append(out)
         lses.append(lse)
-    if len(parts) == 1:
-        out, lse = outs[0], lses[0]
-    else:
-        stacked = torch.stack(lses)
-        lse = torch.logsumexp(stacked, dim=0)  # [T, Hq] over every pool
-        w = torch.exp(stacked - lse).nan_to_num(0.0)  # [P, T, Hq]: each pool's share (0 where it has none)
-        out = (torch.stack(outs).float() * w.unsqueeze(-1)).sum(0).to(q.dtype)
+    out, lse = merge(outs, lses)
     if mass_into is not None and mass_queries > 0:
         first = q.shape[0] - min(mass_queries, q.shape[0])
         for (fields, table, tokens, pos), lim in zip(parts, limits):
             mass = paged_prefill_mass(q, fields, table, tokens, lse, first, sm_scale=scale, limits=lim)
             mass_into.index_add_(1, pos, mass)
     return out
+
+
+def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pools' attention results over their own keys, out [..., D] and lse [...] each, as one
+    over all of them: weighted by each pool's share of the softmax. A query that sees no key in
+    any pool (padding) gets zeros and lse -inf."""
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    stacked = torch.stack(lses)
+    lse = torch.logsumexp(stacked, dim=0)
+    w = torch.exp(stacked - lse).nan_to_num(0.0)  # [P, ...]: each pool's share (0 where it has none)
+    return (torch.stack(outs).float() * w.unsqueeze(-1)).sum(0).to(outs[0].dtype), lse
 
 
 def prefill_batch(q: torch.Tensor, fields: dict[str, torch.Tensor], table: torch.Tensor, lens: torch.Tensor,

@@ -135,7 +135,7 @@ a, b = make(), make()
 sa, sb = opened(a, (37, 16, 5)), opened(b, (37, 16, 5))
 got, want = chunks(a, sa, batched=True).float(), chunks(b, sb, batched=False).float()
 rel = ((got - want).norm() / want.norm()).item()
-assert rel < 1e-5, rel
+assert rel < 1e-6, rel  # a row of the batch's launch computes what its own launch does
 for x, y in zip(sa, sb):
     assert a.length(x) == b.length(y)
 for name, pool in a.pools.items():
