@@ -113,6 +113,25 @@ DEFAULT_CONFIG = {"block_m": 64, "pages": 4, "num_warps": 4, "num_stages": 2}
 MASS_CONFIG = {"block_m": 64, "pages": 4, "num_warps": 4, "num_stages": 2}
 
 
+def _check_chunk(q, pages, block_table, seq_len, limits):
+    """paged_prefill's (and paged_prefill_mass's) arguments checked: (codec, H, S, D, seq_len, device)."""
+    codec, _, h, s, d = check_pages(pages)
+    check(q, "q", dtype=SIXTEEN_BIT, shape=(None, None, d))
+    t, hq, _ = q.shape
+    if hq % h:
+        raise KernelArgError(f"q has {hq} heads, not a multiple of the pages' {h} KV heads")
+    check(block_table, "block_table", dtype=INDEX_DTYPES, shape=(None,))
+    seq_len = int(seq_len)
+    if limits is None and not t <= seq_len <= block_table.shape[0] * s:
+        raise KernelArgError(f"need T={t} <= seq_len={seq_len} <= max_pages*S={block_table.shape[0] * s}")
+    if limits is not None:
+        check(limits, "limits", dtype=torch.int32, shape=(t,))
+        if not 0 <= seq_len <= block_table.shape[0] * s:
+            raise KernelArgError(f"need 0 <= seq_len={seq_len} <= max_pages*S={block_table.shape[0] * s}")
+    dev = check_device(q, block_table, pages["k"], *([] if limits is None else [limits]))
+    return codec, h, s, d, seq_len, dev
+
+
 def paged_prefill_mass(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch.Tensor, seq_len: int,
                        lse: torch.Tensor, first: int = 0, sm_scale: float | None = None,
                        limits: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
@@ -126,30 +145,21 @@ def paged_prefill_mass(q: torch.Tensor, pages: dict[str, torch.Tensor], block_ta
     Returns mass [H, seq_len] fp32: per KV head, each key's probability summed over the group's
     query heads and the counted queries.
     """
-    codec, _, h, s, d = check_pages(pages)
-    check(q, "q", dtype=SIXTEEN_BIT, shape=(None, None, d))
+    codec, h, s, d, seq_len, dev = _check_chunk(q, pages, block_table, seq_len, limits)
     t, hq, _ = q.shape
-    if hq % h:
-        raise KernelArgError(f"q has {hq} heads, not a multiple of the pages' {h} KV heads")
-    check(block_table, "block_table", dtype=INDEX_DTYPES, shape=(None,))
     check(lse, "lse", dtype=torch.float32, shape=(t, hq))
-    seq_len, first = int(seq_len), int(first)
+    check_device(q, lse)
+    first = int(first)
     if not 0 <= first <= t:
         raise KernelArgError(f"need 0 <= first={first} <= T={t}")
-    if limits is None and not t <= seq_len <= block_table.shape[0] * s:
-        raise KernelArgError(f"need T={t} <= seq_len={seq_len} <= max_pages*S={block_table.shape[0] * s}")
-    if limits is not None:
-        check(limits, "limits", dtype=torch.int32, shape=(t,))
-        if not 0 <= seq_len <= block_table.shape[0] * s:
-            raise KernelArgError(f"need 0 <= seq_len={seq_len} <= max_pages*S={block_table.shape[0] * s}")
-    dev = check_device(q, block_table, pages["k"], lse, *([] if limits is None else [limits]))
     cfg = {**MASS_CONFIG, **(config or {})}
     mass = torch.zeros(h, seq_len, device=dev, dtype=torch.float32)
     if seq_len == 0 or first == t:
         return mass
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     grid = (triton.cdiv(seq_len, cfg["pages"] * s), h)
-    _prefill_mass_kernel[grid](q, *field_args(pages)[:3], block_table, lse, mass, scale * LOG2E, t, seq_len, lse if limits is None else limits, first,
+    _prefill_mass_kernel[grid](q, *field_args(pages)[:3], block_table, lse, mass, scale * LOG2E, t, seq_len,
+                               lse if limits is None else limits, first,
                                H=h, G=hq // h, S=s, D=d, KIND=KIND[codec], BLOCK_M=cfg["block_m"],
                                PAGES=cfg["pages"], ON_GPU=not interpreting(), num_warps=cfg["num_warps"],
                                num_stages=cfg["num_stages"], LIMITS=limits is not None)
@@ -158,16 +168,23 @@ def paged_prefill_mass(q: torch.Tensor, pages: dict[str, torch.Tensor], block_ta
 
 def paged_prefill_mass_ref(q, pages, block_table, seq_len, lse, first=0, sm_scale=None, limits=None):
     """Dense fp32 reference of paged_prefill_mass (keys dequantized with kernels/quantize.py)."""
+    t, hq, _ = q.shape
+    h = pages["k"].shape[1]
+    sc, _ = _ref_scores(q, pages, block_table, seq_len, sm_scale, limits)  # [H, g, T, L]
+    p = torch.exp(sc - lse.reshape(t, h, hq // h).permute(1, 2, 0).unsqueeze(-1))
+    return p[:, :, first:].sum(dim=(1, 2))
+
+
+def _ref_scores(q, pages, block_table, seq_len, sm_scale, limits):
+    """The references' scaled logits [H, g, T, L] in fp32, -inf where a query does not see the
+    key (causal, or past its limit), and the dequantized V [H, L, D]."""
     t, hq, d = q.shape
     h = pages["k"].shape[1]
-    g = hq // h
-    k, _ = ref.sequence_kv(pages, block_table, seq_len)  # [H, L, D]
-    qf = q.float().reshape(t, h, g, d).permute(1, 2, 0, 3)  # [H, g, T, D]
+    k, v = ref.sequence_kv(pages, block_table, seq_len)  # [H, L, D]
+    qf = q.float().reshape(t, h, hq // h, d).permute(1, 2, 0, 3)  # [H, g, T, D]
     sc = torch.einsum("hgtd,hld->hgtl", qf, k) * (1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
     seen = (torch.arange(seq_len - t, seq_len, device=q.device) + 1 if limits is None else limits.long())[:, None]
-    sc = sc.masked_fill(torch.arange(seq_len, device=q.device)[None, :] >= seen, float("-inf"))
-    p = torch.exp(sc - lse.reshape(t, h, g).permute(1, 2, 0).unsqueeze(-1))  # [H, g, T, L]
-    return p[:, :, first:].sum(dim=(1, 2))
+    return sc.masked_fill(torch.arange(seq_len, device=q.device)[None, :] >= seen, float("-inf")), v
 
 
 def paged_prefill(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch.Tensor, seq_len: int,
@@ -184,20 +201,8 @@ def paged_prefill(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: 
                  A query that sees none gets zeros and lse -inf.
     Returns out [T, Hq, D] in q's dtype and lse [T, Hq] fp32 (natural log).
     """
-    codec, _, h, s, d = check_pages(pages)
-    check(q, "q", dtype=SIXTEEN_BIT, shape=(None, None, d))
+    codec, h, s, d, seq_len, dev = _check_chunk(q, pages, block_table, seq_len, limits)
     t, hq, _ = q.shape
-    if hq % h:
-        raise KernelArgError(f"q has {hq} heads, not a multiple of the pages' {h} KV heads")
-    check(block_table, "block_table", dtype=INDEX_DTYPES, shape=(None,))
-    seq_len = int(seq_len)
-    if limits is None and not t <= seq_len <= block_table.shape[0] * s:
-        raise KernelArgError(f"need T={t} <= seq_len={seq_len} <= max_pages*S={block_table.shape[0] * s}")
-    if limits is not None:
-        check(limits, "limits", dtype=torch.int32, shape=(t,))
-        if not 0 <= seq_len <= block_table.shape[0] * s:
-            raise KernelArgError(f"need 0 <= seq_len={seq_len} <= max_pages*S={block_table.shape[0] * s}")
-    dev = check_device(q, block_table, pages["k"], *([] if limits is None else [limits]))
     cfg = {**DEFAULT_CONFIG, **(config or {})}
     check_int4_tile(codec, cfg["pages"] * s)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
@@ -268,13 +273,7 @@ def paged_prefill_ref(q, pages, block_table, seq_len, sm_scale=None, limits=None
     """Dense fp32 reference: dequantize with kernels/quantize.py, causal softmax attention in fp32
     (or each query over its first `limits` keys). Returns out [T, Hq, D] fp32 and lse [T, Hq]."""
     t, hq, d = q.shape
-    h = pages["k"].shape[1]
-    g = hq // h
-    k, v = ref.sequence_kv(pages, block_table, seq_len)  # [H, L, D]
-    qf = q.float().reshape(t, h, g, d).permute(1, 2, 0, 3)  # [H, g, T, D]
-    sc = torch.einsum("hgtd,hld->hgtl", qf, k) * (1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
-    seen = (torch.arange(seq_len - t, seq_len, device=q.device) + 1 if limits is None else limits.long())[:, None]
-    sc = sc.masked_fill(torch.arange(seq_len, device=q.device)[None, :] >= seen, float("-inf"))
+    sc, v = _ref_scores(q, pages, block_table, seq_len, sm_scale, limits)
     lse = torch.logsumexp(sc, -1)  # [H, g, T]; -inf for a query that sees no key
     out = torch.einsum("hgtl,hld->hgtd", torch.softmax(sc, -1).nan_to_num(0.0), v)
     return out.permute(2, 0, 1, 3).reshape(t, hq, d), lse.permute(2, 0, 1).reshape(t, hq)
