@@ -104,10 +104,12 @@ class DecodeGraph:
         if self._graph is None:
             seen = [layer.seen for layer in self.cache.layers]
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self._out = self._forward()
-            for layer, n in zip(self.cache.layers, seen):  # capturing ran nothing: the replay does
-                layer.seen = n
+            try:
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    self._out = self._forward()
+            finally:  # capturing ran nothing (and a failed capture nothing either): the replay does
+                for layer, n in zip(self.cache.layers, seen):
+                    layer.seen = n
             self._graph = graph
         self._graph.replay()
         for layer in self.cache.layers:
