@@ -331,9 +331,11 @@ def static_graph_generate(model, cfg, ids: torch.Tensor, new_tokens: int) -> tor
 
     from transformers import StaticCache
 
+    from kvguard.hf import cache_kwarg
+
     b, t = ids.shape
     cache = StaticCache(config=cfg, max_cache_len=t + new_tokens)
-    kw = cache_kwarg_of(model)
+    kw = cache_kwarg(model)
     takes_position = "cache_position" in inspect.signature(model.model.forward).parameters
 
     def forward(x, pos):
@@ -365,12 +367,6 @@ def static_graph_generate(model, cfg, ids: torch.Tensor, new_tokens: int) -> tor
             nxt = logits.argmax(-1)
             out.append(nxt)
     return torch.cat([ids, torch.stack(out, 1)], 1)
-
-
-def cache_kwarg_of(model) -> str:
-    from kvguard.hf import cache_kwarg
-
-    return cache_kwarg(model)
 
 
 def bench_generate(new_tokens: int, prompt: int, codecs, batches, rounds: int = 3, graphs: bool = True) -> list[str]:

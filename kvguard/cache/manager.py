@@ -244,30 +244,9 @@ class CacheManager:
         """Append K/V [T, H, D] of T new tokens for one layer. Returns False, changing
         nothing, when the pool has no page left for them."""
         seq = self._seq(seq_id)
-        c = self.cfg
         self._check_layer(layer)
         self._check_kv(k, v)
-        self._auto_compact(seq, layer)
-        t = k.shape[0]
-        start = seq.lengths[layer]
-        need = math.ceil((start + t) / c.page_size) - len(seq.pages)
-        if need > 0:
-            new = self.pools[HOT].allocate(need, seq.subject)
-            if new is None:
-                return False
-            seq.pages.extend(PageRef(HOT, p, HOT) for p in new)
-        s = c.page_size
-        if t == 1:  # a decode step: its rows come from the host, kept for the step's other layers
-            rows = self._token_rows([seq], layer)
-        else:
-            pos = torch.arange(start, start + t)
-            pages = device_index([seq.pages[i].page for i in (pos // s).tolist()], c.device)
-            off = (pos % s).to(c.device, non_blocking=True)
-            heads = torch.arange(c.num_kv_heads, device=c.device)
-            rows = ((pages.unsqueeze(1) * c.num_kv_heads + heads) * s + off.unsqueeze(1)).flatten()
-        self._write_tokens(layer, rows, k, v)
-        self._written(seq, layer, t)
-        return True
+        return self._append([seq], layer, k, v, [k.shape[0]])
 
     @_locked
     def append_step(self, seq_ids: Seq[SeqId], layer: int, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -275,25 +254,11 @@ class CacheManager:
         row i for seq_ids[i] (a decode step of a batch). Returns False, writing nothing, when
         the 16-bit pool has fewer free pages than the rows that start a page."""
         seqs = self._batch(seq_ids)
-        c = self.cfg
         self._check_layer(layer)
         self._check_kv(k, v)
         if k.shape[0] != len(seqs):
             raise InputError(f"k and v have {k.shape[0]} rows for {len(seqs)} sequences")
-        for seq in seqs:
-            self._auto_compact(seq, layer)
-        s = c.page_size
-        starting = [seq for seq in seqs if seq.lengths[layer] // s >= len(seq.pages)]
-        if starting:
-            hot = self.pools[HOT]
-            if hot.free_count < len(starting):
-                return False
-            for seq in starting:
-                seq.pages.append(PageRef(HOT, hot.allocate(1, seq.subject)[0], HOT))
-        self._write_tokens(layer, self._token_rows(seqs, layer), k, v)
-        for seq in seqs:
-            self._written(seq, layer, 1)
-        return True
+        return self._append(seqs, layer, k, v, [1] * len(seqs))
 
     @_locked
     def append_chunk(self, seq_ids: Seq[SeqId], layer: int, k: torch.Tensor, v: torch.Tensor,
@@ -313,34 +278,30 @@ class CacheManager:
         t = k.shape[1]
         self._check_kv(k.flatten(0, 1), v.flatten(0, 1))
         counts = self._counts(counts, len(seqs), t)
-        for seq in seqs:
-            self._auto_compact(seq, layer)
-        s = c.page_size
-        need = [max(0, math.ceil((seq.lengths[layer] + n) / s) - len(seq.pages)) for seq, n in zip(seqs, counts)]
-        hot = self.pools[HOT]
-        if hot.free_count < sum(need):
-            return False
-        for seq, n in zip(seqs, need):
-            if n:
-                seq.pages.extend(PageRef(HOT, p, HOT) for p in hot.allocate(n, seq.subject))
-        at = tuple((seq.id, seq.pages.version, seq.lengths[layer], n) for seq, n in zip(seqs, counts))
-        h = c.num_kv_heads
-
-        def rows():
-            out = []
-            for seq, (_, _, start, n) in zip(seqs, at):
-                for pos in range(start, start + n):
-                    page = int(seq.pages[pos // s].page)
-                    out.extend((page * h + i) * s + pos % s for i in range(h))
-            return out
-
         if all(n == t for n in counts):
             k, v = k.flatten(0, 1), v.flatten(0, 1)
         else:
             k = torch.cat([k[i, t - n:] for i, n in enumerate(counts)])
             v = torch.cat([v[i, t - n:] for i, n in enumerate(counts)])
+        return self._append(seqs, layer, k, v, counts)
+
+    def _append(self, seqs: list[Sequence], layer: int, k: torch.Tensor, v: torch.Tensor, counts: list[int]) -> bool:
+        """counts[i] new tokens for seqs[i], their K/V [sum(counts), H, D] row after row: compact
+        a row past the evictor's budget (first layer), take the 16-bit pages the tokens need (all
+        or none), write them, and account for them."""
+        for seq in seqs:
+            self._auto_compact(seq, layer)
+        s = self.cfg.page_size
+        need = [max(0, -(-(seq.lengths[layer] + n) // s) - len(seq.pages)) for seq, n in zip(seqs, counts)]
+        if any(need):
+            hot = self.pools[HOT]
+            if hot.free_count < sum(need):
+                return False
+            for seq, n in zip(seqs, need):
+                if n:
+                    seq.pages.extend(PageRef(HOT, p, HOT) for p in hot.allocate(n, seq.subject))
         if k.shape[0]:
-            self._write_tokens(layer, self._device_ints(("chunk", at), rows), k, v)
+            self._write_tokens(layer, self._token_rows(seqs, layer, counts), k, v)
         for seq, n in zip(seqs, counts):
             if n:
                 self._written(seq, layer, n)
@@ -355,13 +316,22 @@ class CacheManager:
             raise InputError(f"counts must be {b} integers in [0, {t}], one per row")
         return counts
 
-    def _token_rows(self, seqs: list[Sequence], layer: int) -> torch.Tensor:
-        """Where each sequence's next token of this layer goes in the 16-bit pool viewed as
-        [P * H * S, D]: rows (page * H + head) * S + slot, sequence by sequence, head by head;
-        the same for every layer of a step, so copied to the device once."""
+    def _token_rows(self, seqs: list[Sequence], layer: int, counts: list[int]) -> torch.Tensor:
+        """Where the next counts[i] tokens of seqs[i] go in the 16-bit pool viewed as
+        [P * H * S, D]: rows (page * H + head) * S + slot, sequence by sequence, token by token,
+        head by head; the same for every layer of a step or prompt, so copied to the device once."""
         s, h = self.cfg.page_size, self.cfg.num_kv_heads
-        at = tuple((int(seq.pages[seq.lengths[layer] // s].page), seq.lengths[layer] % s) for seq in seqs)
-        return self._device_ints(("write", at), lambda: [(p * h + i) * s + o for p, o in at for i in range(h)])
+        at = tuple((seq.id, seq.pages.version, seq.lengths[layer], n) for seq, n in zip(seqs, counts))
+
+        def rows():
+            out = []
+            for seq, (_, _, start, n) in zip(seqs, at):
+                for pos in range(start, start + n):
+                    base = int(seq.pages[pos // s].page) * h * s + pos % s
+                    out.extend(base + i * s for i in range(h))
+            return out
+
+        return self._device_ints(("rows", at), rows)
 
     def _write_tokens(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """K/V [T, H, D] into the 16-bit pool at rows [T * H] of _token_rows' form."""
@@ -596,25 +566,13 @@ class CacheManager:
             [n - t + j if j >= t - k else -1 for j in range(t)] for n, k in zip(lengths, counts)])
         outs, lses = [], []
         for (fields, table, tokens), (name, _) in zip(sets, used):
-            pos = self._sorted_positions(seqs, name)
+            pos = self._batch_positions(seqs, name, pad=2**62)
             limits = torch.searchsorted(pos, at, right=True).to(torch.int32)
             lens = self._device_ints(("lens", tuple(tokens)), lambda tokens=tokens: tokens, torch.int32)
             out, lse = paged.prefill_batch(q, fields, table, lens, max(tokens), limits, scale)
             outs.append(out)
             lses.append(lse)
         return paged.merge(outs, lses)[0]
-
-    def _sorted_positions(self, seqs: list[Sequence], name: str) -> torch.Tensor:
-        """[B, most pages * S] positions of the rows' tokens in one pool (ascending, as
-        _positions), padded with a position past any query's: searchsorted's rows."""
-        lays = [self._layout(seq) for seq in seqs]
-
-        def build():
-            empty = torch.zeros(0, dtype=torch.long, device=self.cfg.device)
-            rows = [self._positions(seq, name) if lay.idx[name] else empty for seq, lay in zip(seqs, lays)]
-            return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=2**62)
-
-        return self._while_pages_hold(("sorted", name, tuple(seq.id for seq in seqs)), lays, build)
 
     def _attend_paged(self, seqs: list[Sequence], layer: int, q: torch.Tensor, scale: float | None,
                       with_mass: bool) -> torch.Tensor:
@@ -668,23 +626,24 @@ class CacheManager:
         holding some of the rows' tokens, and (pool, tokens per row) of each. A row's table holds
         all its pages of the pool in order; only the first `tokens` are read (a page past this
         layer's tokens is another layer's new one)."""
-        s = self.cfg.page_size
         lays = [self._layout(seq) for seq in seqs]
         sets, used = [], []
         for name in self.pools:
-            tokens = []
-            for seq, lay in zip(seqs, lays):
-                n = seq.lengths[layer]
-                need = -(-n // s)  # pages this layer's tokens fill
-                idx = lay.idx[name]
-                count = bisect.bisect_left(idx, need)
-                partial = need * s - n if count and idx[count - 1] == need - 1 else 0  # only the last page
-                tokens.append(count * s - partial)
+            tokens = [self._held(lay, name, seq.lengths[layer]) for seq, lay in zip(seqs, lays)]
             if any(tokens):
                 table = lays[0].tables[name] if len(seqs) == 1 else self._batch_table(seqs, lays, name)
                 sets.append((self.pools[name].fields[layer], table, tokens))
                 used.append((name, tokens))
         return sets, used
+
+    def _held(self, lay: Layout, name: str, n: int) -> int:
+        """How many of a sequence's first n positions one pool holds."""
+        s = self.cfg.page_size
+        need = -(-n // s)  # pages the n positions fill
+        idx = lay.idx[name]
+        count = bisect.bisect_left(idx, need)
+        partial = need * s - n if count and idx[count - 1] == need - 1 else 0  # only the last page
+        return count * s - partial
 
     def _batch_table(self, seqs: list[Sequence], lays: list[Layout], name: str) -> torch.Tensor:
         """[B, most pages] int32 block table of several sequences in one pool, zero-padded."""
@@ -695,17 +654,18 @@ class CacheManager:
 
         return self._while_pages_hold(("table", name, tuple(seq.id for seq in seqs)), lays, build)
 
-    def _batch_positions(self, seqs: list[Sequence], name: str) -> torch.Tensor:
+    def _batch_positions(self, seqs: list[Sequence], name: str, pad: int = -1) -> torch.Tensor:
         """[B, most pages * S] positions of several sequences' tokens in one pool, in the order
-        of _batch_table's rows, padded with -1."""
+        of _batch_table's rows (ascending), padded with `pad`: -1 for the mass kernels, which
+        skip it, or a position past any query's for searchsorted."""
         lays = [self._layout(seq) for seq in seqs]
 
         def build():
             empty = torch.zeros(0, dtype=torch.long, device=self.cfg.device)
             rows = [self._positions(seq, name) if lay.idx[name] else empty for seq, lay in zip(seqs, lays)]
-            return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=-1)
+            return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad)
 
-        return self._while_pages_hold(("positions", name, tuple(seq.id for seq in seqs)), lays, build)
+        return self._while_pages_hold(("positions", name, pad, tuple(seq.id for seq in seqs)), lays, build)
 
     def _while_pages_hold(self, key: tuple, lays: list[Layout], build) -> torch.Tensor:
         """build(), kept under key while no row's pages change (the same for every layer of a

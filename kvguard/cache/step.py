@@ -22,7 +22,6 @@ the step has written its tokens, and finds no step in flight over pages it frees
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Sequence as Seq
 
@@ -125,39 +124,22 @@ class StaticStep:
         self._open = True
 
     def _fill(self, seqs: list[Sequence]) -> None:
-        m, c = self.manager, self.manager.cfg
-        s, h, dev = c.page_size, c.num_kv_heads, c.device
-        at = [(int(seq.pages[seq.lengths[0] // s].page), seq.lengths[0] % s) for seq in seqs]
-        self.rows.copy_(torch.tensor([(p * h + i) * s + o for p, o in at for i in range(h)]), non_blocking=True)
+        m = self.manager
+        self.rows.copy_(m._token_rows(seqs, 0, [1] * len(seqs)))
         lays = [m._layout(seq) for seq in seqs]
         n = [seq.lengths[0] + 1 for seq in seqs]  # every layer's tokens once this step has written
-        tokens = []
-        for name in self.names:
-            row = []
-            for k, lay in zip(n, lays):
-                idx = lay.idx[name]
-                need = -(-k // s)
-                count = bisect.bisect_left(idx, need)
-                partial = need * s - k if count and idx[count - 1] == need - 1 else 0
-                row.append(count * s - partial)
-            tokens.append(row)
+        tokens = [[m._held(lay, name, k) for k, lay in zip(n, lays)] for name in self.names]
         self.lens.copy_(torch.tensor(tokens, dtype=torch.int32), non_blocking=True)
         versions = tuple(lay.version for lay in lays)
         if versions != self._versions:
             for name in self.names:
-                table = torch.zeros(len(seqs), self.pages, dtype=torch.int32)
-                for b, lay in enumerate(lays):
-                    ids = lay.host.get(name)
-                    if ids is not None:
-                        table[b, : ids.numel()] = ids
-                self.tables[name].copy_(table, non_blocking=True)
+                table = m._batch_table(seqs, lays, name)  # [B, most pages of a row]
+                self.tables[name].zero_()
+                self.tables[name][:, : table.shape[1]].copy_(table)
                 if self.with_mass:
-                    pos = self.positions[name]
-                    pos.fill_(-1)
-                    for b, (seq, lay) in enumerate(zip(seqs, lays)):
-                        if lay.idx[name]:
-                            p = m._positions(seq, name)
-                            pos[b, : p.numel()] = p
+                    pos = m._batch_positions(seqs, name)  # [B, most pages * S], -1 past a row's
+                    self.positions[name].fill_(-1)
+                    self.positions[name][:, : pos.shape[1]].copy_(pos)
             self._versions = versions
         if self.with_mass:
             at = tuple((seq.mass_buf.data_ptr(), seq.mass_buf.stride(0), seq.mass_buf.stride(1),
@@ -165,7 +147,7 @@ class StaticStep:
             if at != self._mass_at:
                 esize = 4  # fp32
                 table = torch.tensor([[(ptr + layer * stride0 * esize, head, cols) for ptr, stride0, head, cols in at]
-                                      for layer in range(c.num_layers)], dtype=torch.int64)
+                                      for layer in range(self.manager.cfg.num_layers)], dtype=torch.int64)
                 self.mass_rows.copy_(table, non_blocking=True)
                 self._mass_at = at
 
