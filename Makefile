@@ -28,7 +28,8 @@ demo: venv
 	$(PY) -m kvguard.demo
 
 test: venv services
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	# One worker per CPU: the PostgreSQL tests each create a database of their own.
+	$(PY) -m pytest -q -p no:cacheprovider -n auto $(PYTEST_ARGS)
 
 test-fast: venv
 	$(PY) -m pytest -q -x -m "not slow and not postgres" $(PYTEST_ARGS)
