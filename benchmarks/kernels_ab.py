@@ -30,6 +30,10 @@ def main():
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="model:context:batch, comma-separated")
     ap.add_argument("--codecs", default="int8,fp8")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--token-major-int4-scales", action="store_true",
+                    help="the other version reads int4 value scales and zeros token-major, [P, H, S, D//G] (before "
+                         "they were group-major): it gets the same bytes viewed in that shape, the same traffic "
+                         "with values not checked")
     a = ap.parse_args()
     path = os.path.abspath(a.other.rstrip("/"))
     name = os.path.basename(path)
@@ -45,9 +49,18 @@ def main():
     codecs = tuple(a.codecs.split(","))
     shapes = gb.parse_shapes(a.shapes)
     print(f"{torch.cuda.get_device_name()}: {name} against this tree, µs per decode step", flush=True)
+    def token_major(fn):
+        def call(q, pages, *args, **kw):
+            if pages["k"].dtype == torch.uint8:
+                pages = {**pages, **{f: pages[f].view(*pages[f].shape[:2], pages[f].shape[3], pages[f].shape[2])
+                                     for f in ("v_scale", "v_zero")}}
+            return fn(q, pages, *args, **kw)
+        return call
+
     for rnd in range(a.rounds):
         for tag, mod in ((name, other), ("this", this)):
-            gb.paged_decode = mod.paged_decode
+            gb.paged_decode = token_major(mod.paged_decode) if mod is other and a.token_major_int4_scales \
+                else mod.paged_decode
             for model, length, batch in shapes:
                 r = gb.bench_decode(model, length, batch, 1.0, with_baselines=False, codecs=codecs)  # no floors
                 times = "  ".join(f"{c} {r[c] * 1e6:8.1f}" for c in codecs)

@@ -103,7 +103,7 @@ def check_pages(pages: dict[str, torch.Tensor]) -> tuple[str, int, int, int, int
         for f in ("k_scale", "k_zero"):
             check(pages[f], f"pages['{f}']", dtype=torch.float16, shape=(p, h, d))
         for f in ("v_scale", "v_zero"):
-            check(pages[f], f"pages['{f}']", dtype=torch.float16, shape=(p, h, s, d // ref.INT4_GROUP))
+            check(pages[f], f"pages['{f}']", dtype=torch.float16, shape=(p, h, d // ref.INT4_GROUP, s))
     check(k, "pages['k']")
     check_device(*[pages[f] for f in FIELDS[codec]])
     return codec, p, h, s, d

@@ -241,7 +241,9 @@ def load_values_f16(vp, vsp, vzp, page, ok, h, H: tl.constexpr, S: tl.constexpr,
             NG: tl.constexpr = D // GROUP
             vb = tl.load(vp + crow[:, :, None] * S2 + tl.arange(0, S2)[None, None, :])
             vc = u4_pairs_to_f16(vb, ON_GPU > 0).reshape(PAGES, NG, GROUP, S)
-            gi = rows[:, None, None, :] * NG + tl.arange(0, NG)[None, :, None, None]  # [PAGES, NG, 1, S]
+            # group-major scales: [PAGES, NG, 1, S] rows of (page-head, group), the page's tokens along them
+            gi = (((page * H + h) * NG)[:, None, None, None] + tl.arange(0, NG)[None, :, None, None]) * S \
+                + tl.arange(0, S)[None, None, None, :]
             v = (vc * tl.load(vsp + gi) + tl.load(vzp + gi)).reshape(PAGES, D, S)
         # a page's codes all exist in memory: loaded whole, missing tokens zeroed here
         if ok is not None:
@@ -309,7 +311,7 @@ def load_tokens_f32(kp, ksp, kzp, vp, vsp, vzp, page, slot, ok, h,
         # values channel-major: token slot of channel d is a nibble of byte (ph*D + d)*S/2 + slot/2
         vb = tl.load(vp + (ph[:, None] * D + d[None, :]) * (S // 2) + (slot // 2)[:, None], mask=m2, other=0)
         vc = tl.where((slot % 2 == 0)[:, None], vb & 15, vb >> 4).to(tl.float32)
-        gi = row[:, None] * (D // GROUP) + d[None, :] // GROUP  # [N, D] index of each channel's group
+        gi = (ph[:, None] * (D // GROUP) + d[None, :] // GROUP) * S + slot[:, None]  # [N, D] each channel's group scale
         vs = tl.load(vsp + gi, mask=m2, other=0.0).to(tl.float32)
         vz = tl.load(vzp + gi, mask=m2, other=0.0).to(tl.float32)
         v = vc * vs + vz
@@ -413,7 +415,7 @@ def store_page(kq, ksp, kzp, vq, vsp, vzp, ph, xk, xv,
         tl.store(vq + (ph * D + d[:, None]) * (S // 2) + j[None, :], pack4(tl.trans(vc.reshape(S, D)), D, S))
         tl.store(ksp + ph * D + d, ks)
         tl.store(kzp + ph * D + d, kz)
-        g = (ph * S + s)[:, None] * NG + tl.arange(0, NG)[None, :]
+        g = (ph * NG + tl.arange(0, NG)[None, :]) * S + s[:, None]  # group-major [NG, S] of the page-head
         tl.store(vsp + g, vs)
         tl.store(vzp + g, vz)
 

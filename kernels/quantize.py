@@ -83,8 +83,10 @@ def encode_int4(k: torch.Tensor, v: torch.Tensor, group: int = INT4_GROUP) -> di
     vc, vs, vz = asymmetric_quant4(vg, dim=4)  # vs, vz [N, H, S, D//G]
     return {
         "k": pack4(kc), "k_scale": ks, "k_zero": kz,
-        # channel-major [N, H, D, S//2]: a byte holds tokens 2j (low nibble) and 2j + 1 of a channel
-        "v": pack4(vc.reshape(n, h, s, d).transpose(2, 3)).contiguous(), "v_scale": vs, "v_zero": vz,
+        # channel-major [N, H, D, S//2]: a byte holds tokens 2j (low nibble) and 2j + 1 of a channel;
+        # scales and zeros group-major [N, H, D//G, S], as the codes (kernels/__init__.py)
+        "v": pack4(vc.reshape(n, h, s, d).transpose(2, 3)).contiguous(),
+        "v_scale": vs.transpose(2, 3).contiguous(), "v_zero": vz.transpose(2, 3).contiguous(),
     }
 
 
@@ -95,7 +97,7 @@ def decode_int4(f: dict[str, torch.Tensor], out_dtype=torch.float32, group: int 
     vc = unpack4(f["v"]).float().transpose(2, 3)
     n, h, s, d = vc.shape
     vg = vc.reshape(n, h, s, d // group, group)
-    v = vg * f["v_scale"].float().unsqueeze(-1) + f["v_zero"].float().unsqueeze(-1)
+    v = vg * f["v_scale"].float().transpose(2, 3).unsqueeze(-1) + f["v_zero"].float().transpose(2, 3).unsqueeze(-1)
     return k.to(out_dtype), v.reshape(n, h, s, d).to(out_dtype)
 
 

@@ -28,8 +28,8 @@ class Int4Codec(Codec):
             "k_scale": ((heads, head_dim), torch.float16),
             "k_zero": ((heads, head_dim), torch.float16),
             "v": ((heads, head_dim, page_size // 2), torch.uint8),  # channel-major (kernels/__init__.py)
-            "v_scale": ((heads, page_size, groups), torch.float16),
-            "v_zero": ((heads, page_size, groups), torch.float16),
+            "v_scale": ((heads, groups, page_size), torch.float16),  # group-major, as the codes
+            "v_zero": ((heads, groups, page_size), torch.float16),
         }
 
     def encode(self, k, v):
