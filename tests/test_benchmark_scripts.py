@@ -39,3 +39,19 @@ def test_cache_host_benchmark_runs():
     bad = subprocess.run([sys.executable, "benchmarks/cache_host_bench.py", "--shapes", "gpt9-int8-1"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "bad shape" in bad.stderr
+
+
+def test_sass_count_compiles_without_a_gpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "benchmarks/sass_count.py", "--codec", "int4", "--head-dim", "64"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    loops = [line for line in r.stdout.splitlines() if line.strip().startswith("loop ")]
+    # the decode loop: tensor-core products and the int4 loader's LOP3s in one backward branch's span
+    assert any("HMMA" in line and "LOP3" in line for line in loops), r.stdout
+    bad = subprocess.run([sys.executable, "benchmarks/sass_count.py", "--config", "[1]"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "JSON object" in bad.stderr
+    interp = subprocess.run([sys.executable, "benchmarks/sass_count.py"], cwd=ROOT,
+                            env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=120)
+    assert interp.returncode != 0 and "unset TRITON_INTERPRET" in interp.stderr
