@@ -11,6 +11,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from . import _interpreter  # noqa: F401  (loop bounds under Triton 3.6's interpreter with NumPy >= 2.4)
+
 FP16_MIN_NORMAL = tl.constexpr(2.0**-14)
 FP16_MAX = tl.constexpr(65504.0)
 

@@ -20,18 +20,8 @@ if not ON_GPU:
                  "kernels.compact"):
         if name in sys.modules:
             importlib.reload(sys.modules[name])
+    # (kernels/_interpreter.py fixes the interpreter's loop bounds for NumPy >= 2.4)
 
-    # Triton 3.6's interpreter turns scalars into Python ints with int(array of shape (1,)),
-    # which numpy >= 2.4 refuses; loops with tensor bounds (range(lo, hi)) need it.
-    from triton.runtime import interpreter as _interp
-
-    _patch_lang_tensor = _interp._patch_lang_tensor
-
-    def _patched(tensor, scope):
-        _patch_lang_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    _interp._patch_lang_tensor = _patched
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 assert triton is not None
