@@ -379,7 +379,8 @@ def _mass_kernel(logits, lse, seq_lens, mass, rows, positions, pos_stride, max_l
 # the merge pass is launched as a programmatic dependent of pass 1, scheduled once pass 1's
 # programs leave their loops; sm_90+) and 'one_sequence' (keys that replace the others when the
 # batch is one sequence: its splits' chains of steps are the whole latency; int8 at head_dim 128
-# keeps 12 programs per SM, no register cap and no pdl there; int4 splits of two steps). Chosen by
+# keeps 12 programs per SM, no register cap and no pdl there; int8, fp8 and int4 splits of two
+# steps). Chosen by
 # benchmarks/gpu_bench.py --variants on an H200; SMALL_HEAD_CONFIG is for head_dim <= 64. The
 # kernels are latency-bound: what helped was fewer instructions per token (padded rows, masks and
 # shared-memory transposes removed: quantized values are stored channel-major so that V^T comes
@@ -392,9 +393,10 @@ DEFAULT_CONFIG = {
     "16bit": {"pages": 4, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8, "rows": "group"},
     "int8": {"pages": 2, "num_warps": 1, "num_stages": 3, "programs_per_sm": 16, "fill": "waves", "rows": "group",
              "transposed": True, "peel": True, "words": True, "maxnreg": 128, "pdl": True,
-             "one_sequence": {"programs_per_sm": 12, "maxnreg": 0, "pdl": False}},
+             "one_sequence": {"programs_per_sm": 12, "maxnreg": 0, "pdl": False, "min_steps": 2}},
     "fp8": {"pages": 2, "num_warps": 1, "num_stages": 3, "programs_per_sm": 16, "fill": "waves", "rows": "group",
-            "transposed": True, "peel": True, "words": True, "maxnreg": 128, "pdl": True},
+            "transposed": True, "peel": True, "words": True, "maxnreg": 128, "pdl": True,
+            "one_sequence": {"min_steps": 2}},
     "int4": {"pages": 2, "num_warps": 1, "num_stages": 3, "programs_per_sm": 12, "fill": "waves", "rows": "group",
              "transposed": True, "peel": True, "pairs": True, "maxnreg": 168, "one_sequence": {"min_steps": 2}},
 }
