@@ -49,6 +49,7 @@ def main():
     codecs = tuple(a.codecs.split(","))
     shapes = gb.parse_shapes(a.shapes)
     print(f"{torch.cuda.get_device_name()}: {name} against this tree, µs per decode step", flush=True)
+
     def token_major(fn):
         def call(q, pages, *args, **kw):
             if pages["k"].dtype == torch.uint8:

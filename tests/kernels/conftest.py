@@ -22,6 +22,5 @@ if not ON_GPU:
             importlib.reload(sys.modules[name])
     # (kernels/_interpreter.py fixes the interpreter's loop bounds for NumPy >= 2.4)
 
-
 DEVICE = "cuda" if ON_GPU else "cpu"
 assert triton is not None
