@@ -28,8 +28,9 @@ demo: venv
 	$(PY) -m kvguard.demo
 
 test: venv services
-	# One worker per CPU: the PostgreSQL tests each create a database of their own.
-	$(PY) -m pytest -q -p no:cacheprovider -n auto $(PYTEST_ARGS)
+	# One worker per CPU, at most 4 (each loads torch, some the model): the PostgreSQL tests each
+	# create a database of their own.
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 $(PYTEST_ARGS)
 
 test-fast: venv
 	$(PY) -m pytest -q -x -m "not slow and not postgres" $(PYTEST_ARGS)
