@@ -49,6 +49,12 @@ def test_sass_count_compiles_without_a_gpu():
     loops = [line for line in r.stdout.splitlines() if line.strip().startswith("loop ")]
     # the decode loop: tensor-core products and the int4 loader's LOP3s in one backward branch's span
     assert any("HMMA" in line and "LOP3" in line for line in loops), r.stdout
+    pre = subprocess.run([sys.executable, "benchmarks/sass_count.py", "--codec", "int8", "--head-dim", "64", "--kernel",
+                          "prefill"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert pre.returncode == 0, pre.stderr[-3000:]
+    # the prefill loop: a step of its 4 pages (64 tokens), with the softmax's exponentials (MUFU)
+    assert "_prefill_kernel" in pre.stdout
+    assert any("per step of 64 tokens" in line and "MUFU" in line for line in pre.stdout.splitlines()), pre.stdout
     bad = subprocess.run([sys.executable, "benchmarks/sass_count.py", "--config", "[1]"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "JSON object" in bad.stderr
