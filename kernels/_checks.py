@@ -44,6 +44,14 @@ def check_device(*tensors: torch.Tensor) -> torch.device:
     return dev
 
 
+def check_queries(q: torch.Tensor, lead: int, h: int, d: int) -> tuple[int, ...]:
+    """q [*lead dims, Hq, D] fp16/bf16 whose Hq is a multiple of the pages' h KV heads: its shape."""
+    check(q, "q", dtype=SIXTEEN_BIT, shape=(None,) * (lead + 1) + (d,))
+    if q.shape[-2] % h:
+        raise KernelArgError(f"q has {q.shape[-2]} heads, not a multiple of the pages' {h} KV heads")
+    return tuple(q.shape)
+
+
 def check(t: torch.Tensor, name: str, *, dtype=None, shape=None, contiguous: bool = True) -> None:
     """dtype: one dtype or a tuple; shape: a tuple whose None entries match any size."""
     if not isinstance(t, torch.Tensor):

@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from . import quantize as ref
-from ._checks import (INDEX_DTYPES, KIND, SIXTEEN_BIT, KernelArgError, check, check_device, check_int4_tile,
-                      check_pages, field_args, interpreting)
+from ._checks import (INDEX_DTYPES, KIND, KernelArgError, check, check_device, check_int4_tile,
+                      check_pages, check_queries, field_args, interpreting)
 from ._launch import launch
 from ._pages import attend_block, load_keys_f16, load_pages_f16, load_values_f16
 
@@ -722,10 +722,7 @@ def _plan(q, pages, block_table, seq_lens, max_seq_len, config) -> _Plan:
 
 def _choose_tile(q, pages, block_table, seq_lens, config) -> _Tile:
     codec, _, h, s, d = check_pages(pages)
-    check(q, "q", dtype=SIXTEEN_BIT, shape=(None, None, d))
-    b, hq, _ = q.shape
-    if hq % h:
-        raise KernelArgError(f"q has {hq} heads, not a multiple of the pages' {h} KV heads")
+    b, hq, _ = check_queries(q, 1, h, d)
     check(block_table, "block_table", dtype=INDEX_DTYPES, shape=(b, None), contiguous=False)
     if block_table.stride(1) != 1:
         raise KernelArgError("block_table rows must be contiguous (stride 1 along pages)")

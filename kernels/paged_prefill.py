@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from . import quantize as ref
-from ._checks import (INDEX_DTYPES, KIND, SIXTEEN_BIT, KernelArgError, check, check_device, check_int4_tile,
-                      check_pages, field_args, interpreting)
+from ._checks import (INDEX_DTYPES, KIND, KernelArgError, check, check_device, check_int4_tile,
+                      check_pages, check_queries, field_args, interpreting)
 from ._pages import attend_block, load_keys_f16, load_pages_f16
 from .paged_decode import LOG2E
 
@@ -116,10 +116,7 @@ MASS_CONFIG = {"block_m": 64, "pages": 4, "num_warps": 4, "num_stages": 2}
 def _check_chunk(q, pages, block_table, seq_len, limits):
     """paged_prefill's (and paged_prefill_mass's) arguments checked: (codec, H, S, D, seq_len, device)."""
     codec, _, h, s, d = check_pages(pages)
-    check(q, "q", dtype=SIXTEEN_BIT, shape=(None, None, d))
-    t, hq, _ = q.shape
-    if hq % h:
-        raise KernelArgError(f"q has {hq} heads, not a multiple of the pages' {h} KV heads")
+    t, _, _ = check_queries(q, 1, h, d)
     check(block_table, "block_table", dtype=INDEX_DTYPES, shape=(None,))
     seq_len = int(seq_len)
     if limits is None and not t <= seq_len <= block_table.shape[0] * s:
@@ -239,10 +236,7 @@ def paged_prefill_batch(q: torch.Tensor, pages: dict[str, torch.Tensor], block_t
     Returns out [B, T, Hq, D] in q's dtype and lse [B, T, Hq] fp32 (natural log).
     """
     codec, _, h, s, d = check_pages(pages)
-    check(q, "q", dtype=SIXTEEN_BIT, shape=(None, None, None, d))
-    b, t, hq, _ = q.shape
-    if hq % h:
-        raise KernelArgError(f"q has {hq} heads, not a multiple of the pages' {h} KV heads")
+    b, t, hq, _ = check_queries(q, 2, h, d)
     check(block_table, "block_table", dtype=INDEX_DTYPES, shape=(b, None), contiguous=False)
     if block_table.stride(1) != 1:
         raise KernelArgError("block_table's rows must be contiguous")
