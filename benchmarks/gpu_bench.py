@@ -5,9 +5,12 @@ ceilings, and decode-step times against their memory floors and PyTorch SDPA.
     PYTHONPATH=. python3 benchmarks/gpu_bench.py --smoke      # CPU, Triton interpreter, tiny shapes
     PYTHONPATH=. python3 benchmarks/gpu_bench.py --variants '{"name": {"int8": {...}}}' [--shapes ...] [--codecs ...]
         # check named config overrides against the reference, then time them (with SDPA) per shape
+    PYTHONPATH=. python3 benchmarks/gpu_bench.py --kernel prefill --variants '{"name": {"all": {"block_m": 128}}}' \
+        --shapes llama3-8b:16384:2048     # the same for paged_prefill's configs, shapes model:L:T
     ncu ... python3 benchmarks/gpu_bench.py --once llama3-8b:131072:8 --codecs int8   # one call, for a profiler
 
-Every time is one layer's decode step, measured by replaying a CUDA graph of R calls over R
+Every time is one layer's decode step (or, in the prefill table, one layer's attention of a prompt
+chunk: its T queries over the sequence's L tokens, causal), measured by replaying a CUDA graph of R calls over R
 disjoint copies of the data (R chosen so that R copies are several times the L2), median of
 the replays divided by R. Floors are the bytes a variant must read over the copy bandwidth
 measured in the same run. Imports kernels/ only (torch + triton), never kvguard.
@@ -27,16 +30,7 @@ import torch
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    from triton.runtime import interpreter as _interp  # numpy >= 2.4 fix, as in tests/kernels/conftest.py
-
-    _orig = _interp._patch_lang_tensor
-
-    def _patched(tensor, scope):
-        _orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    _interp._patch_lang_tensor = _patched
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported; kernels/ fixes the interpreter for NumPy >= 2.4
 
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
@@ -319,6 +313,102 @@ def bench_decode(model, length, batch, copy_bw, configs=None, with_baselines=Tru
     return row
 
 
+# --- prefill benchmark -----------------------------------------------------------------------------
+
+
+def causal_pairs(length: int, chunk: int) -> int:
+    """(query, key) pairs a chunk of the last `chunk` of `length` tokens attends, causally."""
+    return chunk * (length - chunk) + chunk * (chunk + 1) // 2
+
+
+def _sdpa_prefill(q, k, v):
+    """PyTorch SDPA, flash backend, the chunk's queries bottom-right aligned on the keys. GQA by
+    enable_gqa where the flash backend takes it; else the caller repeats K/V's heads."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[-2], k.shape[-2]),
+                                              enable_gqa=k.shape[-3] != q.shape[-3])
+
+
+def bench_prefill(model, length, chunk, configs=None, with_baselines=True, codecs=("16bit",) + CODECS) -> dict:
+    """One layer's attention of a prompt chunk: the last `chunk` queries of one sequence of `length`
+    tokens over its pages, causal (paged_prefill), against SDPA on contiguous bf16 K/V and, for int8,
+    the pages gathered and dequantized first, then SDPA. Times in seconds per call, as bench_decode's
+    (a graph of R calls over R copies of the data)."""
+    hq, h, d = MODELS[model]
+    kv16 = pool_bytes("bf16", length, h, d)
+    reps = max(1, min(16, math.ceil((256e6 if GPU else 1) / kv16)))
+    pps = length // S
+    row = {"model": model, "L": length, "T": chunk, "reps": reps,
+           "tflop": 4 * hq * d * causal_pairs(length, chunk) / 1e12}
+    q = torch.randn(reps, chunk, hq, d, device=DEV, dtype=torch.bfloat16)
+    qs = q.transpose(1, 2)  # [R, Hq, T, D] views for SDPA
+    if with_baselines and GPU:
+        kc = torch.randn(reps, h, length, d, device=DEV, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        try:
+            _sdpa_prefill(qs[:1], kc[:1], vc[:1])
+            row["sdpa_gqa"] = "enable_gqa"
+        except RuntimeError:  # the flash backend without enable_gqa: K/V repeated per query head (outside the timing)
+            kc, vc = kc.repeat_interleave(hq // h, 1), vc.repeat_interleave(hq // h, 1)
+            row["sdpa_gqa"] = "repeated K/V"
+        row["sdpa"] = time_calls([lambda i=i: _sdpa_prefill(qs[i:i + 1], kc[i:i + 1], vc[i:i + 1])
+                                  for i in range(reps)])
+        del kc, vc
+    pool = {"k": outlier((reps * pps, h, S, d)), "v": outlier((reps * pps, h, S, d))}
+    perm = torch.randperm(reps * pps, device=DEV).to(torch.int32).reshape(reps, pps)
+
+    def run(pages, name, cfg):
+        calls = [lambda i=i: paged_prefill(q[i], pages, perm[i], length, config=cfg) for i in range(reps)]
+        try:
+            calls[0]()
+        except KernelArgError as e:
+            print(f"   prefill {name}: refused ({e})", flush=True)
+            row[name] = math.inf
+            return
+        row[name] = time_calls(calls)
+
+    for codec in codecs:
+        pages = pool if codec == "16bit" else quantized_pool(pool, codec)
+        for cfg_name, cfg in (configs or {"": None}).items():
+            run(pages, codec + cfg_name, cfg and cfg.get(codec))
+        if codec == "int8" and not configs and with_baselines and GPU:
+            def deq_sdpa(i):  # gather the sequence's pages, dequantize, SDPA
+                ids = perm[i].long()
+                kk, vv = ref.decode_int8({n: t[ids] for n, t in pages.items()}, out_dtype=torch.bfloat16)
+                kk = kk.transpose(0, 1).reshape(1, h, length, d)
+                vv = vv.transpose(0, 1).reshape(1, h, length, d)
+                if row["sdpa_gqa"] != "enable_gqa":
+                    kk, vv = kk.repeat_interleave(hq // h, 1), vv.repeat_interleave(hq // h, 1)
+                return _sdpa_prefill(qs[i:i + 1], kk, vv)
+
+            row["deq_sdpa"] = time_calls([lambda i=i: deq_sdpa(i) for i in range(reps)])
+        del pages
+    del pool
+    if GPU:
+        torch.cuda.empty_cache()
+    return row
+
+
+PREFILL_COLS = ("sdpa", "deq_sdpa", "16bit", "int8", "fp8", "int4")
+
+
+def prefill_table(rows) -> list[str]:
+    head = (f"{'model':13s} {'L':>6s} {'T':>5s} {'TFLOP':>6s} | " + " ".join(f"{c:>9s}" for c in PREFILL_COLS)
+            + " | TFLOP/s: sdpa  16bit  int8  int4 | sdpa/: 16bit  int8   fp8  int4")
+    out = [head, "-" * len(head)]
+    for r in rows:
+        us = " ".join(f"{r[c] * 1e6:9.1f}" if c in r else f"{'-':>9s}" for c in PREFILL_COLS)
+        rate = " ".join(f"{r['tflop'] / r[c]:5.0f}" if c in r else f"{'-':>5s}"
+                        for c in ("sdpa", "16bit", "int8", "int4"))
+        sp = " ".join(f"{r['sdpa'] / r[c]:5.2f}" if "sdpa" in r and c in r else f"{'-':>5s}"
+                      for c in ("16bit", "int8", "fp8", "int4"))
+        out.append(f"{r['model']:13s} {r['L']:6d} {r['T']:5d} {r['tflop']:6.3f} | {us} |        {rate} |       {sp}")
+    return out
+
+
 # Tile configs the sweep times: (pages, warps, stages, programs per SM, codes loaded as int32 words,
 # register cap or 0).
 SWEEP_TILES = [(4, 2, 3, 8, False, 0), (4, 2, 3, 10, False, 0), (2, 2, 3, 12, True, 0), (2, 2, 3, 16, True, 128),
@@ -471,6 +561,41 @@ def run_variants(spec: dict, shapes, copy_bw, read_bw, codecs, profile=False) ->
     return lines + compiled_decode_kernels()
 
 
+def run_prefill_variants(spec: dict, shapes, codecs) -> list[str]:
+    """--variants --kernel prefill: each named config (paged_prefill's) checked against the reference,
+    then timed beside SDPA on shapes model:L:T."""
+    lines, g = [], torch.Generator(device="cpu").manual_seed(2)
+    for model, (hq, h, d) in MODELS.items():
+        grid = variant_configs(spec, d)
+        maxp = 40
+        pool = {"k": outlier((maxp, h, S, d)), "v": outlier((maxp, h, S, d))}
+        table = torch.randperm(maxp, generator=g).to(torch.int32).to(DEV)
+        q = torch.randn(100, hq, d, device=DEV, dtype=torch.bfloat16)
+        for codec in codecs:
+            pages = pool if codec == "16bit" else quantized_pool(pool, codec)
+            r_out, _ = paged_prefill_ref(q, pages, table, maxp * S - 5)
+            for name, cfgs in grid.items():
+                try:
+                    out, _ = paged_prefill(q, pages, table, maxp * S - 5, config=cfgs[codec])
+                except KernelArgError as e:
+                    lines.append(f"prefill variant{name} {model} {codec}: refused ({e})")
+                    continue
+                if not rel(out, r_out) < 5e-3:
+                    lines.append(f"prefill variant{name} {model} {codec}: FAIL out {rel(out, r_out):.1e}")
+    lines.append(f"prefill variants checked: {'ALL OK' if not any('FAIL' in x for x in lines) else 'FAILURES'}")
+    print("\n".join(lines), flush=True)
+    for model, length, chunk in shapes:
+        grid = variant_configs(spec, MODELS[model][2])
+        row = bench_prefill(model, length, chunk, configs=grid, codecs=codecs)
+        for codec in codecs:
+            cells = " ".join(f"{n.strip()}={row[codec + n] * 1e6:.1f}us/{row['tflop'] / row[codec + n]:.0f}TF"
+                             for n in grid)
+            sd = f" sdpa={row['sdpa'] * 1e6:.1f}us/{row['tflop'] / row['sdpa']:.0f}TF" if "sdpa" in row else ""
+            lines.append(f"prefill {model} L={length} T={chunk} {codec:5s}{sd} {cells}")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def bench_quantize(copy_bw, warps=(None,)) -> list[str]:
     h, d, n = 8, 128, (16384 if GPU else 8)
     k, v = outlier((n, h, S, d)), outlier((n, h, S, d))
@@ -515,7 +640,11 @@ def main():
     ap.add_argument("--once", help="model:L:B: one decode call per codec of --codecs (config from --variants' "
                     "first entry), for a profiler; no timing")
     ap.add_argument("--shapes", default="llama3-8b:131072:1,llama3-8b:131072:8,llama3-8b:16384:64,"
-                    "smollm2-135m:131072:8,smollm2-135m:16384:1", help="model:L:B,... for --variants")
+                    "smollm2-135m:131072:8,smollm2-135m:16384:1", help="model:L:B,... for --variants (with "
+                    "--kernel prefill: model:L:T, T the chunk's queries)")
+    ap.add_argument("--kernel", default="decode", choices=("decode", "prefill"), help="the kernel --variants times")
+    ap.add_argument("--prefill-grid", default="full", choices=("full", "none"),
+                    help="prompt-chunk shapes to time after the decode table")
     args = ap.parse_args()
     info = {"device": torch.cuda.get_device_name() if GPU else "cpu", "torch": torch.__version__,
             "triton": triton.__version__}
@@ -538,6 +667,11 @@ def main():
     ceil = ceilings()
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s (read+write), read-only {ceil['read_GBps']:.0f} GB/s, "
           f"bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
+    if args.variants and args.kernel == "prefill":
+        lines = run_prefill_variants(json.loads(args.variants), parse_shapes(args.shapes), codecs)
+        with open(os.path.join(args.out, "prefill_variants.txt"), "w") as f:
+            f.write("\n".join([json.dumps(info), f"ceilings {ceil}", args.variants] + lines) + "\n")
+        return
     if args.variants:
         lines = run_variants(json.loads(args.variants), parse_shapes(args.shapes), ceil["copy_GBps"],
                              ceil["read_GBps"], codecs, profile=args.profile)
@@ -565,14 +699,27 @@ def main():
     for m, length, b in grid:
         rows.append(bench_decode(m, length, b, ceil["copy_GBps"], read_bw=ceil["read_GBps"]))
         print(table(rows[-1:])[-1], flush=True)
-    lines = table(rows)
+    lines = table(rows) if rows else []
     print("\n" + "\n".join(lines))
+    if args.smoke:
+        pgrid = [("smollm2-135m", 256, 64)]
+    else:
+        pgrid = [] if args.prefill_grid == "none" else \
+            [(m, length, t) for m in MODELS for length, t in ((4096, 512), (16384, 512), (16384, 2048), (65536, 2048))]
+    prows = []
+    for m, length, t in pgrid:
+        prows.append(bench_prefill(m, length, t))
+        print(prefill_table(prows[-1:])[-1], flush=True)
+    plines = prefill_table(prows) if prows else []
+    print("\n" + "\n".join(plines))
     with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
-        json.dump({"info": info, "ceilings": ceil, "rows": rows, "quantize": quant, "sweep": extra, "checks": checks,
+        json.dump({"info": info, "ceilings": ceil, "rows": rows, "prefill_rows": prows, "quantize": quant,
+                   "sweep": extra, "checks": checks,
                    "decode_config": paged_decode_module.DEFAULT_CONFIG,
                    "decode_config_small_head": paged_decode_module.SMALL_HEAD_CONFIG}, f, indent=1)
     with open(os.path.join(args.out, "gpu_bench_table.txt"), "w") as f:
-        f.write("\n".join([json.dumps(info), f"ceilings {ceil}"] + checks[-1:] + quant + extra + lines) + "\n")
+        f.write("\n".join([json.dumps(info), f"ceilings {ceil}"] + checks[-1:] + quant + extra + lines + [""]
+                          + plines) + "\n")
 
 
 if __name__ == "__main__":
