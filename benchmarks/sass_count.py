@@ -10,7 +10,7 @@ the instructions a loop step spends per token are what a change to the loader is
 paged_decode would launch for a batch of 8 sequences at the given head_dim (llama3's 32/8 heads
 at 128, smollm2's 9/3 at 64; `--config` overrides the tile as paged_decode's `config` does);
 every pointer is taken as 16-byte aligned, as a launch with whole page tensors specializes it.
-`--kernel prefill`: paged_prefill's kernel for a chunk of one sequence, its DEFAULT_CONFIG with
+`--kernel prefill`: paged_prefill's kernel for a chunk of one sequence, its tile (prefill_config) with
 `--config` over it.
 Triton compiles for sm_90 with its own ptxas; cuobjdump (shipped beside it) disassembles. A loop
 is a backward branch's span; its instructions are listed by opcode.
@@ -92,10 +92,10 @@ def compile_prefill(codec: str, d: int, config: dict | None):
     q = torch.randn(t, hq, d, dtype=torch.float16)
     pages = pages_of(codec, h, d, per)
     table = torch.arange(per, dtype=torch.int32)
-    cfg = {**pp.DEFAULT_CONFIG, **(config or {})}
+    cfg = pp.prefill_config(d, config)
     f32 = torch.empty(1)
-    # _prefill_kernel's runtime arguments as paged_prefill's _launch passes them
-    args = (q, *field_args(pages), table, q, f32, 1.0, t, per * PAGE, f32, f32, 0)
+    # _prefill_kernel's runtime arguments as paged_prefill's _launch passes them (one split)
+    args = (q, *field_args(pages), table, q, f32, 1.0, t, per * PAGE, f32, f32, 0, per * PAGE, 1)
     consts = dict(H=h, G=hq // h, S=PAGE, D=d, KIND=KIND[codec], GROUP=ref.INT4_GROUP, BLOCK_M=cfg["block_m"],
                   PAGES=cfg["pages"], ON_GPU=True, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                   LIMITS=False, LENS=False)

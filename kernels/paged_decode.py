@@ -577,16 +577,7 @@ def paged_decode_sets(q: torch.Tensor, sets: list[tuple], sm_scale: float | None
                {**flags, **t.consts}, (t.key, *flags.values()))
         sp0 += p.ns
     if split and not fused:
-        cfg = tiles[-1].cfg
-        # an [R, CH, DB] fp32 tile of partials per program, at most 64 registers a thread at 4 warps
-        ch = min(cfg.get("combine_chunk", 512), max(2, triton.next_power_of_2(ns)))
-        db = min(d, cfg.get("combine_block", max(16, 8192 // ch)))
-        # several rows a program only when there are rows enough to keep every SM busy: a small
-        # merge is bound by latency, and fewer programs each reading more made it slower
-        r = cfg.get("combine_rows", _pow2_floor(max(1, min(4096 // (ch * db), b * hq // _num_sms(dev)))))
-        launch(_combine_kernel, (triton.cdiv(b * hq, r), d // db), (p_out, p_lse, out, lse, ns, b * hq),
-               dict(D=d, R=r, DB=db, CH=ch, num_warps=4, **({"PDL": True, "launch_pdl": True} if pdl else {})),
-               (d, r, db, ch, pdl))
+        merge_splits(p_out, p_lse, out, lse, ns, b * hq, d, dev, tiles[-1].cfg, pdl)
     if not with_mass:
         return out, lse
     masses = []
@@ -604,6 +595,23 @@ def paged_decode_sets(q: torch.Tensor, sets: list[tuple], sm_scale: float | None
                (lg, lse, p.seq_lens, mass, rows, positions, positions.stride(0), t.max_len),
                dict(G=t.g, GP=t.gp, BLOCK=blk, INTO=into is not None, num_warps=4), (t.g, t.gp, blk, into is not None))
     return (out, lse, masses) if return_mass else (out, lse)
+
+
+def merge_splits(p_out, p_lse, out, lse, ns: int, rows: int, d: int, dev: torch.device, cfg: dict,
+                 pdl: bool = False) -> None:
+    """Pass 2: the ns partials of each of `rows` rows, p_out [rows, ns, d] fp32 and p_lse [rows, ns]
+    base 2 (-inf: an empty split), merged by their lse into out [rows, d] (its dtype) and lse [rows]
+    natural log. cfg may set 'combine_chunk', 'combine_block', 'combine_rows'; pdl: launched as a
+    programmatic dependent of the kernel before it."""
+    # an [R, CH, DB] fp32 tile of partials per program, at most 64 registers a thread at 4 warps
+    ch = min(cfg.get("combine_chunk", 512), max(2, triton.next_power_of_2(ns)))
+    db = min(d, cfg.get("combine_block", max(16, 8192 // ch)))
+    # several rows a program only when there are rows enough to keep every SM busy: a small
+    # merge is bound by latency, and fewer programs each reading more made it slower
+    r = cfg.get("combine_rows", _pow2_floor(max(1, min(4096 // (ch * db), rows // _num_sms(dev)))))
+    launch(_combine_kernel, (triton.cdiv(rows, r), d // db), (p_out, p_lse, out, lse, ns, rows),
+           dict(D=d, R=r, DB=db, CH=ch, num_warps=4, **({"PDL": True, "launch_pdl": True} if pdl else {})),
+           (d, r, db, ch, pdl))
 
 
 # (address, head stride, columns) tables of mass_into's buffers, by those numbers: the same

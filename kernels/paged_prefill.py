@@ -4,7 +4,9 @@ codec, dequantized in registers (the same block loader and softmax step as decod
 The chunk's T queries are the last T of the sequence's L tokens (their own K/V already
 written to the pages). GQA is packed into the rows of a tile: a program takes BLOCK_M
 consecutive (token, query head) pairs of one KV head, so each K/V block read serves the
-whole group. Query row (t, g) sees keys 0 .. L - T + t.
+whole group. Query row (t, g) sees keys 0 .. L - T + t. A short chunk over a long context has
+few such blocks: its key range is then split over programs as well (flash-decoding's split),
+each writing a partial (out, lse) that decode's merge pass combines.
 
 H2O and SnapKV need each key's attention mass: its probability under each query's final
 softmax, summed over the group's query heads and the chunk's last queries. That needs the
@@ -25,21 +27,30 @@ from . import quantize as ref
 from ._checks import (INDEX_DTYPES, KIND, KernelArgError, check, check_device, check_int4_tile,
                       check_pages, check_queries, field_args, interpreting)
 from ._pages import attend_block, load_keys_f16, load_pages_f16
-from .paged_decode import LOG2E
+from .paged_decode import LOG2E, _finish, _num_sms, merge_splits
 
 
 @triton.jit
 def _prefill_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, out, lse, qk_scale, T, L, limits, lens, bt_stride,
+                    split_tokens, ns,
                     H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PAGES: tl.constexpr, ON_GPU: tl.constexpr,
-                    LIMITS: tl.constexpr = False, LENS: tl.constexpr = False):
-    # grid (cdiv(T * G, BLOCK_M), H, B); q, out [B, T, Hq, D]; lse [B, T, Hq]; block_table [B, *]
-    # (row stride bt_stride); limits [B, T]; each sequence's L from lens [B] with LENS, else L
+                    LIMITS: tl.constexpr = False, LENS: tl.constexpr = False, SPLIT: tl.constexpr = False):
+    # grid (cdiv(T * G, BLOCK_M) * ns, H, B); q, out [B, T, Hq, D]; lse [B, T, Hq]; block_table [B, *]
+    # (row stride bt_stride); limits [B, T]; each sequence's L from lens [B] with LENS, else L.
+    # SPLIT: program (block, split) attends keys [split * split_tokens, ...) and writes a partial
+    # to out [B * T * Hq, ns, D] fp32, lse [B * T * Hq, ns] base 2 (merge_splits combines them)
     h = tl.program_id(1)
     b = tl.program_id(2)
     if LENS:
         L = tl.load(lens + b)
-    f = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # flat (token, group head) index
+    if SPLIT:
+        blk = tl.program_id(0) // ns
+        sp = tl.program_id(0) % ns
+    else:
+        blk = tl.program_id(0)
+        sp = 0
+    f = blk * BLOCK_M + tl.arange(0, BLOCK_M)  # flat (token, group head) index
     row_ok = f < T * G
     t = tl.where(row_ok, f // G, 0)
     bt = b.to(tl.int64) * T + t  # the query's row of the batch's [B * T] tokens
@@ -51,26 +62,35 @@ def _prefill_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, out, lse, qk_sca
         seen = tl.minimum(tl.load(limits + bt, mask=row_ok, other=0), L)
     else:
         seen = L - T + t + 1  # [BLOCK_M] keys visible to each row
-    lim = tl.maximum(seen, 1)  # key 0 keeps m finite; a row that sees none is written empty below
-    hi = tl.max(lim, 0)
+    if SPLIT:  # a row may see none of a split's keys (attend_block's GUARD)
+        lim = seen
+        lo = sp * split_tokens
+        hi = tl.minimum(tl.max(lim, 0), lo + split_tokens)
+    else:
+        lim = tl.maximum(seen, 1)  # key 0 keeps m finite; a row that sees none is written empty below
+        lo = 0
+        hi = tl.max(lim, 0)
 
     BN: tl.constexpr = PAGES * S
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for start in range(0, hi, BN):
+    for start in range(lo, hi, BN):
         pi = start // S + tl.arange(0, PAGES)
         n = start + tl.arange(0, BN)
         tok_ok = n < hi
         page = tl.load(block_table + pi, mask=pi * S < hi, other=0).to(tl.int64)
         k, v, vs = load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, tok_ok.reshape(PAGES, S), h,
                               H, S, D, PAGES, KIND, GROUP, ON_GPU)
-        acc, m, l, s = attend_block(acc, m, l, qh, k, v, vs, n[None, :] < lim[:, None], qk_scale, KIND == 1)
+        acc, m, l, s = attend_block(acc, m, l, qh, k, v, vs, n[None, :] < lim[:, None], qk_scale, KIND == 1, SPLIT)
 
-    none = seen < 1
-    o = tl.where(none[:, None], 0.0, acc / l[:, None])
-    tl.store(out + qrow[:, None] * D + d[None, :], o.to(out.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(lse + qrow, tl.where(none, float("-inf"), (m + tl.log2(l)) * 0.6931471805599453), mask=row_ok)
+    if SPLIT:  # a row that saw no key of this split leaves an empty partial (lse -inf)
+        _finish(acc, m, l, qrow, row_ok, d, out, lse, sp, ns, out, lse, lse, 0, D, True, False, 1)
+    else:
+        none = seen < 1
+        o = tl.where(none[:, None], 0.0, acc / l[:, None])
+        tl.store(out + qrow[:, None] * D + d[None, :], o.to(out.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(lse + qrow, tl.where(none, float("-inf"), (m + tl.log2(l)) * 0.6931471805599453), mask=row_ok)
 
 
 @triton.jit
@@ -109,8 +129,22 @@ def _prefill_mass_kernel(q, kp, ksp, kzp, block_table, lse, mass, qk_scale, T, L
     tl.store(mass + h * L + n, total, mask=tok_ok)
 
 
-DEFAULT_CONFIG = {"block_m": 64, "pages": 4, "num_warps": 4, "num_stages": 2}
+# Tiles: block_m query rows ((token, group head) pairs) a program, pages of keys a loop step; when
+# the blocks of rows x KV heads x sequences are too few to fill the GPU (a short chunk, few KV
+# heads) the key range is split too, to about programs_per_sm programs per SM in splits of at
+# least min_split keys, and the partials merged by their lse (merge_splits, decode's pass 2).
+# Chosen by benchmarks/gpu_bench.py --kernel prefill --variants on an H200 (docs/benchmarks.md):
+# 128 rows beat 64 once the split keeps the grid full (smollm2 16K x 512: 431 -> 95 us;
+# llama3 16K x 2048: 2138 -> 1861 us), and head_dim 64's lighter programs want more per SM.
+DEFAULT_CONFIG = {"block_m": 128, "pages": 4, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2,
+                  "min_split": 1024}
+SMALL_HEAD_CONFIG = {**DEFAULT_CONFIG, "programs_per_sm": 4, "min_split": 512}
 MASS_CONFIG = {"block_m": 64, "pages": 4, "num_warps": 4, "num_stages": 2}
+
+
+def prefill_config(d: int, config: dict | None) -> dict:
+    """The tile for head_dim d, with the caller's overrides."""
+    return {**(SMALL_HEAD_CONFIG if d <= 64 else DEFAULT_CONFIG), **(config or {})}
 
 
 def _check_chunk(q, pages, block_table, seq_len, limits):
@@ -200,7 +234,7 @@ def paged_prefill(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: 
     """
     codec, h, s, d, seq_len, dev = _check_chunk(q, pages, block_table, seq_len, limits)
     t, hq, _ = q.shape
-    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    cfg = prefill_config(d, config)
     check_int4_tile(codec, cfg["pages"] * s)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     out = torch.empty_like(q)
@@ -211,15 +245,40 @@ def paged_prefill(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: 
     return out, lse
 
 
+def prefill_splits(programs: int, seq_len: int, block_tokens: int, dev: torch.device, cfg: dict) -> tuple[int, int]:
+    """(splits, keys per split) of a chunk's key range: one split when `programs` (blocks of query
+    rows x KV heads x sequences) fill the GPU; else about programs_per_sm per SM, splits of at
+    least min_split keys, each a multiple of block_tokens. cfg 'splits' fixes the count."""
+    if "splits" in cfg:
+        want = int(cfg["splits"])
+    else:
+        want = max(1, round(cfg["programs_per_sm"] * _num_sms(dev) / max(1, programs)))
+        want = min(want, max(1, seq_len // cfg["min_split"]))
+    if want <= 1 or seq_len <= block_tokens:
+        return 1, seq_len
+    step = -(-(-(-seq_len // want)) // block_tokens) * block_tokens
+    return -(-seq_len // step), step
+
+
 def _launch(q, pages, codec, block_table, bt_stride, out, lse, scale, t, seq_len, limits, lens, cfg, batch):
     h, s, d = pages["k"].shape[1], pages["k"].shape[2], q.shape[-1]
     g = q.shape[-2] // h
-    grid = (triton.cdiv(t * g, cfg["block_m"]), h, batch)
-    _prefill_kernel[grid](q, *field_args(pages), block_table, out, lse, scale * LOG2E, t, seq_len,
-                          lse if limits is None else limits, lse if lens is None else lens, bt_stride,
-                          H=h, G=g, S=s, D=d, KIND=KIND[codec], GROUP=ref.INT4_GROUP, BLOCK_M=cfg["block_m"],
-                          PAGES=cfg["pages"], ON_GPU=not interpreting(), num_warps=cfg["num_warps"],
-                          num_stages=cfg["num_stages"], LIMITS=limits is not None, LENS=lens is not None)
+    blocks = triton.cdiv(t * g, cfg["block_m"])
+    dev = q.device
+    ns, step = prefill_splits(blocks * h * batch, seq_len, cfg["pages"] * s, dev, cfg)
+    rows = batch * t * g * h
+    if ns > 1:  # partials, then merged into out and lse
+        o, ls = torch.empty(rows, ns, d, device=dev, dtype=torch.float32), torch.empty(rows, ns, device=dev)
+    else:
+        o, ls = out, lse
+    _prefill_kernel[(blocks * ns, h, batch)](
+        q, *field_args(pages), block_table, o, ls, scale * LOG2E, t, seq_len, lse if limits is None else limits,
+        lse if lens is None else lens, bt_stride, step, ns,
+        H=h, G=g, S=s, D=d, KIND=KIND[codec], GROUP=ref.INT4_GROUP, BLOCK_M=cfg["block_m"], PAGES=cfg["pages"],
+        ON_GPU=not interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        LIMITS=limits is not None, LENS=lens is not None, SPLIT=ns > 1)
+    if ns > 1:
+        merge_splits(o, ls, out.view(rows, d), lse.view(rows), ns, rows, d, dev, cfg)
 
 
 def paged_prefill_batch(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch.Tensor,
@@ -233,7 +292,9 @@ def paged_prefill_batch(q: torch.Tensor, pages: dict[str, torch.Tensor], block_t
     max_seq_len  an upper bound of seq_lens known on the host, at most max_pages * S
     limits       [B, T] int32: how many of its sequence's first tokens each query sees (as
                  paged_prefill's limits: a row's padding queries see 0 and get zeros, lse -inf)
-    Returns out [B, T, Hq, D] in q's dtype and lse [B, T, Hq] fp32 (natural log).
+    Returns out [B, T, Hq, D] in q's dtype and lse [B, T, Hq] fp32 (natural log). A row's numbers
+    are those of paged_prefill on it alone when neither launch splits the key range (the split
+    follows the grid and max_seq_len; with one, results agree to rounding, as decode's do).
     """
     codec, _, h, s, d = check_pages(pages)
     b, t, hq, _ = check_queries(q, 2, h, d)
@@ -245,7 +306,7 @@ def paged_prefill_batch(q: torch.Tensor, pages: dict[str, torch.Tensor], block_t
     if not 0 <= int(max_seq_len) <= block_table.shape[1] * s:
         raise KernelArgError(f"need 0 <= max_seq_len={max_seq_len} <= max_pages*S={block_table.shape[1] * s}")
     dev = check_device(q, block_table, pages["k"], seq_lens, limits)
-    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    cfg = prefill_config(d, config)
     check_int4_tile(codec, cfg["pages"] * s)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     out = torch.empty_like(q)

@@ -105,9 +105,51 @@ def test_batch_is_its_rows(codec):
     live = r_lse > float("-inf")
     assert bool((lse[~live] == float("-inf")).all()) and bool((out[~live] == 0).all())
     assert rel_ok(out[live], r_out[live], TOL[torch.float16, codec != "16bit"])
-    for i, n in enumerate(lens):  # the same numbers as a launch for the row alone
+    for i, n in enumerate(lens):  # the same numbers as a launch for the row alone (neither splits its keys)
         one, one_lse = paged_prefill(q[i].contiguous(), pages, table[i], n, limits=limits[i].contiguous())
         assert torch.equal(one, out[i]) and torch.equal(one_lse, lse[i])
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("splits", (2, 3))
+def test_split_key_range_matches_one_pass(codec, splits):
+    # the key range split over programs (a chunk whose blocks of query rows alone would leave the
+    # GPU idle), the partials merged by their lse: a causal chunk whose first queries see none of
+    # the last split's keys, per-query limits with queries that see no key at all, and a batch
+    tol = TOL[torch.float16, codec != "16bit"]
+    cfg = {"splits": splits}
+    q, pages, table = _case(codec, torch.float16, 4, 64, 40, seed=7)
+    out, lse = paged_prefill(q, pages, table, 150, config=cfg)
+    r_out, r_lse = paged_prefill_ref(q, pages, table, 150)
+    assert rel_ok(out, r_out, tol)
+    assert torch.allclose(lse, r_lse, rtol=2e-3, atol=1e-2 if codec != "16bit" else 1e-4)
+    limits = torch.tensor([0, 3, 0, 150] + [17 * i % 151 for i in range(36)], dtype=torch.int32, device=DEVICE)
+    out, lse = paged_prefill(q, pages, table, 150, config=cfg, limits=limits)
+    r_out, r_lse = paged_prefill_ref(q, pages, table, 150, limits=limits)
+    live = r_lse > float("-inf")
+    assert bool((out[~live] == 0).all()) and bool(torch.isneginf(lse[~live]).all()) and (~live).any()
+    assert rel_ok(out[live], r_out[live], tol)
+    assert torch.allclose(lse[live], r_lse[live], rtol=2e-3, atol=1e-2 if codec != "16bit" else 1e-4)
+    qb = torch.stack([q[:24], q[16:]])
+    tb = torch.stack([table, table.flip(0)])
+    lens = torch.tensor([150, 90], dtype=torch.int32, device=DEVICE)
+    lim = torch.stack([torch.arange(n - 24, n) + 1 for n in (150, 90)]).to(torch.int32).to(DEVICE)
+    out, lse = paged_prefill_batch(qb, pages, tb, lens, 150, lim, config=cfg)
+    r_out, _ = paged_prefill_batch_ref(qb, pages, tb, lens, 150, lim)
+    assert rel_ok(out, r_out, tol)
+
+
+def test_splits_follow_the_programs():
+    from kernels.paged_prefill import DEFAULT_CONFIG, prefill_splits
+
+    cpu = torch.device("cpu")  # 4 SMs as the tile rules count a CPU
+    cfg = {**DEFAULT_CONFIG, "programs_per_sm": 2, "min_split": 64}
+    assert prefill_splits(8, 4096, 64, cpu, cfg) == (1, 4096)  # 8 programs fill 4 SMs at 2 each
+    assert prefill_splits(2, 4096, 64, cpu, cfg) == (4, 1024)
+    assert prefill_splits(1, 100, 64, cpu, cfg) == (1, 100)  # no split shorter than min_split keys
+    assert prefill_splits(1, 200, 64, cpu, cfg) == (2, 128)  # 3 wanted, of whole loop steps: 2
+    assert prefill_splits(1, 4096, 64, cpu, {**cfg, "min_split": 2048}) == (2, 2048)
+    assert prefill_splits(1, 4096, 64, cpu, {**cfg, "splits": 3}) == (3, 1408)  # 1366 rounded up to 64s
 
 
 def test_batch_errors():
