@@ -138,7 +138,7 @@ def _prefill_mass_kernel(q, kp, ksp, kzp, block_table, lse, mass, qk_scale, T, L
 # llama3 16K x 2048: 2138 -> 1861 us), and head_dim 64's lighter programs want more per SM.
 DEFAULT_CONFIG = {"block_m": 128, "pages": 4, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2,
                   "min_split": 1024}
-SMALL_HEAD_CONFIG = {**DEFAULT_CONFIG, "programs_per_sm": 4, "min_split": 512}
+SMALL_HEAD_CONFIG = {**DEFAULT_CONFIG, "programs_per_sm": 4, "min_split": 256}
 MASS_CONFIG = {"block_m": 64, "pages": 4, "num_warps": 4, "num_stages": 2}
 
 
