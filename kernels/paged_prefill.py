@@ -18,6 +18,7 @@ counted query against it and sums exp(logit - lse): the QK work once more, no [T
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -26,20 +27,22 @@ import triton.language as tl
 from . import quantize as ref
 from ._checks import (INDEX_DTYPES, KIND, KernelArgError, check, check_device, check_int4_tile,
                       check_pages, check_queries, field_args, interpreting)
+from ._launch import launch
 from ._pages import attend_block, load_keys_f16, load_pages_f16
 from .paged_decode import LOG2E, _finish, _num_sms, merge_splits
 
 
 @triton.jit
 def _prefill_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, out, lse, qk_scale, T, L, limits, lens, bt_stride,
-                    split_tokens, ns,
+                    split_tokens, ns, sp0, nst,
                     H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PAGES: tl.constexpr, ON_GPU: tl.constexpr,
                     LIMITS: tl.constexpr = False, LENS: tl.constexpr = False, SPLIT: tl.constexpr = False):
     # grid (cdiv(T * G, BLOCK_M) * ns, H, B); q, out [B, T, Hq, D]; lse [B, T, Hq]; block_table [B, *]
     # (row stride bt_stride); limits [B, T]; each sequence's L from lens [B] with LENS, else L.
-    # SPLIT: program (block, split) attends keys [split * split_tokens, ...) and writes a partial
-    # to out [B * T * Hq, ns, D] fp32, lse [B * T * Hq, ns] base 2 (merge_splits combines them)
+    # SPLIT: program (block, split) of this grid's ns splits attends keys [split * split_tokens, ...)
+    # and writes partial sp0 + split of nst to out [B * T * Hq, nst, D] fp32, lse [B * T * Hq, nst]
+    # base 2 (merge_splits combines them; several sets of pages take turns at offsets sp0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     if LENS:
@@ -85,7 +88,7 @@ def _prefill_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, out, lse, qk_sca
         acc, m, l, s = attend_block(acc, m, l, qh, k, v, vs, n[None, :] < lim[:, None], qk_scale, KIND == 1, SPLIT)
 
     if SPLIT:  # a row that saw no key of this split leaves an empty partial (lse -inf)
-        _finish(acc, m, l, qrow, row_ok, d, out, lse, sp, ns, out, lse, lse, 0, D, True, False, 1)
+        _finish(acc, m, l, qrow, row_ok, d, out, lse, sp0 + sp, nst, out, lse, lse, 0, D, True, False, 1)
     else:
         none = seen < 1
         o = tl.where(none[:, None], 0.0, acc / l[:, None])
@@ -233,16 +236,9 @@ def paged_prefill(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: 
     Returns out [T, Hq, D] in q's dtype and lse [T, Hq] fp32 (natural log).
     """
     codec, h, s, d, seq_len, dev = _check_chunk(q, pages, block_table, seq_len, limits)
-    t, hq, _ = q.shape
     cfg = prefill_config(d, config)
     check_int4_tile(codec, cfg["pages"] * s)
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    out = torch.empty_like(q)
-    lse = torch.empty(t, hq, device=dev, dtype=torch.float32)
-    if t == 0:
-        return out, lse
-    _launch(q, pages, codec, block_table, 0, out, lse, scale, t, seq_len, limits, None, cfg, 1)
-    return out, lse
+    return _prefill(q, [_Set(pages, codec, block_table, 0, None, seq_len, limits, cfg)], sm_scale, 1, dev)
 
 
 def prefill_splits(programs: int, seq_len: int, block_tokens: int, dev: torch.device, cfg: dict) -> tuple[int, int]:
@@ -260,25 +256,63 @@ def prefill_splits(programs: int, seq_len: int, block_tokens: int, dev: torch.de
     return -(-seq_len // step), step
 
 
-def _launch(q, pages, codec, block_table, bt_stride, out, lse, scale, t, seq_len, limits, lens, cfg, batch):
+@dataclass
+class _Set:
+    """One set of pages of a chunk's launch, checked: its fields and codec, block table (and the
+    stride between its rows), each row's tokens (lens [B] int32, or None: seq_len), an upper
+    bound of them known on the host, the queries' limits (None: the causal rule) and the tile."""
+
+    pages: dict
+    codec: str
+    table: torch.Tensor
+    bt_stride: int
+    lens: torch.Tensor | None
+    seq_len: int
+    limits: torch.Tensor | None
+    cfg: dict
+
+
+def _prefill(q, sets: list[_Set], sm_scale, batch: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk q ([T, Hq, D] or [B, T, Hq, D]) over every set: out like q, lse q's shape but D.
+    One set that needs no split writes out and lse directly; otherwise every set's grid writes its
+    splits' partials at its offset of one buffer and one merge pass combines them all."""
+    t, hq, d = q.shape[-3:]
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], device=dev, dtype=torch.float32)
+    if t == 0 or batch == 0:
+        return out, lse
+    scale = (1.0 / math.sqrt(d) if sm_scale is None else sm_scale) * LOG2E
+    plans = []
+    for st in sets:
+        h, s = st.pages["k"].shape[1], st.pages["k"].shape[2]
+        blocks = triton.cdiv(t * (hq // h), st.cfg["block_m"])
+        plans.append((st, blocks, *prefill_splits(blocks * h * batch, st.seq_len, st.cfg["pages"] * s, dev, st.cfg)))
+    nst = sum(p[2] for p in plans)
+    if nst == 1:
+        _launch(q, plans[0], out, lse, scale, t, batch, 0, 1, False)
+        return out, lse
+    rows = batch * t * hq
+    o, ls = torch.empty(rows, nst, d, device=dev, dtype=torch.float32), torch.empty(rows, nst, device=dev)
+    sp0 = 0
+    for plan in plans:
+        _launch(q, plan, o, ls, scale, t, batch, sp0, nst, True)
+        sp0 += plan[2]
+    merge_splits(o, ls, out.view(rows, d), lse.view(rows), nst, rows, d, dev, sets[-1].cfg)
+    return out, lse
+
+
+def _launch(q, plan, out, lse, qk_scale, t, batch, sp0, nst, split):
+    st, blocks, ns, step = plan
+    pages, cfg = st.pages, st.cfg
     h, s, d = pages["k"].shape[1], pages["k"].shape[2], q.shape[-1]
-    g = q.shape[-2] // h
-    blocks = triton.cdiv(t * g, cfg["block_m"])
-    dev = q.device
-    ns, step = prefill_splits(blocks * h * batch, seq_len, cfg["pages"] * s, dev, cfg)
-    rows = batch * t * g * h
-    if ns > 1:  # partials, then merged into out and lse
-        o, ls = torch.empty(rows, ns, d, device=dev, dtype=torch.float32), torch.empty(rows, ns, device=dev)
-    else:
-        o, ls = out, lse
-    _prefill_kernel[(blocks * ns, h, batch)](
-        q, *field_args(pages), block_table, o, ls, scale * LOG2E, t, seq_len, lse if limits is None else limits,
-        lse if lens is None else lens, bt_stride, step, ns,
-        H=h, G=g, S=s, D=d, KIND=KIND[codec], GROUP=ref.INT4_GROUP, BLOCK_M=cfg["block_m"], PAGES=cfg["pages"],
-        ON_GPU=not interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        LIMITS=limits is not None, LENS=lens is not None, SPLIT=ns > 1)
-    if ns > 1:
-        merge_splits(o, ls, out.view(rows, d), lse.view(rows), ns, rows, d, dev, cfg)
+    consts = dict(H=h, G=q.shape[-2] // h, S=s, D=d, KIND=KIND[st.codec], GROUP=ref.INT4_GROUP,
+                  BLOCK_M=cfg["block_m"], PAGES=cfg["pages"], ON_GPU=not interpreting(), num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"], LIMITS=st.limits is not None, LENS=st.lens is not None, SPLIT=split)
+    launch(_prefill_kernel, (blocks * ns, h, batch),
+           (q, *field_args(pages), st.table, out, lse, qk_scale, t, st.seq_len,
+            lse if st.limits is None else st.limits, lse if st.lens is None else st.lens, st.bt_stride, step, ns,
+            sp0, nst),
+           consts, tuple(consts.items()))
 
 
 def paged_prefill_batch(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch.Tensor,
@@ -296,25 +330,54 @@ def paged_prefill_batch(q: torch.Tensor, pages: dict[str, torch.Tensor], block_t
     are those of paged_prefill on it alone when neither launch splits the key range (the split
     follows the grid and max_seq_len; with one, results agree to rounding, as decode's do).
     """
+    st, dev = _check_set(q, (pages, block_table, seq_lens, max_seq_len, limits), config)
+    return _prefill(q, [st], sm_scale, q.shape[0], dev)
+
+
+def paged_prefill_sets(q: torch.Tensor, sets, sm_scale: float | None = None, config: dict | None = None):
+    """paged_prefill_batch over several sets of pages at once (a cache's pools: a 16-bit window
+    and quantized pages, say): each set's grid writes its partials (out, lse) at its own offset of
+    one buffer and one merge pass combines them, so the result is the softmax over every set's
+    keys, with no per-set outputs to merge after.
+
+    q            [B, T, Hq, D] fp16/bf16, contiguous
+    sets         (pages, block_table, seq_lens, max_seq_len, limits) per set, as paged_prefill_batch
+                 takes them; seq_lens may be None when B = 1 (the row holds max_seq_len tokens)
+    config       one tile for every set (default: by head_dim)
+    Returns out [B, T, Hq, D] in q's dtype and lse [B, T, Hq] fp32 (natural log) over all sets; a
+    query that sees no key of any set gets zeros and lse -inf.
+    """
+    if not isinstance(sets, (list, tuple)) or not sets:
+        raise KernelArgError("paged_prefill_sets needs a list of one or more sets of pages")
+    checked = [_check_set(q, entry, config) for entry in sets]
+    dev = checked[0][1]
+    if any(d != dev for _, d in checked):
+        raise KernelArgError("every set of pages must be on q's device")
+    return _prefill(q, [st for st, _ in checked], sm_scale, q.shape[0], dev)
+
+
+def _check_set(q, entry, config) -> tuple[_Set, torch.device]:
+    """One (pages, block_table, seq_lens, max_seq_len, limits) of a batch's chunk q [B, T, Hq, D], checked."""
+    if not isinstance(entry, (tuple, list)) or len(entry) != 5:
+        raise KernelArgError("each set is (pages, block_table, seq_lens, max_seq_len, limits)")
+    pages, block_table, seq_lens, max_seq_len, limits = entry
     codec, _, h, s, d = check_pages(pages)
-    b, t, hq, _ = check_queries(q, 2, h, d)
+    b, t, _, _ = check_queries(q, 2, h, d)
     check(block_table, "block_table", dtype=INDEX_DTYPES, shape=(b, None), contiguous=False)
     if block_table.stride(1) != 1:
         raise KernelArgError("block_table's rows must be contiguous")
-    check(seq_lens, "seq_lens", dtype=torch.int32, shape=(b,))
+    if seq_lens is None:
+        if b != 1:
+            raise KernelArgError(f"seq_lens may be left out for one sequence, not {b}")
+    else:
+        check(seq_lens, "seq_lens", dtype=torch.int32, shape=(b,))
     check(limits, "limits", dtype=torch.int32, shape=(b, t))
     if not 0 <= int(max_seq_len) <= block_table.shape[1] * s:
         raise KernelArgError(f"need 0 <= max_seq_len={max_seq_len} <= max_pages*S={block_table.shape[1] * s}")
-    dev = check_device(q, block_table, pages["k"], seq_lens, limits)
+    dev = check_device(q, block_table, pages["k"], limits, *([] if seq_lens is None else [seq_lens]))
     cfg = prefill_config(d, config)
     check_int4_tile(codec, cfg["pages"] * s)
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    out = torch.empty_like(q)
-    lse = torch.empty(b, t, hq, device=dev, dtype=torch.float32)
-    if t and b:
-        _launch(q, pages, codec, block_table, block_table.stride(0), out, lse, scale, t, int(max_seq_len), limits,
-                seq_lens, cfg, b)
-    return out, lse
+    return _Set(pages, codec, block_table, block_table.stride(0), seq_lens, int(max_seq_len), limits, cfg), dev
 
 
 def paged_prefill_batch_ref(q, pages, block_table, seq_lens, max_seq_len, limits, sm_scale=None):

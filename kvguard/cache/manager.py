@@ -557,22 +557,20 @@ class CacheManager:
                        scale: float | None) -> torch.Tensor:
         """attend_chunk on the kernel path: per pool, each query sees the pool's tokens at or
         before its position (`limits`, as _prefill_paged), every row in one launch; the pools'
-        results merged by log-sum-exp."""
+        partials merged by log-sum-exp in one pass."""
         sets, used = self._decode_sets(seqs, layer)
         t = q.shape[1]
         lengths = tuple(seq.lengths[layer] for seq in seqs)
         # the queries' positions, -1 for padding (which then sees no key)
         at = self._device_ints(("queries", lengths, tuple(counts), t), lambda: [
             [n - t + j if j >= t - k else -1 for j in range(t)] for n, k in zip(lengths, counts)])
-        outs, lses = [], []
+        parts = []
         for (fields, table, tokens), (name, _) in zip(sets, used):
             pos = self._batch_positions(seqs, name, pad=2**62)
             limits = torch.searchsorted(pos, at, right=True).to(torch.int32)
             lens = self._device_ints(("lens", tuple(tokens)), lambda tokens=tokens: tokens, torch.int32)
-            out, lse = paged.prefill_batch(q, fields, table, lens, max(tokens), limits, scale)
-            outs.append(out)
-            lses.append(lse)
-        return paged.merge(outs, lses)[0]
+            parts.append((fields, table, lens, max(tokens), limits))
+        return paged.prefill_batch(q, parts, scale)
 
     def _attend_paged(self, seqs: list[Sequence], layer: int, q: torch.Tensor, scale: float | None,
                       with_mass: bool) -> torch.Tensor:

@@ -4,9 +4,9 @@ Used when the cache lives on CUDA (or when `use_kernels` forces it, as the tests
 under Triton's interpreter). Decode attention reads each pool's pages through its own
 block table, in one pass whose merge combines every pool's splits by their log-sum-exp;
 attention is order-free over keys, so each pool's pages may be taken in any order. Prefill
-chunks go through the prefill kernel once per pool, each query limited to the pool's tokens at
-or before its position, merged by log-sum-exp; an evictor's attention mass comes from a second
-kernel per pool under the merged log-sum-exp.
+chunks take the same road: the prefill kernel once per pool, each query limited to the pool's
+tokens at or before its position, writing partials that one merge pass combines; an evictor's
+attention mass comes from a second kernel per pool under the merged log-sum-exp.
 
 Compaction's regrouped survivors are requantized by the quantize-on-write kernel too; the
 gather before it is torch's (kernels/compact.py moves one set of slots for every head within
@@ -64,20 +64,19 @@ def prefill(q: torch.Tensor, parts: list[tuple[dict[str, torch.Tensor], torch.Te
     """Causal attention of q [T, Hq, D], the queries at positions `at` [T], over a sequence's
     pools: parts are (page fields, block table [n] int32, tokens, their positions [tokens]
     ascending) per pool. Each query sees the tokens at or before its position; the pools'
-    results are merged by their log-sum-exp. Returns [T, Hq, D].
+    partial results are merged by their log-sum-exp in the kernels' merge pass. Returns [T, Hq, D].
 
     With mass_into ([H, capacity] fp32, a layer's running totals by position), each key's
     probability under that merged softmax, summed over its query group and the last
     `mass_queries` queries, is added at its position (paged_prefill_mass, per pool)."""
-    from kernels.paged_prefill import paged_prefill, paged_prefill_mass
+    from kernels.paged_prefill import paged_prefill_mass, paged_prefill_sets
 
-    outs, lses, limits = [], [], []
+    sets, limits = [], []
     for fields, table, tokens, pos in parts:
         limits.append(torch.searchsorted(pos, at, right=True).to(torch.int32))
-        out, lse = paged_prefill(q, fields, table, tokens, sm_scale=scale, limits=limits[-1])
-        outs.append(out)
-        lses.append(lse)
-    out, lse = merge(outs, lses)
+        sets.append((fields, table[None], None, tokens, limits[-1][None]))
+    out, lse = paged_prefill_sets(q[None], sets, sm_scale=scale)
+    out, lse = out[0], lse[0]
     if mass_into is not None and mass_queries > 0:
         first = q.shape[0] - min(mass_queries, q.shape[0])
         for (fields, table, tokens, pos), lim in zip(parts, limits):
@@ -86,24 +85,10 @@ def prefill(q: torch.Tensor, parts: list[tuple[dict[str, torch.Tensor], torch.Te
     return out
 
 
-def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pools' attention results over their own keys, out [..., D] and lse [...] each, as one
-    over all of them: weighted by each pool's share of the softmax. A query that sees no key in
-    any pool (padding) gets zeros and lse -inf."""
-    if len(outs) == 1:
-        return outs[0], lses[0]
-    stacked = torch.stack(lses)
-    lse = torch.logsumexp(stacked, dim=0)
-    w = torch.exp(stacked - lse).nan_to_num(0.0)  # [P, ...]: each pool's share (0 where it has none)
-    return (torch.stack(outs).float() * w.unsqueeze(-1)).sum(0).to(outs[0].dtype), lse
+def prefill_batch(q: torch.Tensor, sets: list[tuple], scale: float | None) -> torch.Tensor:
+    """A batch's chunk q [B, T, Hq, D] over the pools, every row in one launch per pool and one
+    merge: sets are (fields, block table [B, n] int32, tokens of each row in the pool [B] int32,
+    their maximum, limits [B, T] int32 of them each query sees). Returns [B, T, Hq, D]."""
+    from kernels.paged_prefill import paged_prefill_sets
 
-
-def prefill_batch(q: torch.Tensor, fields: dict[str, torch.Tensor], table: torch.Tensor, lens: torch.Tensor,
-                  max_tokens: int, limits: torch.Tensor, scale: float | None):
-    """One pool's share of a batch's chunk: q [B, T, Hq, D]; table [B, n] int32; lens [B] int32
-    tokens of each row in the pool; limits [B, T] int32 of them each query sees. Returns out
-    [B, T, Hq, D] and lse [B, T, Hq] (paged_prefill_batch)."""
-    from kernels.paged_prefill import paged_prefill_batch
-
-    return paged_prefill_batch(q, fields, table, lens, max_tokens, limits, sm_scale=scale)
-
+    return paged_prefill_sets(q, sets, sm_scale=scale)[0]

@@ -5,7 +5,7 @@ import torch
 
 from kernels._checks import KernelArgError
 from kernels.paged_prefill import (paged_prefill, paged_prefill_batch, paged_prefill_batch_ref, paged_prefill_mass,
-                                   paged_prefill_mass_ref, paged_prefill_ref)
+                                   paged_prefill_mass_ref, paged_prefill_ref, paged_prefill_sets)
 
 from .conftest import DEVICE
 from .test_paged_decode import TOL, rel_ok
@@ -150,6 +150,71 @@ def test_splits_follow_the_programs():
     assert prefill_splits(1, 200, 64, cpu, cfg) == (2, 128)  # 3 wanted, of whole loop steps: 2
     assert prefill_splits(1, 4096, 64, cpu, {**cfg, "min_split": 2048}) == (2, 2048)
     assert prefill_splits(1, 4096, 64, cpu, {**cfg, "splits": 3}) == (3, 1408)  # 1366 rounded up to 64s
+
+
+def _merged_ref(results):
+    """Reference results of several sets of pages, (out [..., D], lse [...]) each, as one softmax
+    over all of their keys."""
+    lses = torch.stack([lse for _, lse in results])
+    lse = torch.logsumexp(lses, 0)
+    w = torch.exp(lses - lse).nan_to_num(0.0)
+    return (torch.stack([o.float() for o, _ in results]) * w.unsqueeze(-1)).sum(0), lse
+
+
+@pytest.mark.parametrize("codec", ("int8", "int4"))
+@pytest.mark.parametrize("splits", (None, 2))
+def test_sets_are_one_softmax_over_their_keys(codec, splits):
+    # a cache's two pools: quantized pages for the older keys, a 16-bit window for the newer, each
+    # query limited to what it may see of each; two rows, one with padding queries in front
+    heads, group, dim, t = 2, 4, 64, 24
+    cfg = None if splits is None else {"splits": splits}
+    gen = torch.Generator().manual_seed(11)
+    quant = make_pages(codec, 40, heads, 16, dim, torch.float16, 12)
+    hot = make_pages("16bit", 12, heads, 16, dim, torch.float16, 13)
+    tq = torch.stack([torch.randperm(40, generator=gen)[:10] for _ in range(2)]).to(torch.int32).to(DEVICE)
+    th = torch.stack([torch.randperm(12, generator=gen)[:4] for _ in range(2)]).to(torch.int32).to(DEVICE)
+    q, _ = outlier_kv((2, t, heads * group, dim), torch.float16, gen, outlier=1.0)
+    lq, lh = [150, 100], [40, 24]
+    limq = torch.tensor([[min(n, 60 + 4 * j) for j in range(t)] for n in lq], dtype=torch.int32)
+    limh = torch.tensor([[min(n, 1 + j) for j in range(t)] for n in lh], dtype=torch.int32)
+    limq[1, :5] = 0
+    limh[1, :5] = 0  # padding: sees nothing of either set
+    limq, limh = limq.to(DEVICE), limh.to(DEVICE)
+    sets = [(quant, tq, torch.tensor(lq, dtype=torch.int32, device=DEVICE), max(lq), limq),
+            (hot, th, torch.tensor(lh, dtype=torch.int32, device=DEVICE), max(lh), limh)]
+    out, lse = paged_prefill_sets(q, sets, config=cfg)
+    r_out, r_lse = _merged_ref([paged_prefill_batch_ref(q, *e) for e in sets])
+    live = r_lse > float("-inf")
+    assert bool((out[~live] == 0).all()) and bool(torch.isneginf(lse[~live]).all()) and (~live).any()
+    assert rel_ok(out[live], r_out[live], TOL[torch.float16, True])
+    assert torch.allclose(lse[live], r_lse[live], rtol=2e-3, atol=1e-2)
+    # one sequence without seq_lens: the row's tokens are max_seq_len
+    one, one_lse = paged_prefill_sets(q[:1], [(quant, tq[:1], None, 150, limq[:1]), (hot, th[:1], None, 40, limh[:1])],
+                                      config=cfg)
+    assert rel_ok(one[0], r_out[0], TOL[torch.float16, True])
+    # one set is paged_prefill_batch
+    a = paged_prefill_sets(q, sets[:1], config=cfg)
+    b = paged_prefill_batch(q, *sets[0], config=cfg)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_sets_errors():
+    pages = make_pages("int8", 12, 2, 16, 64, torch.float16, 0)
+    q = torch.zeros(2, 8, 8, 64, dtype=torch.float16, device=DEVICE)
+    table = torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)
+    lens = torch.full((2,), 20, dtype=torch.int32, device=DEVICE)
+    limits = torch.zeros(2, 8, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(KernelArgError, match="one or more sets"):
+        paged_prefill_sets(q, [])
+    with pytest.raises(KernelArgError, match="each set is"):
+        paged_prefill_sets(q, [(pages, table, lens, 20)])
+    with pytest.raises(KernelArgError, match="left out for one sequence"):
+        paged_prefill_sets(q, [(pages, table, None, 20, limits)])
+    with pytest.raises(KernelArgError, match="max_seq_len"):
+        paged_prefill_sets(q, [(pages, table, lens, 20, limits), (pages, table, lens, 65, limits)])
+    small = make_pages("16bit", 12, 2, 16, 32, torch.float16, 0)  # another head_dim than q's
+    with pytest.raises(KernelArgError, match="q must have shape"):
+        paged_prefill_sets(q, [(pages, table, lens, 20, limits), (small, table, lens, 20, limits)])
 
 
 def test_batch_errors():
