@@ -9,6 +9,7 @@ StaticCache + SDPA, graphed the same way).
     PYTHONPATH=. python3 benchmarks/gpu_cache_bench.py [--models smollm2-135m,llama3-8b]
         [--contexts 1024,16384] [--batches 1,8] [--codecs fp16,int8,int4,fp8,int8+h2o] [--steps 10]
         [--generate 64 --prompt 1024] [--profile MODEL:CONTEXT:CODEC[:ROWS]] [--launch]
+        [--profile-prefill MODEL:CONTEXT:CHUNK:CODEC[+EVICTOR]]
         [--prefill MODEL:CONTEXT:CHUNK:CODEC[+EVICTOR]] [--out DIR]
 
 A decode step is what a serving process does per new token: for every layer, append each row's
@@ -215,23 +216,57 @@ def bench_prefill(specs: str, rounds: int = 3) -> list[str]:
             codec, evictor = codec.split("+")
         best = float("inf")
         for _ in range(rounds):
-            m, seqs = make_cache(model, context, codec, evictor, room=chunk)
-            c = m.cfg
-            g = torch.Generator(device=DEV).manual_seed(3)
-            k = torch.randn(chunk, c.num_kv_heads, c.head_dim, generator=g, device=DEV, dtype=c.dtype)
-            q = torch.randn(chunk, c.num_query_heads, c.head_dim, generator=g, device=DEV, dtype=c.dtype)
-            sync()
-            t0 = time.perf_counter()
-            for layer in range(c.num_layers):
-                assert m.append(seqs[0], layer, k, k)
-                m.attend(seqs[0], layer, q)
-            sync()
-            best = min(best, time.perf_counter() - t0)
-            del m
-            torch.cuda.empty_cache() if DEV.type == "cuda" else None
+            best = min(best, _chunk_run(model, context, chunk, codec, evictor))
         lines.append(f"prefill {model} after {context} tokens, a chunk of {chunk}, {codec}"
                      f"{' + ' + evictor if evictor else ''}: {best * 1e3:.1f} ms over every layer")
         print(lines[-1], flush=True)
+    return lines
+
+
+def _chunk_run(model: str, context: int, chunk: int, codec: str, evictor: str | None, prof=None) -> float:
+    """Seconds for one chunk through every layer of a fresh cache (append + attend, one row); with
+    prof (a cProfile.Profile), profiled."""
+    m, seqs = make_cache(model, context, codec, evictor, room=chunk)
+    c = m.cfg
+    g = torch.Generator(device=DEV).manual_seed(3)
+    k = torch.randn(chunk, c.num_kv_heads, c.head_dim, generator=g, device=DEV, dtype=c.dtype)
+    q = torch.randn(chunk, c.num_query_heads, c.head_dim, generator=g, device=DEV, dtype=c.dtype)
+    sync()
+    if prof is not None:
+        prof.enable()
+    t0 = time.perf_counter()
+    for layer in range(c.num_layers):
+        assert m.append(seqs[0], layer, k, k)
+        m.attend(seqs[0], layer, q)
+    sync()
+    took = time.perf_counter() - t0
+    if prof is not None:
+        prof.disable()
+    del m
+    torch.cuda.empty_cache() if DEV.type == "cuda" else None
+    return took
+
+
+def profile_prefill(spec: str, top: int = 30) -> list[str]:
+    """Where the host's time goes in a prompt chunk through the cache (MODEL:CONTEXT:CHUNK:CODEC[+EVICTOR]):
+    one chunk to warm up, then one under cProfile; its top functions by own and cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    model, context, chunk, codec = spec.split(":")
+    evictor = None
+    if "+" in codec:
+        codec, evictor = codec.split("+")
+    _chunk_run(model, int(context), int(chunk), codec, evictor)
+    prof = cProfile.Profile()
+    took = _chunk_run(model, int(context), int(chunk), codec, evictor, prof)
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    lines = [f"host profile of a chunk, {spec}: {took * 1e3:.1f} ms under the profiler"] + buf.getvalue().splitlines()
+    print("\n".join(lines), flush=True)
     return lines
 
 
@@ -489,6 +524,8 @@ def main():
     ap.add_argument("--prefill", default=None, metavar="MODEL:CONTEXT:CHUNK:CODEC[+EVICTOR][,...]",
                     help="time a prompt chunk through the cache's layers after CONTEXT tokens "
                          "(EVICTOR: h2o or snapkv, whose mass the chunk accumulates)")
+    ap.add_argument("--profile-prefill", default=None, metavar="MODEL:CONTEXT:CHUNK:CODEC[+EVICTOR][,...]",
+                    help="profile the host side of a prompt chunk through the cache (cProfile, top functions)")
     ap.add_argument("--out", default=None, help="folder for cache_results.json")
     ap.add_argument("--smoke", action="store_true",
                     help="without a GPU: the reference path, tiny shapes, to check that the script runs")
@@ -507,6 +544,8 @@ def main():
         lines += launch_cost()
     if a.prefill:
         lines += bench_prefill(a.prefill)
+    for spec in a.profile_prefill.split(",") if a.profile_prefill else []:
+        lines += profile_prefill(spec)
     batches = [int(x) for x in a.batches.split(",")]
     if a.models:
         lines += bench_cache(a.models.split(","), [int(x) for x in a.contexts.split(",")], a.codecs.split(","),
