@@ -251,8 +251,6 @@ def profile_prefill(spec: str, top: int = 30) -> list[str]:
     """Where the host's time goes in a prompt chunk through the cache (MODEL:CONTEXT:CHUNK:CODEC[+EVICTOR]):
     one chunk to warm up, then one under cProfile; its top functions by own and cumulative time."""
     import cProfile
-    import io
-    import pstats
 
     model, context, chunk, codec = spec.split(":")
     evictor = None
@@ -261,21 +259,13 @@ def profile_prefill(spec: str, top: int = 30) -> list[str]:
     _chunk_run(model, int(context), int(chunk), codec, evictor)
     prof = cProfile.Profile()
     took = _chunk_run(model, int(context), int(chunk), codec, evictor, prof)
-    buf = io.StringIO()
-    stats = pstats.Stats(prof, stream=buf)
-    stats.sort_stats("tottime").print_stats(top)
-    stats.sort_stats("cumulative").print_stats(top)
-    lines = [f"host profile of a chunk, {spec}: {took * 1e3:.1f} ms under the profiler"] + buf.getvalue().splitlines()
-    print("\n".join(lines), flush=True)
-    return lines
+    return _top(prof, f"host profile of a chunk, {spec}: {took * 1e3:.1f} ms under the profiler", top)
 
 
 def profile_steps(model: str, context: int, codec: str, steps: int, rows: int = 1, top: int = 30) -> list[str]:
     """Where the host's time goes in batch decode steps: cProfile's top functions by own time
     and by cumulative time."""
     import cProfile
-    import io
-    import pstats
 
     evictor = None
     if codec.endswith("+h2o"):
@@ -286,11 +276,19 @@ def profile_steps(model: str, context: int, codec: str, steps: int, rows: int = 
     prof.enable()
     decode_steps(m, seqs, steps, batched=True, repeats=1)
     prof.disable()
+    return _top(prof, f"host profile, {model} {context} {codec} B={rows}, {steps} steps:", top)
+
+
+def _top(prof, title: str, top: int) -> list[str]:
+    """A cProfile.Profile's top functions by own time, then by cumulative time, printed and returned."""
+    import io
+    import pstats
+
     buf = io.StringIO()
     stats = pstats.Stats(prof, stream=buf)
     stats.sort_stats("tottime").print_stats(top)
     stats.sort_stats("cumulative").print_stats(top)
-    lines = [f"host profile, {model} {context} {codec} B={rows}, {steps} steps:"] + buf.getvalue().splitlines()
+    lines = [title] + buf.getvalue().splitlines()
     print("\n".join(lines), flush=True)
     return lines
 

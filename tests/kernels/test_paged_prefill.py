@@ -199,11 +199,7 @@ def test_sets_are_one_softmax_over_their_keys(codec, splits):
 
 
 def test_sets_errors():
-    pages = make_pages("int8", 12, 2, 16, 64, torch.float16, 0)
-    q = torch.zeros(2, 8, 8, 64, dtype=torch.float16, device=DEVICE)
-    table = torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)
-    lens = torch.full((2,), 20, dtype=torch.int32, device=DEVICE)
-    limits = torch.zeros(2, 8, dtype=torch.int32, device=DEVICE)
+    pages, q, table, lens, limits = _batch_args()
     with pytest.raises(KernelArgError, match="one or more sets"):
         paged_prefill_sets(q, [])
     with pytest.raises(KernelArgError, match="each set is"):
@@ -217,12 +213,18 @@ def test_sets_errors():
         paged_prefill_sets(q, [(pages, table, lens, 20, limits), (small, table, lens, 20, limits)])
 
 
-def test_batch_errors():
+def _batch_args():
+    """int8 pages, q [2, 8, 8, 64], a block table [2, 4], 20 tokens a row and limits [2, 8]."""
     pages = make_pages("int8", 12, 2, 16, 64, torch.float16, 0)
     q = torch.zeros(2, 8, 8, 64, dtype=torch.float16, device=DEVICE)
     table = torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)
     lens = torch.full((2,), 20, dtype=torch.int32, device=DEVICE)
     limits = torch.zeros(2, 8, dtype=torch.int32, device=DEVICE)
+    return pages, q, table, lens, limits
+
+
+def test_batch_errors():
+    pages, q, table, lens, limits = _batch_args()
     with pytest.raises(KernelArgError, match="max_seq_len"):
         paged_prefill_batch(q, pages, table, lens, 65, limits)
     with pytest.raises(KernelArgError, match="block_table must have shape"):
