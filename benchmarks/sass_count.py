@@ -98,7 +98,7 @@ def compile_prefill(codec: str, d: int, config: dict | None):
     args = (q, *field_args(pages), table, q, f32, 1.0, t, per * PAGE, f32, f32, 0, per * PAGE, 1)
     consts = dict(H=h, G=hq // h, S=PAGE, D=d, KIND=KIND[codec], GROUP=ref.INT4_GROUP, BLOCK_M=cfg["block_m"],
                   PAGES=cfg["pages"], ON_GPU=True, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                  LIMITS=False, LENS=False)
+                  LIMITS=False, LENS=False, SPLIT=False, PEEL=bool(cfg.get("peel")))
     return _compile(pp._prefill_kernel, args, consts), cfg, cfg["pages"] * PAGE
 
 

@@ -427,14 +427,15 @@ def store_page(kq, ksp, kzp, vq, vsp, vzp, ph, xk, xv,
 
 @triton.jit
 def attend_block(acc, m, l, q, k, v, vs, visible, qk_scale, VSCALE: tl.constexpr, GUARD: tl.constexpr = False):
-    """One online-softmax step in base 2. q [M, D], k, v [N, D] fp16; visible [M, N];
-    vs [N] per-key V scale (applied when VSCALE) folded into the probabilities;
-    acc [M, D], m, l [M] fp32; qk_scale = sm_scale * log2(e), applied in fp32 after the
-    dot so that fp16 q and K give exact products. Without GUARD every row must see at least
+    """One online-softmax step in base 2. q [M, D], k, v [N, D] fp16; visible [M, N] (None:
+    every row sees every key); vs [N] per-key V scale (applied when VSCALE) folded into the
+    probabilities; acc [M, D], m, l [M] fp32; qk_scale = sm_scale * log2(e), applied in fp32
+    after the dot so that fp16 q and K give exact products. Without GUARD every row must see at least
     one key by its first block (m stays finite); with it a row may see none in any block (its
     m stays -inf, l and acc 0). Returns acc, m, l and the base-2 logits."""
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N] fp32
-    s = tl.where(visible, s, float("-inf"))
+    if visible is not None:  # None: every row sees every key
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     if GUARD:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: exp2(-inf - 0) = 0

@@ -37,12 +37,15 @@ def _prefill_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, out, lse, qk_sca
                     split_tokens, ns, sp0, nst,
                     H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PAGES: tl.constexpr, ON_GPU: tl.constexpr,
-                    LIMITS: tl.constexpr = False, LENS: tl.constexpr = False, SPLIT: tl.constexpr = False):
+                    LIMITS: tl.constexpr = False, LENS: tl.constexpr = False, SPLIT: tl.constexpr = False,
+                    PEEL: tl.constexpr = False):
     # grid (cdiv(T * G, BLOCK_M) * ns, H, B); q, out [B, T, Hq, D]; lse [B, T, Hq]; block_table [B, *]
     # (row stride bt_stride); limits [B, T]; each sequence's L from lens [B] with LENS, else L.
     # SPLIT: program (block, split) of this grid's ns splits attends keys [split * split_tokens, ...)
     # and writes partial sp0 + split of nst to out [B * T * Hq, nst, D] fp32, lse [B * T * Hq, nst]
-    # base 2 (merge_splits combines them; several sets of pages take turns at offsets sp0)
+    # base 2 (merge_splits combines them; several sets of pages take turns at offsets sp0).
+    # PEEL: the steps whose keys every row of the block sees run without token masks, the rest
+    # (the causal diagonal, a split's partly seen end) masked after them
     h = tl.program_id(1)
     b = tl.program_id(2)
     if LENS:
@@ -78,7 +81,16 @@ def _prefill_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, out, lse, qk_sca
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for start in range(lo, hi, BN):
+    if PEEL:
+        low = tl.min(tl.where(row_ok, lim, hi), 0)  # keys every row sees (padding rows see all)
+        first = lo + tl.maximum(tl.minimum(low, hi) - lo, 0) // BN * BN
+        for start in range(lo, first, BN):
+            page = tl.load(block_table + start // S + tl.arange(0, PAGES)).to(tl.int64)
+            k, v, vs = load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, None, h, H, S, D, PAGES, KIND, GROUP, ON_GPU)
+            acc, m, l, s = attend_block(acc, m, l, qh, k, v, vs, None, qk_scale, KIND == 1, SPLIT)
+    else:
+        first = lo
+    for start in range(first, hi, BN):
         pi = start // S + tl.arange(0, PAGES)
         n = start + tl.arange(0, BN)
         tok_ok = n < hi
@@ -139,7 +151,7 @@ def _prefill_mass_kernel(q, kp, ksp, kzp, block_table, lse, mass, qk_scale, T, L
 # Chosen by benchmarks/gpu_bench.py --kernel prefill --variants on an H200 (docs/benchmarks.md):
 # 128 rows beat 64 once the split keeps the grid full (smollm2 16K x 512: 431 -> 95 us;
 # llama3 16K x 2048: 2138 -> 1861 us), and head_dim 64's lighter programs want more per SM.
-DEFAULT_CONFIG = {"block_m": 128, "pages": 4, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2,
+DEFAULT_CONFIG = {"block_m": 128, "pages": 4, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2, "peel": True,
                   "min_split": 1024}
 SMALL_HEAD_CONFIG = {**DEFAULT_CONFIG, "programs_per_sm": 4, "min_split": 256}
 MASS_CONFIG = {"block_m": 64, "pages": 4, "num_warps": 4, "num_stages": 2}
@@ -307,7 +319,8 @@ def _launch(q, plan, out, lse, qk_scale, t, batch, sp0, nst, split):
     h, s, d = pages["k"].shape[1], pages["k"].shape[2], q.shape[-1]
     consts = dict(H=h, G=q.shape[-2] // h, S=s, D=d, KIND=KIND[st.codec], GROUP=ref.INT4_GROUP,
                   BLOCK_M=cfg["block_m"], PAGES=cfg["pages"], ON_GPU=not interpreting(), num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"], LIMITS=st.limits is not None, LENS=st.lens is not None, SPLIT=split)
+                  num_stages=cfg["num_stages"], LIMITS=st.limits is not None, LENS=st.lens is not None, SPLIT=split,
+                  PEEL=bool(cfg.get("peel")))
     launch(_prefill_kernel, (blocks * ns, h, batch),
            (q, *field_args(pages), st.table, out, lse, qk_scale, t, st.seq_len,
             lse if st.limits is None else st.limits, lse if st.lens is None else st.lens, st.bt_stride, step, ns,
