@@ -5,9 +5,12 @@ kernel wrappers' checks and tile choice, the index copies and token writes), not
 and not Triton's own launch path, which a GPU run measures (gpu_cache_bench.py --launch).
 
     python3 benchmarks/cache_host_bench.py [--shapes smollm2-int8-1,...] [--steps 20] [--context 1024]
+        [--chunk 512]
 
 Prints µs of host time per layer of a batch step (append_step + attend_step), the fastest of
-five runs, and the launches a layer makes. The outputs are meaningless (nothing runs); only the
+five runs, and the launches a layer makes. With --chunk T, of a prompt chunk of T tokens instead
+(append + attend for one row, append_chunk + attend_chunk for several); each run's chunks add to
+the rows' context, so keep --steps small there. The outputs are meaningless (nothing runs); only the
 time counts. Use it to compare two versions of the host code on one machine.
 """
 
@@ -37,14 +40,15 @@ def _no_launch(self, *args, **kwargs):
 
 
 def step_host_time(model: str, codec: str, rows: int, context: int, steps: int,
-                   evictor: str | None = None) -> tuple[float, float]:
-    """(µs of host time per layer of a batch step, launches per layer)."""
+                   evictor: str | None = None, chunk: int = 0) -> tuple[float, float]:
+    """(µs of host time per layer of a batch step, or of a chunk of `chunk` tokens, launches per layer)."""
     layers, hq, h, d = MODELS[model]
+    grow = (3 + 5 * steps) * max(chunk, 1)  # tokens each row gains over the runs
     cfg = CacheConfig(num_layers=layers, num_kv_heads=h, num_query_heads=hq, head_dim=d,
-                      num_pages=rows * (context // 16 + 64), dtype=torch.bfloat16, device=torch.device("cpu"),
+                      num_pages=rows * ((context + grow) // 16 + 64), dtype=torch.bfloat16, device=torch.device("cpu"),
                       codec=codec, fp_sink=4 if codec != "fp16" else 0, fp_window=128 if codec != "fp16" else 0,
                       use_kernels=True, evictor=evictor,
-                      evictor_options={"budget": context + 4096} if evictor else {})
+                      evictor_options={"budget": context + grow + 4096} if evictor else {})
     m = CacheManager(cfg)
     seqs = [m.open(Subject("bench", f"user-{i}", f"session-{i}")) for i in range(rows)]
     for seq in seqs:
@@ -53,12 +57,21 @@ def step_host_time(model: str, codec: str, rows: int, context: int, steps: int,
             assert m.append(seq, layer, kv, kv)
     q = torch.zeros(rows, hq, d, dtype=torch.bfloat16)
     kv = torch.zeros(rows, h, d, dtype=torch.bfloat16)
+    qc = torch.zeros(rows, chunk, hq, d, dtype=torch.bfloat16)
+    kc = torch.zeros(rows, chunk, h, d, dtype=torch.bfloat16)
 
     def run(n):
         for _ in range(n):
             for layer in range(layers):
-                assert m.append_step(seqs, layer, kv, kv)
-                m.attend_step(seqs, layer, q)
+                if not chunk:
+                    assert m.append_step(seqs, layer, kv, kv)
+                    m.attend_step(seqs, layer, q)
+                elif rows == 1:
+                    assert m.append(seqs[0], layer, kc[0], kc[0])
+                    m.attend(seqs[0], layer, qc[0])
+                else:
+                    assert m.append_chunk(seqs, layer, kc, kc)
+                    m.attend_chunk(seqs, layer, qc)
 
     run(3)
     best, launches = float("inf"), 0.0
@@ -77,9 +90,10 @@ def main():
                     "smollm2-int8+h2o-8", help="MODEL-CODEC[+h2o]-ROWS, comma-separated")
     ap.add_argument("--steps", type=int, default=20, help="decode steps per timed run")
     ap.add_argument("--context", type=int, default=1024, help="tokens each row holds before the steps")
+    ap.add_argument("--chunk", type=int, default=0, help="time prompt chunks of this many tokens instead of steps")
     a = ap.parse_args()
-    if a.steps < 1 or a.context < 1:
-        ap.error("--steps and --context must be positive")
+    if a.steps < 1 or a.context < 1 or a.chunk < 0:
+        ap.error("--steps and --context must be positive, --chunk not negative")
     interpreter.InterpretedFunction.run = _no_launch
     print(f"{'shape':22} {'us/layer':>9} {'launches':>9}")
     for shape in a.shapes.split(","):
@@ -93,7 +107,7 @@ def main():
         evictor = None
         if codec.endswith("+h2o"):
             codec, evictor = codec[:-4], "h2o"
-        us, launches = step_host_time(model, codec, rows, a.context, a.steps, evictor)
+        us, launches = step_host_time(model, codec, rows, a.context, a.steps, evictor, a.chunk)
         print(f"{shape:22} {us:9.1f} {launches:9.1f}", flush=True)
 
 

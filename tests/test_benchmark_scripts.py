@@ -36,6 +36,13 @@ def test_cache_host_benchmark_runs():
     assert r.returncode == 0, r.stderr[-3000:]
     row = r.stdout.splitlines()[-1].split()
     assert row[0] == "smollm2-int8+h2o-2" and float(row[1]) > 0 and float(row[2]) >= 2  # pass 1 and mass at least
+    for rows in ("1", "2"):  # a prompt chunk: append + attend for one row, append_chunk + attend_chunk for two
+        r = subprocess.run([sys.executable, "benchmarks/cache_host_bench.py", "--shapes", f"smollm2-int8-{rows}",
+                            "--steps", "1", "--context", "40", "--chunk", "24"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        row = r.stdout.splitlines()[-1].split()
+        assert row[0] == f"smollm2-int8-{rows}" and float(row[1]) > 0 and float(row[2]) >= 1  # the prefill kernel
     bad = subprocess.run([sys.executable, "benchmarks/cache_host_bench.py", "--shapes", "gpt9-int8-1"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "bad shape" in bad.stderr
