@@ -43,7 +43,7 @@ def step_host_time(model: str, codec: str, rows: int, context: int, steps: int,
                    evictor: str | None = None, chunk: int = 0) -> tuple[float, float]:
     """(µs of host time per layer of a batch step, or of a chunk of `chunk` tokens, launches per layer)."""
     layers, hq, h, d = MODELS[model]
-    grow = (3 + 5 * steps) * max(chunk, 1)  # tokens each row gains over the runs
+    grow = (3 + 5 * steps) * chunk  # tokens each row gains over the runs of chunks
     cfg = CacheConfig(num_layers=layers, num_kv_heads=h, num_query_heads=hq, head_dim=d,
                       num_pages=rows * ((context + grow) // 16 + 64), dtype=torch.bfloat16, device=torch.device("cpu"),
                       codec=codec, fp_sink=4 if codec != "fp16" else 0, fp_window=128 if codec != "fp16" else 0,

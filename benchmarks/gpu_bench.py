@@ -91,6 +91,19 @@ def time_calls(calls, min_total_s=0.04, max_reps=200) -> float:
     return ms / 1e3 / len(calls)
 
 
+def time_unless_refused(row: dict, name: str, calls, what: str = "") -> bool:
+    """row[name] = time_calls(calls), or inf when the kernel refuses the tile (int4 with one page
+    per warp, say): the first call tells. Returns whether it was timed."""
+    try:
+        calls[0]()
+    except KernelArgError as e:
+        print(f"   {what}{name}: refused ({e})", flush=True)
+        row[name] = math.inf
+        return False
+    row[name] = time_calls(calls)
+    return True
+
+
 def kernel_times(calls) -> dict:
     """{kernel name: device seconds per call}, from torch.profiler over the calls run once
     (eagerly: the kernels' own times; launch gaps show only in time_calls' graph)."""
@@ -269,14 +282,7 @@ def bench_decode(model, length, batch, copy_bw, configs=None, with_baselines=Tru
 
     def run(pages, name, **kw):
         calls = [lambda i=i: paged_decode(q[i], pages, perm[i], lens, **kw) for i in range(reps)]
-        try:
-            calls[0]()
-        except KernelArgError as e:  # a tile the kernel refuses (int4 with one page per warp)
-            print(f"   {name}: refused ({e})", flush=True)
-            row[name] = math.inf
-            return
-        row[name] = time_calls(calls)
-        if profile:
+        if time_unless_refused(row, name, calls) and profile:
             row[name + " kernels"] = kernel_times(calls)
 
     if "16bit" in codecs:
@@ -362,13 +368,7 @@ def bench_prefill(model, length, chunk, configs=None, with_baselines=True, codec
 
     def run(pages, name, cfg):
         calls = [lambda i=i: paged_prefill(q[i], pages, perm[i], length, config=cfg) for i in range(reps)]
-        try:
-            calls[0]()
-        except KernelArgError as e:
-            print(f"   prefill {name}: refused ({e})", flush=True)
-            row[name] = math.inf
-            return
-        row[name] = time_calls(calls)
+        time_unless_refused(row, name, calls, "prefill ")
 
     for codec in codecs:
         pages = pool if codec == "16bit" else quantized_pool(pool, codec)
