@@ -7,6 +7,7 @@ checks its arguments first and raises KernelArgError saying what to pass.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -29,6 +30,16 @@ class KernelArgError(ValueError):
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def softmax_scale(sm_scale, d: int) -> float:
+    """The logits' scale: 1/sqrt(d) by default, else a positive finite number."""
+    if sm_scale is None:
+        return 1.0 / math.sqrt(d)
+    scale = float(sm_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise KernelArgError(f"sm_scale must be a positive finite number, got {sm_scale}")
+    return scale
 
 
 def check_device(*tensors: torch.Tensor) -> torch.device:

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from . import quantize as ref
 from ._checks import (INDEX_DTYPES, KIND, KernelArgError, check, check_device, check_int4_tile,
-                      check_pages, check_queries, field_args, interpreting)
+                      check_pages, check_queries, field_args, interpreting, softmax_scale)
 from ._launch import launch
 from ._pages import attend_block, load_keys_f16, load_pages_f16, load_values_f16
 
@@ -548,7 +548,7 @@ def paged_decode_sets(q: torch.Tensor, sets: list[tuple], sm_scale: float | None
     for t in tiles[1:]:
         if t.dev != dev or t.h != tiles[0].h:
             raise KernelArgError("every set of pages must be on q's device with the same KV heads")
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    scale = softmax_scale(sm_scale, d)
     ns = sum(p.ns for p in plans)
     split = ns > 1
     fused = split and len(plans) == 1 and bool(tiles[0].cfg.get("fused_merge"))

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from . import quantize as ref
 from ._checks import (INDEX_DTYPES, KIND, KernelArgError, check, check_device, check_int4_tile,
-                      check_pages, check_queries, field_args, interpreting)
+                      check_pages, check_queries, field_args, interpreting, softmax_scale)
 from ._launch import launch
 from ._pages import attend_block, load_keys_f16, load_pages_f16
 from .paged_decode import LOG2E, _finish, _num_sms, merge_splits
@@ -204,7 +204,7 @@ def paged_prefill_mass(q: torch.Tensor, pages: dict[str, torch.Tensor], block_ta
     mass = torch.zeros(h, seq_len, device=dev, dtype=torch.float32)
     if seq_len == 0 or first == t:
         return mass
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    scale = softmax_scale(sm_scale, d)
     grid = (triton.cdiv(seq_len, cfg["pages"] * s), h)
     _prefill_mass_kernel[grid](q, *field_args(pages)[:3], block_table, lse, mass, scale * LOG2E, t, seq_len,
                                lse if limits is None else limits, first,
@@ -295,7 +295,7 @@ def _prefill(q, sets: list[_Set], sm_scale, batch: int, dev) -> tuple[torch.Tens
     lse = torch.empty(q.shape[:-1], device=dev, dtype=torch.float32)
     if t == 0 or batch == 0:
         return out, lse
-    scale = (1.0 / math.sqrt(d) if sm_scale is None else sm_scale) * LOG2E
+    scale = softmax_scale(sm_scale, d) * LOG2E
     plans = []
     for st in sets:
         h, s = st.pages["k"].shape[1], st.pages["k"].shape[2]

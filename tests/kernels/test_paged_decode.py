@@ -169,6 +169,9 @@ def test_errors():
     q, pages, table, lens = _case("int4", torch.float16, 4, 64, [20, 3], seed=7)
     with pytest.raises(KernelArgError, match="q must be"):
         paged_decode(q.float(), pages, table, lens)
+    for bad in (0.0, -0.125, float("nan"), float("inf")):
+        with pytest.raises(KernelArgError, match="sm_scale"):
+            paged_decode(q, pages, table, lens, sm_scale=bad)
     with pytest.raises(KernelArgError, match="multiple"):
         paged_decode(q[:, :3].contiguous(), pages, table, lens)
     with pytest.raises(KernelArgError, match="contiguous"):

@@ -9,7 +9,7 @@ from kernels.paged_prefill import (paged_prefill, paged_prefill_batch, paged_pre
 
 from .conftest import DEVICE
 from .test_paged_decode import TOL, rel_ok
-from .util import CODECS, make_pages, outlier_kv
+from .util import CODECS, encode, make_pages, outlier_kv
 
 
 def _case(codec, dtype, group, dim, t, heads=2, max_pages=10, seed=0):
@@ -52,6 +52,8 @@ def test_errors():
         paged_prefill(q, pages, table[None], 20)
     with pytest.raises(KernelArgError, match="q must have shape"):
         paged_prefill(q[..., :32].contiguous(), pages, table, 20)
+    with pytest.raises(KernelArgError, match="sm_scale"):
+        paged_prefill(q, pages, table, 20, sm_scale=-0.125)
 
 
 def test_int4_refuses_one_page_steps():
@@ -137,6 +139,31 @@ def test_split_key_range_matches_one_pass(codec, splits):
     out, lse = paged_prefill_batch(qb, pages, tb, lens, 150, lim, config=cfg)
     r_out, _ = paged_prefill_batch_ref(qb, pages, tb, lens, 150, lim)
     assert rel_ok(out, r_out, tol)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_max_growing_along_the_keys(codec):
+    # logits that rise by ~4.3 (base 2) a page along the keys, ~8.7 a step of two pages, and one
+    # late key far above them: the online softmax rescales its sums in the unmasked steps and on
+    # the causal diagonal, with and without splits
+    gen = torch.Generator().manual_seed(11)
+    heads, group, dim, t, length = 2, 4, 64, 40, 300
+    u = torch.randn(heads, dim, generator=gen)
+    u = (u / u.norm(dim=-1, keepdim=True)).to(DEVICE)  # per KV head, a direction its queries lean to
+    q, _ = outlier_kv((t, heads * group, dim), torch.float16, gen, outlier=1.0)
+    q = (q.float().reshape(t, heads, group, dim) + 3.0 * u[None, :, None, :]).reshape(q.shape).to(torch.float16)
+    k, v = outlier_kv((20, heads, 16, dim), torch.float16, gen, outlier=1.0)
+    ramp = torch.arange(20 * 16, device=DEVICE, dtype=torch.float32).reshape(20, 1, 16, 1) * 0.5
+    k = (k.float() + ramp * u[None, :, None, :]).to(torch.float16)
+    k[12, :, 5] = (u * 400.0).to(torch.float16)  # one late key far above the ramp
+    pages = encode(codec, k, v)
+    table = torch.randperm(20, generator=gen).to(torch.int32).to(DEVICE)
+    tol = TOL[torch.float16, codec != "16bit"]
+    for cfg in ({"pages": 2}, {"pages": 2, "splits": 3}):
+        out, lse = paged_prefill(q, pages, table, length, config=cfg)
+        r_out, r_lse = paged_prefill_ref(q, pages, table, length)
+        assert rel_ok(out, r_out, tol), cfg
+        assert torch.allclose(lse, r_lse, rtol=2e-3, atol=2e-2 if codec != "16bit" else 1e-4), cfg
 
 
 def test_splits_follow_the_programs():
