@@ -302,9 +302,9 @@ class CacheManager:
                     seq.pages.extend(PageRef(HOT, p, HOT) for p in hot.allocate(n, seq.subject))
         if k.shape[0]:
             self._write_tokens(layer, self._token_rows(seqs, layer, counts), k, v)
-        for seq, n in zip(seqs, counts):
-            if n:
-                self._written(seq, layer, n)
+        ready = [seq for seq, n in zip(seqs, counts) if n and self._written(seq, layer, n)]
+        if ready:
+            self._quantize_ready(ready)
         return True
 
     @staticmethod
@@ -347,13 +347,12 @@ class CacheManager:
             if seq.lengths[0] >= self.evictor.budget + c.page_size:
                 self.compact(seq.id)
 
-    def _written(self, seq: Sequence, layer: int, t: int) -> None:
-        """After t tokens of a layer were written: lengths, room for their mass, and the pages
-        that left the 16-bit window once every layer has them."""
+    def _written(self, seq: Sequence, layer: int, t: int) -> bool:
+        """After t tokens of a layer were written: lengths and room for their mass. True once
+        every layer has them: the pages that left the 16-bit window may then be quantized."""
         seq.lengths[layer] += t
         seq.grow_mass(seq.lengths[layer])
-        if layer == self.cfg.num_layers - 1 or seq.lengths[layer] == min(seq.lengths):
-            self._quantize_ready(seq)
+        return layer == self.cfg.num_layers - 1 or seq.lengths[layer] == min(seq.lengths)
 
     def _batch(self, seq_ids: Seq[SeqId]) -> list[Sequence]:
         if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Seq) or not seq_ids:
@@ -387,51 +386,64 @@ class CacheManager:
         s = self.cfg.page_size
         return (i + 1) * s <= length - self.cfg.fp_window and i * s >= self.cfg.fp_sink
 
-    def _quantize_ready(self, seq: Sequence) -> None:
-        """Re-encode the sequence's full pages that left the 16-bit sinks and window."""
+    def _quantize_ready(self, seqs: list[Sequence]) -> None:
+        """Re-encode the sequences' full pages that left the 16-bit sinks and window: one
+        quantize-on-write call per layer for all of them (a batch's rows cross a page boundary
+        on the same step), then each sequence's pages swapped, released and reported."""
         if not self.codec.quantized:
             return
-        length, s = min(seq.lengths), self.cfg.page_size
-        # the 16-bit pages i with i * s >= fp_sink and (i + 1) * s <= length - fp_window
-        hot = self._layout(seq).idx[HOT]
-        todo = hot[bisect.bisect_left(hot, -(-self.cfg.fp_sink // s)):
-                   bisect.bisect_left(hot, (length - self.cfg.fp_window) // s)]
-        if not todo:
-            return
+        s = self.cfg.page_size
         hot, main = self.pools[HOT], self.pools[MAIN]
-        reused = {}  # a shared page someone else already quantized: take their copy
-        for i in todo:
-            h = self.prefix.hash_of((HOT, int(seq.pages[i].page)))
-            hit = self.prefix.get(h) if h else None
-            if hit and hit[0] == MAIN:
-                reused[i] = hit[1]
-        fresh = [i for i in todo if i not in reused]
-        new = main.allocate(len(fresh), seq.subject)
-        if new is None:  # no room in the codec pool: the pages stay 16-bit
-            return
-        old = [PageId(int(seq.pages[i].page)) for i in todo]
-        src = [PageId(int(seq.pages[i].page)) for i in fresh]
-        for layer in range(self.cfg.num_layers):
-            if not fresh:
-                break
+        plans = []  # (seq, todo, reused {i: main page}, fresh, new main pages)
+        planned = {}  # prefix hash -> main page of a shared page quantized by an earlier row here
+        for seq in seqs:
+            length = min(seq.lengths)
+            # the 16-bit pages i with i * s >= fp_sink and (i + 1) * s <= length - fp_window
+            idx = self._layout(seq).idx[HOT]
+            todo = idx[bisect.bisect_left(idx, -(-self.cfg.fp_sink // s)):
+                       bisect.bisect_left(idx, (length - self.cfg.fp_window) // s)]
+            if not todo:
+                continue
+            reused = {}  # a shared page someone else already quantized: take their copy
+            for i in todo:
+                h = self.prefix.hash_of((HOT, int(seq.pages[i].page)))
+                hit = self.prefix.get(h) if h else None
+                if hit and hit[0] == MAIN:
+                    reused[i] = hit[1]
+                elif h and h in planned:
+                    reused[i] = planned[h]
+            fresh = [i for i in todo if i not in reused]
+            new = main.allocate(len(fresh), seq.subject)
+            if new is None:  # no room in the codec pool: the pages stay 16-bit
+                continue
+            for i, p in zip(fresh, new):
+                h = self.prefix.hash_of((HOT, int(seq.pages[i].page)))
+                if h:
+                    planned.setdefault(h, p)
+            plans.append((seq, todo, reused, fresh, new))
+        src = [PageId(int(seq.pages[i].page)) for seq, _, _, fresh, _ in plans for i in fresh]
+        dst = [p for *_, new in plans for p in new]
+        for layer in range(self.cfg.num_layers if src else 0):
             if self.cfg.use_kernels:
-                paged.quantize_pages(hot.fields[layer], main.fields[layer], src, new)
+                paged.quantize_pages(hot.fields[layer], main.fields[layer], src, dst)
             else:
                 k, v = hot.decode(layer, src, self.cfg.dtype)
-                main.write(layer, new, self.codec.encode(k, v))
-        for i, p in zip(fresh, new):
-            h = self.prefix.hash_of((HOT, int(seq.pages[i].page)))
-            if h:
-                self.prefix.put(h, (MAIN, p))
-            seq.pages[i] = PageRef(MAIN, p, MAIN)
-        for i, p in reused.items():
-            main.share(PageId(p), seq.subject)
-            seq.pages[i] = PageRef(MAIN, p, MAIN)
-        self._release(HOT, old, seq.subject)
-        self.events.emit(ev.PagesQuantized(
-            seq=seq.id, subject=seq.subject, pages=tuple(_pid(MAIN, seq.pages[i].page) for i in todo),
-            n_tokens=len(todo) * self.cfg.page_size, bytes=len(todo) * main.page_bytes,
-            codec=self.codec.name, bytes_before=len(todo) * hot.page_bytes))
+                main.write(layer, dst, self.codec.encode(k, v))
+        for seq, todo, reused, fresh, new in plans:
+            old = [PageId(int(seq.pages[i].page)) for i in todo]
+            for i, p in zip(fresh, new):
+                h = self.prefix.hash_of((HOT, int(seq.pages[i].page)))
+                if h:
+                    self.prefix.put(h, (MAIN, p))
+                seq.pages[i] = PageRef(MAIN, p, MAIN)
+            for i, p in reused.items():
+                main.share(PageId(p), seq.subject)
+                seq.pages[i] = PageRef(MAIN, p, MAIN)
+            self._release(HOT, old, seq.subject)
+            self.events.emit(ev.PagesQuantized(
+                seq=seq.id, subject=seq.subject, pages=tuple(_pid(MAIN, seq.pages[i].page) for i in todo),
+                n_tokens=len(todo) * s, bytes=len(todo) * main.page_bytes,
+                codec=self.codec.name, bytes_before=len(todo) * hot.page_bytes))
 
     def _release(self, pool_name: str, pages: list[PageId], subject: Subject) -> list[PageId]:
         freed = self.pools[pool_name].release(pages, subject)

@@ -39,10 +39,13 @@ class PagePool:
         self.dtype = dtype
         self.device = device
         spec = codec.fields(num_kv_heads, page_size, head_dim, dtype)
-        # fields[layer][name]: [P, ...]
+        # one tensor per field for every layer, [L, P, ...], so that wiping freed pages is one
+        # fill per field rather than one per layer and field; fields[layer][name] is its [P, ...]
+        # view, what the kernels and the codec take
+        self._stacks = {name: torch.zeros((num_layers, num_pages, *shape), dtype=dt, device=device)
+                        for name, (shape, dt) in spec.items()}
         self.fields: list[dict[str, torch.Tensor]] = [
-            {name: torch.zeros((num_pages, *shape), dtype=dt, device=device) for name, (shape, dt) in spec.items()}
-            for _ in range(num_layers)
+            {name: st[layer] for name, st in self._stacks.items()} for layer in range(num_layers)
         ]
         self.page_bytes = codec.page_bytes(num_kv_heads, page_size, head_dim, dtype) * num_layers
         self._free: deque[int] = deque(range(num_pages))
@@ -94,10 +97,10 @@ class PagePool:
         return freed
 
     def wipe(self, pages: list[PageId]) -> None:
+        """Zero the pages in every layer: one fill per field."""
         idx = device_index(pages, self.device)
-        for layer in self.fields:
-            for t in layer.values():
-                _raw(t).index_fill_(0, idx, 0)
+        for t in self._stacks.values():
+            _raw(t).index_fill_(1, idx, 0)
 
     # --- data ---------------------------------------------------------------------------------
 

@@ -160,7 +160,7 @@ class StaticStep:
             for seq in self._seqs:  # what _written does once every layer has the token
                 seq.lengths = [n + 1 for n in seq.lengths]
                 seq.grow_mass(seq.lengths[0])
-                m._quantize_ready(seq)
+            m._quantize_ready(self._seqs)
         finally:
             self._open = False
             self._seqs = []
