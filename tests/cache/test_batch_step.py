@@ -218,3 +218,38 @@ def test_batch_chunk_refuses_bad_input():
     with pytest.raises(InputError, match="holds 16 positions"):
         m.attend_chunk(seqs, 0, torch.zeros(3, 17, 4, 64, dtype=torch.float16))
     assert [m.length(s) for s in seqs] == list(LENGTHS)
+
+
+def test_rows_that_share_prefix_pages_quantize_them_once_together(monkeypatch):
+    # two rows share a published page; one chunk pushes it and a page of each row's own out of the
+    # 16-bit window: one quantizing write per layer for all three pages, the shared page once and
+    # still shared, and every row reads what rows quantized apart would read
+    m, ref = make(num_pages=64), make(num_pages=64)
+    prompt = list(range(32))
+    k, v = outlier_kv(32, 2, 64, seed=3)
+    a = m.open(Subject("acme", "u0", "s0"), tokens=prompt)
+    for layer in range(2):
+        assert m.append(a, layer, k, v)
+    assert m.publish_prefix(a, prompt) == 2
+    b = m.open(Subject("acme", "u1", "s1"), tokens=prompt)
+    assert m.length(b) == 32
+    shared = int(m._seq(b).pages[1].page)
+    writes = []
+    write = m.pools[MAIN].write
+    monkeypatch.setattr(m.pools[MAIN], "write", lambda layer, pages, values: (writes.append(list(pages)),
+                                                                              write(layer, pages, values))[1])
+    kn, vn = outlier_kv(64, 2, 64, seed=4)
+    for layer in range(2):
+        assert m.append_chunk([a, b], layer, kn.reshape(2, 32, 2, 64), vn.reshape(2, 32, 2, 64))
+    assert len(writes) == 2 and all(len(w) == 3 for w in writes)
+    pa, pb = m._seq(a).pages, m._seq(b).pages
+    assert pa[1] == pb[1] and pa[1].where == MAIN and m.pools[MAIN].ref[int(pa[1].page)] == 2
+    assert pa[2].where == pb[2].where == MAIN and pa[2] != pb[2]
+    assert m.pools[HOT].ref[shared] == 0 and not any(t[shared].view(torch.uint8).any()
+                                                      for layer in m.pools[HOT].fields for t in layer.values())
+    for i, seq in enumerate((a, b)):
+        r = ref.open(Subject("acme", f"r{i}", f"r{i}"))
+        for layer in range(2):
+            assert ref.append(r, layer, k, v) and ref.append(r, layer, kn[32 * i: 32 * i + 32], vn[32 * i: 32 * i + 32])
+        for layer in range(2):
+            assert all(torch.equal(x, y) for x, y in zip(m.kv(seq, layer), ref.kv(r, layer)))
