@@ -423,9 +423,11 @@ class CacheManager:
             plans.append((seq, todo, reused, fresh, new))
         src = [PageId(int(seq.pages[i].page)) for seq, _, _, fresh, _ in plans for i in fresh]
         dst = [p for *_, new in plans for p in new]
+        if src and self.cfg.use_kernels:  # the page ids copied to the device once for every layer
+            src_ids, dst_ids = paged.page_ids(src, hot.device), paged.page_ids(dst, main.device)
         for layer in range(self.cfg.num_layers if src else 0):
             if self.cfg.use_kernels:
-                paged.quantize_pages(hot.fields[layer], main.fields[layer], src, dst)
+                paged.quantize_pages(hot.fields[layer], main.fields[layer], src_ids, dst_ids)
             else:
                 k, v = hot.decode(layer, src, self.cfg.dtype)
                 main.write(layer, dst, self.codec.encode(k, v))
@@ -577,9 +579,13 @@ class CacheManager:
         at = self._device_ints(("queries", lengths, tuple(counts), t), lambda: [
             [n - t + j if j >= t - k else -1 for j in range(t)] for n, k in zip(lengths, counts)])
         parts = []
+        lays = [self._layout(seq) for seq in seqs]
         for (fields, table, tokens), (name, _) in zip(sets, used):
-            pos = self._batch_positions(seqs, name, pad=2**62)
-            limits = torch.searchsorted(pos, at, right=True).to(torch.int32)
+            # the same for every layer of the chunk: kept while the rows' pages hold
+            limits = self._while_pages_hold(
+                ("limits", name, lengths, tuple(counts), t, tuple(seq.id for seq in seqs)), lays,
+                lambda name=name: torch.searchsorted(self._batch_positions(seqs, name, pad=2**62), at,
+                                                     right=True).to(torch.int32))
             lens = self._device_ints(("lens", tuple(tokens)), lambda tokens=tokens: tokens, torch.int32)
             parts.append((fields, table, lens, max(tokens), limits))
         return paged.prefill_batch(q, parts, scale)

@@ -21,14 +21,18 @@ from ..types import PageId
 from .pool import device_index
 
 
+def page_ids(pages: list[PageId], device: torch.device) -> torch.Tensor:
+    """Page ids as the kernels take them (int32 on the pools' device); one copy serves every layer."""
+    return device_index(pages, device, torch.int32)
+
+
 def quantize_pages(hot_fields: dict[str, torch.Tensor], main_fields: dict[str, torch.Tensor],
-                   src: list[PageId], dst: list[PageId]) -> None:
-    """Encode 16-bit pages `src` of the hot pool into pages `dst` of the codec's pool, in place."""
+                   src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Encode 16-bit pages `src` of the hot pool into pages `dst` of the codec's pool, in place
+    (both page_ids)."""
     from kernels.quantize_scatter import quantize_scatter
 
-    dev = hot_fields["k"].device
-    quantize_scatter(hot_fields["k"], hot_fields["v"], device_index(dst, dev, torch.int32), main_fields,
-                     src_pages=device_index(src, dev, torch.int32))
+    quantize_scatter(hot_fields["k"], hot_fields["v"], dst, main_fields, src_pages=src)
 
 
 def encode_pages(k: torch.Tensor, v: torch.Tensor, main_fields: dict[str, torch.Tensor], dst: list[PageId]) -> None:
