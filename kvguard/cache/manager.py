@@ -341,11 +341,16 @@ class CacheManager:
         fields["v"].view(-1, d).index_copy_(0, rows, v.reshape(-1, d))
 
     def _auto_compact(self, seq: Sequence, layer: int) -> None:
-        """Before a step's first layer: compact a sequence that outgrew the evictor's budget."""
+        """Before a step's first layer: compact a sequence that outgrew the evictor's budget.
+        Best effort: a sequence whose offloaded pages have no room to come back stays as it
+        is (the append then takes pages as it would without an evictor)."""
         c = self.cfg
         if layer == 0 and self.evictor and c.auto_compact and len(set(seq.lengths)) == 1:
             if seq.lengths[0] >= self.evictor.budget + c.page_size:
-                self.compact(seq.id)
+                try:
+                    self.compact(seq.id)
+                except OutOfPages:
+                    pass
 
     def _written(self, seq: Sequence, layer: int, t: int) -> bool:
         """After t tokens of a layer were written: lengths and room for their mass. True once
@@ -738,7 +743,8 @@ class CacheManager:
     def compact(self, seq_id: SeqId) -> ev.TokensEvicted | None:
         """Run the evictor and move the survivors into fewer pages, freeing the rest.
         Returns the event, or None when nothing was evicted (within budget, or no
-        free page to compact into)."""
+        free page to compact into). Raises OutOfPages, changing nothing, when the
+        sequence's offloaded pages have no room to come back to the device."""
         seq = self._seq(seq_id)
         if self.evictor is None:
             raise ConfigError("this cache has no evictor; configure one to compact")
@@ -846,9 +852,18 @@ class CacheManager:
         return len(moved)
 
     def _fetch_all(self, seq: Sequence) -> None:
+        """Bring the sequence's offloaded pages back to the device. Raises OutOfPages, having
+        moved nothing, when a pool has too few free pages for them."""
         if not self._layout(seq).away:
             return
         away = [i for i, r in enumerate(seq.pages) if r.where not in self.pools]
+        need: dict[str, int] = {}
+        for i in away:
+            need[seq.pages[i].pool] = need.get(seq.pages[i].pool, 0) + 1
+        for pool, n in need.items():
+            if self.pools[pool].free_count < n:
+                raise OutOfPages(f"no free {pool} page to fetch an offloaded page back into ({n} needed, "
+                                 f"{self.pools[pool].free_count} free); free or offload other sequences first")
         by_tier: dict[str, list[int]] = {}
         for i in away:
             by_tier.setdefault(seq.pages[i].where, []).append(i)

@@ -169,3 +169,32 @@ def test_snapkv_decode_queries_vote_after_a_compaction(alice):
         m.attend(seq, layer, q)
     mass = m._seq(seq).mass
     assert mass.shape == (2, 2, 49) and torch.allclose(mass.sum(-1), torch.full((2, 2), 2.0))  # group of 2 queries
+
+
+def test_append_when_auto_compaction_cannot_fetch_offloaded_pages():
+    # a sequence over its budget whose pages are all offloaded, with every 16-bit page taken by
+    # others: compacting it first needs its pages back, and there is no room for them. The append
+    # compacts nothing and, with no page for its token either, writes nothing and returns False;
+    # an explicit compact says why (OutOfPages), as attend does
+    from kvguard.cache.tiers import CpuTier
+    from kvguard.errors import OutOfPages
+    from kvguard.types import Subject
+
+    cfg = CacheConfig(num_layers=2, num_kv_heads=1, head_dim=32, num_pages=8, page_size=4, codec="fp16",
+                      fp_sink=0, fp_window=0, evictor="h2o", evictor_options={"budget": 8, "sink": 2, "window": 4})
+    m = CacheManager(cfg, tiers={"cpu": CpuTier()})
+
+    def fill(seq, n):
+        k = torch.randn(n, 1, 32).half()
+        return all(m.append(seq, layer, k, k) for layer in range(2))
+
+    a = m.open(Subject("t", "a", "a"))
+    assert fill(a, 12) and m.offload(a, "cpu") == 3
+    for i, n in enumerate((11, 11, 8)):  # 3 + 3 + 2 pages: the pool is full
+        assert fill(m.open(Subject("t", f"o{i}", f"o{i}")), n)
+    assert m.pools["hot"].free_count == 0
+    before = list(m._seq(a).pages)
+    assert m.append(a, 0, torch.randn(1, 1, 32).half(), torch.randn(1, 1, 32).half()) is False
+    assert m._seq(a).pages == before and m.length(a) == 12
+    with pytest.raises(OutOfPages, match="fetch"):
+        m.compact(a)
