@@ -350,7 +350,7 @@ class CacheManager:
                 try:
                     self.compact(seq.id)
                 except OutOfPages:
-                    pass
+                    return  # no room to fetch its offloaded pages: left over budget for now
 
     def _written(self, seq: Sequence, layer: int, t: int) -> bool:
         """After t tokens of a layer were written: lengths and room for their mass. True once
@@ -399,7 +399,7 @@ class CacheManager:
             return
         s = self.cfg.page_size
         hot, main = self.pools[HOT], self.pools[MAIN]
-        plans = []  # (seq, todo, reused {i: main page}, fresh, new main pages)
+        plans = []  # (seq, todo, prefix hashes {i: h}, reused {i: main page}, fresh, new main pages)
         planned = {}  # prefix hash -> main page of a shared page quantized by an earlier row here
         for seq in seqs:
             length = min(seq.lengths)
@@ -409,9 +409,9 @@ class CacheManager:
                        bisect.bisect_left(idx, (length - self.cfg.fp_window) // s)]
             if not todo:
                 continue
+            hashes = {i: self.prefix.hash_of((HOT, int(seq.pages[i].page))) for i in todo}
             reused = {}  # a shared page someone else already quantized: take their copy
-            for i in todo:
-                h = self.prefix.hash_of((HOT, int(seq.pages[i].page)))
+            for i, h in hashes.items():
                 hit = self.prefix.get(h) if h else None
                 if hit and hit[0] == MAIN:
                     reused[i] = hit[1]
@@ -422,11 +422,10 @@ class CacheManager:
             if new is None:  # no room in the codec pool: the pages stay 16-bit
                 continue
             for i, p in zip(fresh, new):
-                h = self.prefix.hash_of((HOT, int(seq.pages[i].page)))
-                if h:
-                    planned.setdefault(h, p)
-            plans.append((seq, todo, reused, fresh, new))
-        src = [PageId(int(seq.pages[i].page)) for seq, _, _, fresh, _ in plans for i in fresh]
+                if hashes[i]:
+                    planned.setdefault(hashes[i], p)
+            plans.append((seq, todo, hashes, reused, fresh, new))
+        src = [PageId(int(seq.pages[i].page)) for seq, _, _, _, fresh, _ in plans for i in fresh]
         dst = [p for *_, new in plans for p in new]
         if src and self.cfg.use_kernels:  # the page ids copied to the device once for every layer
             src_ids, dst_ids = paged.page_ids(src, hot.device), paged.page_ids(dst, main.device)
@@ -436,12 +435,11 @@ class CacheManager:
             else:
                 k, v = hot.decode(layer, src, self.cfg.dtype)
                 main.write(layer, dst, self.codec.encode(k, v))
-        for seq, todo, reused, fresh, new in plans:
+        for seq, todo, hashes, reused, fresh, new in plans:
             old = [PageId(int(seq.pages[i].page)) for i in todo]
             for i, p in zip(fresh, new):
-                h = self.prefix.hash_of((HOT, int(seq.pages[i].page)))
-                if h:
-                    self.prefix.put(h, (MAIN, p))
+                if hashes[i]:
+                    self.prefix.put(hashes[i], (MAIN, p))
                 seq.pages[i] = PageRef(MAIN, p, MAIN)
             for i, p in reused.items():
                 main.share(PageId(p), seq.subject)
@@ -872,10 +870,7 @@ class CacheManager:
             try:
                 for i in idxs:
                     r = seq.pages[i]
-                    new = self.pools[r.pool].allocate(1, seq.subject)
-                    if new is None:
-                        raise OutOfPages(f"no free {r.pool} page to fetch an offloaded page back into;"
-                                         " free or offload other sequences first")
+                    new = self.pools[r.pool].allocate(1, seq.subject)  # room checked above
                     self.pools[r.pool].load_blob(new[0], self.tiers[tier].get(str(r.page)))
                     self.tiers[tier].erase(str(r.page))
                     seq.pages[i] = PageRef(r.pool, new[0], r.pool)
