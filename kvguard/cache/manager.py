@@ -837,21 +837,26 @@ class CacheManager:
         if not cand:
             return 0
         moved, nbytes = [], 0
-        for i in cand:
-            r = seq.pages[i]
-            key = f"{seq.id}-{uuid.uuid4().hex}"
-            nbytes += self.tiers[tier].put(key, self.pools[r.where].page_blob(PageId(int(r.page))))
-            self._release(r.where, [PageId(int(r.page))], seq.subject)
-            moved.append(_pid(r.where, r.page))
-            seq.pages[i] = PageRef(tier, key, r.where)
-        self.events.emit(ev.PagesOffloaded(seq=seq.id, subject=seq.subject, pages=tuple(moved),
-                                           n_tokens=len(moved) * self.cfg.page_size, bytes=nbytes,
-                                           src="device", dst=tier))
+        try:
+            for i in cand:
+                r = seq.pages[i]
+                key = f"{seq.id}-{uuid.uuid4().hex}"
+                nbytes += self.tiers[tier].put(key, self.pools[r.where].page_blob(PageId(int(r.page))))
+                self._release(r.where, [PageId(int(r.page))], seq.subject)
+                moved.append(_pid(r.where, r.page))
+                seq.pages[i] = PageRef(tier, key, r.where)
+        finally:  # pages moved before a failing put are recorded too
+            if moved:
+                self.events.emit(ev.PagesOffloaded(seq=seq.id, subject=seq.subject, pages=tuple(moved),
+                                                   n_tokens=len(moved) * self.cfg.page_size, bytes=nbytes,
+                                                   src="device", dst=tier))
         return len(moved)
 
     def _fetch_all(self, seq: Sequence) -> None:
         """Bring the sequence's offloaded pages back to the device. Raises OutOfPages, having
-        moved nothing, when a pool has too few free pages for them."""
+        moved nothing, when a pool has too few free pages for them. A tier that fails (a read,
+        or erasing the copy once read) stops the fetch there: the pages brought back before
+        stay fetched, the failing one stays in its tier and no device page is left taken."""
         if not self._layout(seq).away:
             return
         away = [i for i, r in enumerate(seq.pages) if r.where not in self.pools]
@@ -870,9 +875,14 @@ class CacheManager:
             try:
                 for i in idxs:
                     r = seq.pages[i]
+                    blob = self.tiers[tier].get(str(r.page))
                     new = self.pools[r.pool].allocate(1, seq.subject)  # room checked above
-                    self.pools[r.pool].load_blob(new[0], self.tiers[tier].get(str(r.page)))
-                    self.tiers[tier].erase(str(r.page))
+                    try:
+                        self.pools[r.pool].load_blob(new[0], blob)
+                        self.tiers[tier].erase(str(r.page))
+                    except BaseException:  # the copy stays the page's one home: the device page goes back
+                        self._release(r.pool, new, seq.subject)
+                        raise
                     seq.pages[i] = PageRef(r.pool, new[0], r.pool)
                     got.append(_pid(r.pool, new[0]))
                     nbytes += self.pools[r.pool].page_bytes

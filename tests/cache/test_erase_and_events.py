@@ -144,3 +144,87 @@ def test_each_operation_emits_exactly_its_events(alice):
     assert [e.op for e in m.events.take_events()] == ["free"]
     # details never carry the subject
     assert "subject" not in ev.details() and "alice" not in repr(ev)
+
+
+def free_pages(m):
+    return sum(p.free_count for p in m.pools.values())
+
+
+class FlakyTier(CpuTier):
+    """A CPU tier whose reads or erasures fail while `broken` names them."""
+
+    def __init__(self):
+        super().__init__()
+        self.broken: set[str] = set()
+        self.puts_left: int | None = None
+
+    def put(self, key, blob):
+        if self.puts_left is not None:
+            if self.puts_left == 0:
+                raise ConnectionError("tier full")
+            self.puts_left -= 1
+        return super().put(key, blob)
+
+    def get(self, key):
+        if "get" in self.broken:
+            raise ConnectionError("tier unreachable")
+        return super().get(key)
+
+    def erase(self, key):
+        if "erase" in self.broken:
+            raise ConnectionError("tier unreachable")
+        super().erase(key)
+
+
+@pytest.mark.parametrize("failing", ["get", "erase"])
+def test_a_failed_fetch_leaks_no_page_and_loses_no_copy(failing, alice):
+    # a tier that fails mid-fetch: the device pages taken for the copies not brought back are
+    # returned to the pool, and the sequence still points at the copies, so a later fetch (or an
+    # erasure) finds them
+    tier = FlakyTier()
+    m = make("int8", fp_window=16, tiers={"cpu": tier})
+    seq = m.open(alice)
+    write(m, seq, 70)
+    before = [t.clone() for t in m.kv(seq, 1)]
+    assert m.offload(seq, "cpu", max_pages=3) == 3
+    free = free_pages(m)
+    tier.broken = {failing}
+    with pytest.raises(ConnectionError):
+        m.kv(seq, 1)
+    assert free_pages(m) == free and len(tier.keys()) == 3
+    assert m.stats().pages_offloaded == {"cpu": 3}
+    tier.broken = set()
+    assert all(torch.equal(x, y) for x, y in zip(before, m.kv(seq, 1)))
+    assert tier.keys() == [] and free_pages(m) == free - 3
+    m.free(seq)
+    assert all(p.free_count == p.num_pages for p in m.pools.values())
+
+
+def test_an_offload_that_fails_midway_records_the_pages_it_moved(alice):
+    tier = FlakyTier()
+    m = make("int8", fp_window=16, tiers={"cpu": tier})
+    seq = m.open(alice)
+    write(m, seq, 70)
+    before = [t.clone() for t in m.kv(seq, 1)]
+    m.events.take_events()
+    free = free_pages(m)
+    tier.puts_left = 2
+    with pytest.raises(ConnectionError):
+        m.offload(seq, "cpu")
+    (event,) = m.events.take_events()
+    assert event.op == "offload" and len(event.pages) == 2 and len(tier.keys()) == 2
+    assert free_pages(m) == free + 2 and m.stats().pages_offloaded == {"cpu": 2}
+    assert all(torch.equal(x, y) for x, y in zip(before, m.kv(seq, 1)))
+
+
+def test_a_disk_page_that_cannot_be_written_leaves_nothing(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path / "pages")
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("os.fsync", full)
+    with pytest.raises(OSError):
+        tier.put("s-1", {"0.k": torch.ones(4096, dtype=torch.uint8)})
+    monkeypatch.undo()
+    assert list((tmp_path / "pages").iterdir()) == []
