@@ -135,7 +135,11 @@ a, b = make(), make()
 sa, sb = opened(a, (37, 16, 5)), opened(b, (37, 16, 5))
 got, want = chunks(a, sa, batched=True).float(), chunks(b, sb, batched=False).float()
 rel = ((got - want).norm() / want.norm()).item()
-assert rel < 1e-6, rel  # a row of the batch's launch computes what its own launch does
+# a row of the batch's launch computes what its own launch does, to the last bit of the 16-bit
+# output: the interpreter's matmuls (the CPU's BLAS) may sum a tile's rows in another order when
+# the rows sit elsewhere in the tile, which flips a rounding here and there (1 ulp, a few in 10^4)
+torch.testing.assert_close(got, want, rtol=2 ** -10, atol=2 ** -24)
+assert (got != want).float().mean().item() < 1e-3, rel
 for x, y in zip(sa, sb):
     assert a.length(x) == b.length(y)
 for name, pool in a.pools.items():
