@@ -22,3 +22,8 @@ class UnknownSequence(KVGuardError, KeyError):
 
 class OutOfPages(KVGuardError):
     """No free page is left for an operation that cannot wait (fetching pages back)."""
+
+
+class TierError(KVGuardError):
+    """A lower tier (disk, Redis) failed while its copies were being erased. What the
+    operation had done is safe to do again: retry it once the tier is back."""

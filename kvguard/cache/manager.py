@@ -24,7 +24,7 @@ import torch
 
 from ..compress.codecs import Fp16Codec, make_codec
 from ..compress.evictors import make_evictor
-from ..errors import ConfigError, InputError, OutOfPages, UnknownSequence
+from ..errors import ConfigError, InputError, OutOfPages, TierError, UnknownSequence
 from ..types import PageId, SeqId, Subject
 from . import events as ev
 from . import paged
@@ -115,6 +115,9 @@ class Sequence:
     evicted: int = 0
     positional: bool = True  # positions still equal token indices (no compaction yet)
     layout: Layout | None = None
+    # lower-tier copies (tier, key) that outlived their move: a page fetched back whose copy could
+    # not be erased, or a failed put that may have stored; erased with the sequence
+    stale: list[tuple[str, str]] = field(default_factory=list)
 
     def __setattr__(self, name, value):
         if name == "pages" and not isinstance(value, PageList):
@@ -134,7 +137,8 @@ class Sequence:
         have = self.mass_buf.shape[-1]
         if have < length:
             grow = torch.zeros(*self.mass_buf.shape[:-1], max(length, 2 * have) - have, device=self.mass_buf.device)
-            self.mass_buf = torch.cat([self.mass_buf, grow], dim=-1)
+            old, self.mass_buf = self.mass_buf, torch.cat([self.mass_buf, grow], dim=-1)
+            old.zero_()  # attention statistics of the subject's tokens: not left in freed memory
 
 
 @dataclass(frozen=True)
@@ -809,8 +813,10 @@ class CacheManager:
         seq.lengths = [new_len] * c.num_layers
         # H2O's mass accumulates for good; SnapKV's votes are those of the queries since the
         # last compaction (its observation window in decode), so they start again from zero
+        old_mass = seq.mass_buf
         seq.mass = (torch.zeros_like(seq.mass_buf[..., :new_len]) if self.evictor.fresh_votes
                     else seq.mass_buf.gather(-1, keep.to(seq.mass_buf.device)))
+        old_mass.zero_()
         seq.evicted += length - new_len
         seq.positional = False
         event = ev.TokensEvicted(
@@ -841,7 +847,11 @@ class CacheManager:
             for i in cand:
                 r = seq.pages[i]
                 key = f"{seq.id}-{uuid.uuid4().hex}"
-                nbytes += self.tiers[tier].put(key, self.pools[r.where].page_blob(PageId(int(r.page))))
+                try:
+                    nbytes += self.tiers[tier].put(key, self.pools[r.where].page_blob(PageId(int(r.page))))
+                except BaseException:  # the tier may have stored it before failing (a reply lost)
+                    self._erase_or_keep(seq, tier, key)
+                    raise
                 self._release(r.where, [PageId(int(r.page))], seq.subject)
                 moved.append(_pid(r.where, r.page))
                 seq.pages[i] = PageRef(tier, key, r.where)
@@ -854,9 +864,9 @@ class CacheManager:
 
     def _fetch_all(self, seq: Sequence) -> None:
         """Bring the sequence's offloaded pages back to the device. Raises OutOfPages, having
-        moved nothing, when a pool has too few free pages for them. A tier that fails (a read,
-        or erasing the copy once read) stops the fetch there: the pages brought back before
-        stay fetched, the failing one stays in its tier and no device page is left taken."""
+        moved nothing, when a pool has too few free pages for them. A tier read that fails
+        stops the fetch there: the pages brought back before stay fetched, the failing one
+        stays in its tier and no device page is left taken."""
         if not self._layout(seq).away:
             return
         away = [i for i, r in enumerate(seq.pages) if r.where not in self.pools]
@@ -879,11 +889,13 @@ class CacheManager:
                     new = self.pools[r.pool].allocate(1, seq.subject)  # room checked above
                     try:
                         self.pools[r.pool].load_blob(new[0], blob)
-                        self.tiers[tier].erase(str(r.page))
                     except BaseException:  # the copy stays the page's one home: the device page goes back
                         self._release(r.pool, new, seq.subject)
                         raise
+                    # the device page holds it now; a copy that cannot be erased (it may be half
+                    # overwritten) is kept on the sequence and erased with it
                     seq.pages[i] = PageRef(r.pool, new[0], r.pool)
+                    self._erase_or_keep(seq, tier, str(r.page))
                     got.append(_pid(r.pool, new[0]))
                     nbytes += self.pools[r.pool].page_bytes
             finally:  # pages fetched before a failure are recorded too
@@ -894,10 +906,35 @@ class CacheManager:
 
     # --- free / erase ---------------------------------------------------------------------------
 
-    def _drop(self, seq: Sequence) -> tuple[list[str], int, int, int]:
-        """Release every page of a sequence; returns (freed pages, shared pages kept for
-        others, tier copies erased, prefix entries removed)."""
-        freed, shared, tier_copies, prefix = [], 0, 0, 0
+    def _erase_or_keep(self, seq: Sequence, tier: str, key: str) -> None:
+        try:
+            self.tiers[tier].erase(key)
+        except Exception:
+            seq.stale.append((tier, key))
+
+    def _erase_copies(self, seqs: list[Sequence]) -> int:
+        """Erase every lower-tier copy of the sequences, before anything else of theirs is
+        released: a tier that fails then leaves them whole, and erasing again is harmless (a
+        tier erases an absent key without error), so the operation can simply be retried.
+        Returns the copies erased; raises TierError, having tried every copy."""
+        n, failed, first = 0, 0, None
+        for seq in seqs:
+            copies = [(r.where, str(r.page)) for r in seq.pages if r.where not in self.pools]
+            for tier, key in copies + seq.stale:
+                try:
+                    self.tiers[tier].erase(key)
+                    n += 1
+                except Exception as e:
+                    failed, first = failed + 1, first or e
+        if failed:
+            raise TierError(f"{failed} of {n + failed} lower-tier copies could not be erased "
+                            f"({type(first).__name__}); nothing was released: retry when the tier is back") from first
+        return n
+
+    def _drop(self, seq: Sequence) -> tuple[list[str], int, int]:
+        """Release every device page of a sequence (its tier copies erased first); returns
+        (freed pages, shared pages kept for others, prefix entries removed)."""
+        freed, shared, prefix = [], 0, 0
         for r in seq.pages:
             if r.where in self.pools:
                 if self.prefix.drop_page((r.where, int(r.page))):
@@ -905,23 +942,22 @@ class CacheManager:
                 got = self._release(r.where, [PageId(int(r.page))], seq.subject)
                 freed += [_pid(r.where, p) for p in got]
                 shared += not got
-            else:
-                self.tiers[r.where].erase(str(r.page))
-                tier_copies += 1
+        seq.mass_buf.zero_()
         del self._seqs[seq.id]
-        return freed, shared, tier_copies, prefix
+        return freed, shared, prefix
 
     @_locked
     def free(self, seq_id: SeqId) -> None:
         """End a sequence: its pages are overwritten and freed unless another sequence
-        shares them; its prefix-index entries stay for the pages still shared."""
+        shares them; its prefix-index entries stay for the pages still shared. Raises
+        TierError, releasing nothing, when a tier copy cannot be erased."""
         seq = self._seq(seq_id)
+        self._erase_copies([seq])
         freed = []
         for r in seq.pages:
             if r.where in self.pools:
                 freed += [_pid(r.where, p) for p in self._release(r.where, [PageId(int(r.page))], seq.subject)]
-            else:
-                self.tiers[r.where].erase(str(r.page))
+        seq.mass_buf.zero_()
         del self._seqs[seq.id]
         self.events.emit(ev.SequenceFreed(seq=seq.id, subject=seq.subject, pages=tuple(freed),
                                           n_tokens=max(seq.lengths), bytes=0))
@@ -937,12 +973,16 @@ class CacheManager:
 
     def _erase(self, scope: str, match, who: Subject) -> ev.SubjectErased:
         """Erase every sequence of a subject: pages nobody else holds are overwritten
-        and freed; shared pages lose the subject and their prefix-index entries."""
-        freed, shared, tiers, prefix, n, tokens = [], 0, 0, 0, 0, 0
-        for seq in [s for s in self._seqs.values() if match(s.subject)]:
-            f, sh, t, p = self._drop(seq)
+        and freed; shared pages lose the subject and their prefix-index entries. Every
+        lower-tier copy is erased first: a tier that fails raises TierError with nothing
+        released and nothing recorded, and the erasure can be run again."""
+        freed, shared, prefix, n, tokens = [], 0, 0, 0, 0
+        seqs = [s for s in self._seqs.values() if match(s.subject)]
+        tiers = self._erase_copies(seqs)
+        for seq in seqs:
+            f, sh, p = self._drop(seq)
             freed += f
-            shared, tiers, prefix, n = shared + sh, tiers + t, prefix + p, n + 1
+            shared, prefix, n = shared + sh, prefix + p, n + 1
             tokens += max(seq.lengths)
         nbytes = sum(self.pools[p.split(":")[0]].page_bytes for p in freed)
         event = ev.SubjectErased(seq=None, subject=who, pages=tuple(freed), n_tokens=tokens, bytes=nbytes,

@@ -8,6 +8,7 @@ import torch
 
 from kvguard.cache import CacheConfig, CacheManager
 from kvguard.cache.tiers import CpuTier, DiskTier, RedisTier
+from kvguard.errors import TierError
 from kvguard.types import Subject
 from tests.conftest import outlier_kv
 
@@ -159,6 +160,9 @@ class FlakyTier(CpuTier):
         self.puts_left: int | None = None
 
     def put(self, key, blob):
+        if "put" in self.broken:  # stored, but the reply is lost
+            super().put(key, blob)
+            raise ConnectionError("tier reply lost")
         if self.puts_left is not None:
             if self.puts_left == 0:
                 raise ConnectionError("tier full")
@@ -171,16 +175,16 @@ class FlakyTier(CpuTier):
         return super().get(key)
 
     def erase(self, key):
-        if "erase" in self.broken:
+        if "erase" in self.broken:  # overwritten, then the removal fails
+            for t in self._pages.get(key, {}).values():
+                t.zero_()
             raise ConnectionError("tier unreachable")
         super().erase(key)
 
 
-@pytest.mark.parametrize("failing", ["get", "erase"])
-def test_a_failed_fetch_leaks_no_page_and_loses_no_copy(failing, alice):
-    # a tier that fails mid-fetch: the device pages taken for the copies not brought back are
-    # returned to the pool, and the sequence still points at the copies, so a later fetch (or an
-    # erasure) finds them
+def test_a_failed_tier_read_leaks_no_page_and_loses_no_copy(alice):
+    # the tier fails mid-fetch: no device page stays taken for the copies not brought back, and
+    # the sequence still points at them, so a later fetch (or an erasure) finds them
     tier = FlakyTier()
     m = make("int8", fp_window=16, tiers={"cpu": tier})
     seq = m.open(alice)
@@ -188,7 +192,7 @@ def test_a_failed_fetch_leaks_no_page_and_loses_no_copy(failing, alice):
     before = [t.clone() for t in m.kv(seq, 1)]
     assert m.offload(seq, "cpu", max_pages=3) == 3
     free = free_pages(m)
-    tier.broken = {failing}
+    tier.broken = {"get"}
     with pytest.raises(ConnectionError):
         m.kv(seq, 1)
     assert free_pages(m) == free and len(tier.keys()) == 3
@@ -198,6 +202,46 @@ def test_a_failed_fetch_leaks_no_page_and_loses_no_copy(failing, alice):
     assert tier.keys() == [] and free_pages(m) == free - 3
     m.free(seq)
     assert all(p.free_count == p.num_pages for p in m.pools.values())
+
+
+def test_a_copy_that_cannot_be_erased_after_its_fetch_is_erased_with_the_sequence(alice):
+    # the tier overwrites a copy, then fails to remove it (a disk or Redis erase is two steps):
+    # the page fetched back is its home now, and the copy left behind goes with the sequence
+    tier = FlakyTier()
+    m = make("int8", fp_window=16, tiers={"cpu": tier})
+    seq = m.open(alice)
+    write(m, seq, 70)
+    before = [t.clone() for t in m.kv(seq, 1)]
+    assert m.offload(seq, "cpu", max_pages=3) == 3
+    tier.broken = {"erase"}
+    assert all(torch.equal(x, y) for x, y in zip(before, m.kv(seq, 1)))
+    assert m.stats().pages_offloaded == {} and len(tier.keys()) == 3
+    with pytest.raises(TierError, match="3 of 3"):
+        m.free(seq)
+    assert m.length(seq) == 70  # nothing released: free again later
+    tier.broken = set()
+    m.free(seq)
+    assert tier.keys() == [] and all(p.free_count == p.num_pages for p in m.pools.values())
+
+
+def test_an_erasure_the_tier_refuses_releases_nothing_and_can_run_again(alice, bob):
+    tier = FlakyTier()
+    m = make("int8", fp_window=16, tiers={"cpu": tier})
+    a1, a2, b = m.open(alice), m.open(Subject("acme", "alice", "s-9")), m.open(bob)
+    for i, seq in enumerate((a1, a2, b)):
+        write(m, seq, 40, seed=i)
+    assert m.offload(a2, "cpu", max_pages=2) == 2 and m.offload(b, "cpu", max_pages=1) == 1
+    m.events.take_events()
+    held = free_pages(m)
+    tier.broken = {"erase"}
+    with pytest.raises(TierError):
+        m.erase_user("acme", "alice")
+    assert m.events.take_events() == [] and free_pages(m) == held
+    assert set(m.sequences()) == {a1, a2, b}
+    tier.broken = set()
+    event = m.erase_user("acme", "alice")
+    assert event.sequences == 2 and event.tier_copies == 2 and len(tier.keys()) == 1
+    assert set(m.sequences()) == {b}
 
 
 def test_an_offload_that_fails_midway_records_the_pages_it_moved(alice):
@@ -228,3 +272,36 @@ def test_a_disk_page_that_cannot_be_written_leaves_nothing(tmp_path, monkeypatch
         tier.put("s-1", {"0.k": torch.ones(4096, dtype=torch.uint8)})
     monkeypatch.undo()
     assert list((tmp_path / "pages").iterdir()) == []
+
+
+def test_a_copy_stored_by_a_put_that_failed_is_erased_with_its_subject(alice):
+    tier = FlakyTier()
+    m = make("int8", fp_window=16, tiers={"cpu": tier})
+    seq = m.open(alice)
+    write(m, seq, 70)
+    tier.broken = {"put"}
+    with pytest.raises(ConnectionError):
+        m.offload(seq, "cpu", max_pages=1)
+    tier.broken = {"put", "erase"}  # not even the cleanup gets through: the key is kept
+    with pytest.raises(ConnectionError):
+        m.offload(seq, "cpu", max_pages=1)
+    assert len(tier.keys()) == 1 and m.stats().pages_offloaded == {}
+    tier.broken = set()
+    assert m.erase_user("acme", "alice").tier_copies == 1 and tier.keys() == []
+
+
+def test_attention_mass_is_zeroed_when_its_sequence_goes(alice, bob):
+    m = make("int8", evictor="h2o", evictor_options={"budget": 32, "sink": 4, "window": 8}, auto_compact=False)
+    a, b = m.open(alice), m.open(bob)
+    for seq in (a, b):
+        write(m, seq, 40)
+        for layer in range(2):
+            m.attend(seq, layer, torch.randn(1, 4, 64).half())
+    bufs = [m._seq(a).mass_buf, m._seq(b).mass_buf]
+    assert all(x.abs().sum() > 0 for x in bufs)
+    m.compact(a)  # the buffer it replaces
+    assert bufs[0].abs().sum() == 0
+    kept = m._seq(a).mass_buf
+    m.erase_user("acme", "alice")
+    m.free(b)
+    assert kept.abs().sum() == 0 and bufs[1].abs().sum() == 0
