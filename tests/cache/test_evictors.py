@@ -101,8 +101,10 @@ def test_h2o_keeps_heavy_hitters(alice):
 
 @pytest.mark.parametrize("name", sorted(EVICTORS))
 def test_budget_smaller_than_sink_plus_window_is_refused(name):
+    # streamingllm's window is what the budget leaves, so only a budget below its sinks is short
+    budget = 3 if name == "streamingllm" else 10
     with pytest.raises(ConfigError, match="budget"):
-        build({"name": name, "options": {"budget": 10, "sink": 4, "window": 16}})
+        build({"name": name, "options": {"budget": budget, "sink": 4, "window": 16}})
 
 
 @pytest.mark.parametrize("case", EVICTOR_MATRIX[1:], ids=lambda c: c["name"])
@@ -198,3 +200,13 @@ def test_append_when_auto_compaction_cannot_fetch_offloaded_pages():
     assert m._seq(a).pages == before and m.length(a) == 12
     with pytest.raises(OutOfPages, match="fetch"):
         m.compact(a)
+
+
+def test_streamingllm_takes_a_budget_below_the_default_window():
+    # its window is what the budget leaves after the sinks, whatever window the options carry
+    ev = EVICTORS["streamingllm"](budget=32, sink=4)
+    keep = ev.select(100, torch.zeros(100))
+    assert keep.tolist() == [0, 1, 2, 3] + list(range(72, 100))
+    assert EVICTORS["streamingllm"](budget=32, sink=4, window=1000).window == 28
+    with pytest.raises(ValueError, match="budget 3 is smaller than sink 4"):
+        EVICTORS["streamingllm"](budget=3, sink=4)

@@ -12,9 +12,12 @@ class StreamingLLM(Evictor):
     name = "streamingllm"
 
     def __post_init__(self) -> None:
+        # Nothing between sinks and window survives, so the window takes the rest of the budget
+        # (a window given is ignored, as policies say); set before the checks, which compare the
+        # budget with sink + window
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in (self.budget, self.sink)):
+            self.window = max(self.budget - self.sink, 0)
         super().__post_init__()
-        # Nothing between sinks and window survives, so the window takes the rest of the budget.
-        self.window = self.budget - self.sink
 
     def score(self, length, mass):
         return torch.zeros(length)
