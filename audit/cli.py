@@ -40,7 +40,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     e.add_argument("--database-url", default=os.environ.get("KVGUARD_DATABASE_URL"),
                    help="SQLAlchemy URL of the audit store (default: $KVGUARD_DATABASE_URL)")
     e.add_argument("--origin", required=True, help="the log to export, e.g. kvguard.example/pod-1")
-    e.add_argument("--key", required=True, help="private key file (PEM, mode 0600) that signs the manifest")
+    e.add_argument("--key", required=True, help="private key file (PEM, mode 0600) that signs the manifest: "
+                   "the log's key at the bundle's tree size (its current key exports any range)")
     e.add_argument("-o", "--output", required=True, help="bundle file to write")
     e.add_argument("--from-seq", type=int, help="first record (default 0)")
     e.add_argument("--to-seq", type=int, help="last record, inclusive (default: last checkpointed)")
@@ -48,13 +49,16 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     e.add_argument("--until", help="records before this time (RFC 3339)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
-    v = sub.add_parser("verify", help="verify a bundle offline with the log's public key",
+    v = sub.add_parser("verify", help="verify a bundle offline with the log's first public key",
                        description="Verify every signature, digest, the hash chain, the Merkle root "
                        "against the signed checkpoint and, with --previous, that this bundle extends "
-                       "an older one.")
+                       "an older one. The log's first key must be a trusted key (later keys are proven "
+                       "by their rotation records) and the manifest must be signed by the key in force "
+                       "at the bundle's tree size.")
     v.add_argument("bundle", help="bundle file")
     v.add_argument("--public-key", required=True, action="append", dest="public_keys", metavar="KEY",
-                   help="trusted public key file (PEM, base64 or hex of the raw key); repeatable")
+                   help="trusted public key file (PEM, base64 or hex of the raw key): the key the log "
+                   "started with, not a later one; repeatable")
     v.add_argument("--previous", metavar="OLD_BUNDLE", help="an earlier bundle this one must extend")
     v.add_argument("--json", action="store_true", help="print the result as JSON")
     return p

@@ -4,7 +4,7 @@
 
 LEN is the decimal byte length; the signature is Ed25519 over PAE(payloadType,
 payload); keyid is our record key id (a hint only: verification tries the
-trusted keys, never trusts the hint).
+keys it is given, never trusts the hint).
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ def sign_envelope(statement: dict[str, Any], key: SigningKey) -> bytes:
     return canonical(envelope) + b"\n"
 
 
-def open_envelope(data: bytes, keys: list[PublicKey]) -> tuple[dict[str, Any], PublicKey]:
-    """Verify the envelope against trusted keys; return the statement and the key that signed."""
+def open_envelope(data: bytes, keys: list[PublicKey], who: str = "a trusted key"
+                  ) -> tuple[dict[str, Any], PublicKey]:
+    """Verify the envelope against `keys` (`who` names them in the failure); return the
+    statement and the key that signed."""
     def fail(check: str, message: str) -> VerificationError:
         return VerificationError(check, message, member=MANIFEST)
 
@@ -64,7 +66,7 @@ def open_envelope(data: bytes, keys: list[PublicKey]) -> tuple[dict[str, Any], P
         if signer:
             break
     if signer is None:
-        raise fail("envelope_signature", "no signature by a trusted key verifies")
+        raise fail("envelope_signature", f"no signature by {who} verifies")
     if payload_type != PAYLOAD_TYPE:  # after the signature, as DSSE orders it
         raise fail("envelope", f"payloadType {payload_type!r} is not {PAYLOAD_TYPE!r}")
     try:

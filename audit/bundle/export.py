@@ -48,9 +48,11 @@ def export_bundle(store: AuditStore, origin: str, out_path: str, key: SigningKey
                   since_ms: int | None = None, until_ms: int | None = None,
                   progress: bool = True) -> ExportSummary:
     """Write the bundle of records [from_seq, to_seq] (or since <= time < until; default
-    everything a checkpoint covers) to `out_path`, its manifest signed by `key`."""
+    everything a checkpoint covers) to `out_path`, its manifest signed by `key`, the log's key
+    at the bundle's tree size."""
     started = time.perf_counter()
     first, last, cp = _resolve_range(store, origin, from_seq, to_seq, since_ms, until_ms)
+    cp = _cover_signed_by(store, origin, last, cp, key)
     end, size = last + 1, cp.size
     tree = HashTree(8, lambda a, b: store.leaf_hashes(origin, a, b))
     tree.extend(leaf for _, leaf in store.iter_leaves(origin, 0, size))
@@ -126,6 +128,30 @@ def _resolve_range(store: AuditStore, origin: str, from_seq, to_seq, since_ms, u
     cp = store.checkpoint_covering(origin, last)
     assert cp is not None
     return first, last, cp
+
+
+def _cover_signed_by(store: AuditStore, origin: str, last: int, cp: CheckpointEntry, key: SigningKey
+                     ) -> CheckpointEntry:
+    """The covering checkpoint: the smallest after #last that `key` signs, since a verifier
+    accepts a manifest only from the key valid at the tree size. After a rotation the current
+    key still exports an older range, under a later checkpoint."""
+    keys = store.keys(origin)
+
+    def signer(size: int):
+        return [k.key for k in keys if k.valid_from_seq <= size][-1]
+
+    if signer(cp.size) == key.public_key:
+        return cp
+    kid = key.public_key.key_id[:16]
+    later = [k.valid_from_seq for k in keys if k.key == key.public_key and k.valid_from_seq > cp.size]
+    if not later:
+        raise BundleError(f"key {kid}... signs no checkpoint of {origin} covering #{last} (key "
+                          f"{signer(cp.size).key_id[:16]}... signs the one at {cp.size}): sign the manifest "
+                          "with the log's key at the bundle's tree size")
+    found = store.checkpoint_covering(origin, later[0] - 1)
+    if found is None or signer(found.size) != key.public_key:
+        raise BundleError(f"no checkpoint signed by key {kid}... covers #{last} yet: wait for the next one")
+    return found
 
 
 def _hex(hashes: list[bytes]) -> list[str]:

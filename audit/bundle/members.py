@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,8 +79,19 @@ def parse_proofs(doc: Any, origin: str, first: int, end: int, size: int) -> Proo
     return Proofs(prefix, suffix, consistency)
 
 
+def last_listed_key(data: bytes) -> list[PublicKey]:
+    """The key keys.json lists last (the one valid at the tree size), or none if it cannot be
+    read: a candidate for the manifest's signature only, before keys.json is checked in full."""
+    try:
+        raw = base64.b64decode(json.loads(data)["keys"][-1]["public_key"], validate=True)
+        return [PublicKey.from_raw(raw)]
+    except (KeyError, IndexError, TypeError, ValueError, binascii.Error, KeyFileError):
+        return []
+
+
 class KeyPlan:
-    """keys.json: the log's keys in order, each from its valid_from_seq on."""
+    """keys.json: the log's keys in order, each from its valid_from_seq on. The first is the
+    log's root key, which the auditor must trust (audit.bundle.verify checks it)."""
 
     def __init__(self, doc: Any, origin: str, cover: Checkpoint) -> None:
         try:

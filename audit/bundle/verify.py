@@ -2,10 +2,12 @@
 first failure, naming the member, the record (origin#seq) and the check.
 
   (1) container: a zip with exactly the bundle members, in order
-  (2) envelope: DSSE signature by a trusted key over an in-toto Statement v1 of our predicate type
+  (2) envelope: DSSE signature (by a trusted key or the key keys.json lists last) over an
+      in-toto Statement v1 of our predicate type
   (3) digest: each member's SHA-256 is the Statement's (records.jsonl while it streams)
-  (4) checkpoints, proofs, keys: well formed; every key after the first is named by a
-      key_rotation record signed by the key before it and included in the covering checkpoint
+  (4) checkpoints, proofs, keys: well formed; the first key is a trusted key; every key after
+      it is named by a key_rotation record signed by the key before it and included in the
+      covering checkpoint; the manifest is signed by the key valid at the tree size
   (5) records: format, origin, sequence, chain, key, signature (audit.verify.LogVerifier);
       listed checkpoints inside the range match the recomputed root and their signer
   (6) merkle_root: prefix hashes + records + suffix hashes give the covering checkpoint's
@@ -21,6 +23,7 @@ import hashlib
 import json
 import os
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +39,7 @@ from .layout import (
     CHECKPOINTS, KEYS, MANIFEST, MEMBERS, PREDICATE_TYPE, PROOFS, RECEIPTS, RECORDS, STATEMENT_TYPE,
     open_zip, read_small,
 )
-from .members import KeyPlan, Listed, parse_checkpoints, parse_proofs
+from .members import KeyPlan, Listed, last_listed_key, parse_checkpoints, parse_proofs
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,30 +64,37 @@ class _Manifest:
     end: int
     size: int
     digests: dict[str, str]
-    signer: PublicKey
+    envelope: bytes
 
 
-def verify_bundle(path: str | os.PathLike[str], public_keys: list[PublicKey], *,
+def verify_bundle(path: str | os.PathLike[str], public_keys: Iterable[PublicKey], *,
                   previous: str | os.PathLike[str] | None = None) -> BundleSummary:
+    """`public_keys`: the trusted keys; the log's first key (keys.json's first) must be one."""
+    trusted = list(public_keys)
     with open_zip(os.fspath(path)) as zf:  # (1)
-        manifest = _manifest(zf, public_keys)  # (2)
+        # (2) before keys.json is checked, its last key is only a candidate; (4) ties the signer
+        # to the key chain that a trusted key starts
+        manifest = _manifest(zf, trusted + last_listed_key(read_small(zf, KEYS)),
+                             "a trusted key or the key keys.json lists last")
         origin, first, end, size = manifest.origin, manifest.first, manifest.end, manifest.size
         docs = {name: _member_json(zf, name, manifest) for name in (CHECKPOINTS, PROOFS, KEYS)}  # (3)
         listed = parse_checkpoints(docs[CHECKPOINTS], origin, first, size)  # (4)
         cover = listed[-1]
         proofs = parse_proofs(docs[PROOFS], origin, first, end, size)
         plan = KeyPlan(docs[KEYS], origin, cover.checkpoint)
+        signer = _anchor(plan, trusted, manifest)
         verifier, erasures = _records(zf, manifest, plan, proofs, listed)  # (5)
         _cover(verifier, proofs, cover, plan)  # (6)
         _consistency(listed, proofs, plan, origin)  # (7)
         receipts = _receipts(zf, manifest, plan, erasures, listed)  # (8)
-    prev_size = None if previous is None else _previous(previous, public_keys, plan, proofs, cover)  # (9)
+    prev_size = None if previous is None else _previous(previous, plan, proofs, cover)  # (9)
     return BundleSummary(origin, first, end - 1, end - first, size, cover.checkpoint.root.hex(),
-                         len(listed), len(plan.keys), receipts, manifest.signer.key_id, prev_size)
+                         len(listed), len(plan.keys), receipts, signer.key_id, prev_size)
 
 
-def _manifest(zf, public_keys: list[PublicKey]) -> _Manifest:
-    statement, signer = open_envelope(read_small(zf, MANIFEST), public_keys)
+def _manifest(zf, keys: list[PublicKey], who: str) -> _Manifest:
+    envelope = read_small(zf, MANIFEST)
+    statement, _ = open_envelope(envelope, keys, who)
 
     def fail(message: str) -> VerificationError:
         return VerificationError("statement", message, member=MANIFEST)
@@ -103,7 +113,28 @@ def _manifest(zf, public_keys: list[PublicKey]) -> _Manifest:
         raise fail(f"malformed statement: {exc}") from None
     if set(digests) != set(MEMBERS) - {MANIFEST} or len(statement["subject"]) != len(digests):
         raise fail(f"subjects are {sorted(digests)}, expected every member but the manifest")
-    return _Manifest(origin, first, last + 1, size, digests, signer)
+    return _Manifest(origin, first, last + 1, size, digests, envelope)
+
+
+def _anchor(plan: KeyPlan, trusted: list[PublicKey], manifest: _Manifest) -> PublicKey:
+    """(4) The key chain starts at a trusted key, and the manifest is signed by the key valid at
+    the tree size: a trusted key's manifest alone does not vouch for records of another key."""
+    root = plan.keys[0][0]
+    if root not in trusted:
+        raise VerificationError("key", f"the log's first key {root.key_id[:16]}... is not a trusted key, so "
+                                "nothing ties its records to the trusted keys (give the public key the log "
+                                "started with)", origin=manifest.origin, member=KEYS)
+    signer = plan.key_at(manifest.size)
+    _signed_by(manifest, signer, MANIFEST)
+    return signer
+
+
+def _signed_by(manifest: _Manifest, key: PublicKey, member: str) -> None:
+    try:
+        open_envelope(manifest.envelope, [key])
+    except VerificationError:
+        raise VerificationError("envelope_signature", f"not signed by key {key.key_id[:16]}..., the log's "
+                                f"key at tree size {manifest.size}", member=member) from None
 
 
 def _member_json(zf, name: str, manifest: _Manifest) -> Any:
@@ -210,11 +241,11 @@ def _receipts(zf, manifest: _Manifest, plan: KeyPlan, erasures: dict, listed: li
     return len(seen)
 
 
-def _previous(path, public_keys: list[PublicKey], plan: KeyPlan, proofs, cover: Listed) -> int:
+def _previous(path, plan: KeyPlan, proofs, cover: Listed) -> int:
     name = f"previous:{CHECKPOINTS}"
     with open_zip(os.fspath(path), member="previous") as zf:
         try:
-            manifest = _manifest(zf, public_keys)
+            manifest = _manifest(zf, plan.all(), "a key of this bundle's log")
         except VerificationError as exc:
             raise exc.with_member(f"previous:{MANIFEST}") from None
         try:
@@ -226,6 +257,7 @@ def _previous(path, public_keys: list[PublicKey], plan: KeyPlan, proofs, cover: 
     if manifest.origin != origin or old.size > cover.size:
         raise VerificationError("consistency", f"previous bundle ({manifest.origin}@{old.size}) is not an "
                                 f"earlier state of {origin}@{cover.size}", member=name)
+    _signed_by(manifest, plan.key_at(old.size), f"previous:{MANIFEST}")
     try:
         open_checkpoint(old.note, plan.key_at(old.size), origin)
     except VerificationError as exc:

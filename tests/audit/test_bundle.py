@@ -19,8 +19,12 @@ MEMBERS = ["records.jsonl", "checkpoints.json", "proofs.json", "keys.json", "rec
            "manifest.dsse.json"]
 
 
+ROGUE = SigningKey.from_seed(b"\x44" * 32)
+
+
 @pytest.fixture
 def keys():
+    """The log's first key, which verifiers trust, and the key it rotates to."""
     return SigningKey.from_seed(b"\x11" * 32), SigningKey.from_seed(b"\x22" * 32)
 
 
@@ -52,16 +56,16 @@ def bundle(populated, origin, keys, tmp_path):
 
 
 def test_whole_log_and_ranges_verify(populated, origin, keys, tmp_path, bundle):
-    s = verify_bundle(bundle, [keys[1].public_key])
+    s = verify_bundle(bundle, [keys[0].public_key])
     assert (s.from_seq, s.to_seq, s.records, s.tree_size, s.keys, s.receipts) == (5, 50, 46, 60, 2, 1)
     assert s.checkpoints == 3
     export(populated, origin, tmp_path / "all.zip", keys[1])
-    s = verify_bundle(tmp_path / "all.zip", [keys[1].public_key])
+    s = verify_bundle(tmp_path / "all.zip", [keys[0].public_key])
     assert (s.from_seq, s.to_seq, s.records, s.tree_size, s.keys, s.receipts) == (0, 59, 60, 60, 2, 1)
     for a, b in [(0, 0), (5, 33), (17, 44), (40, 59), (30, 30)]:
         path = tmp_path / f"{a}-{b}.zip"
         out = export(populated, origin, path, keys[1], from_seq=a, to_seq=b)
-        s = verify_bundle(path, [keys[1].public_key])
+        s = verify_bundle(path, [keys[0].public_key])
         assert (s.from_seq, s.to_seq, s.tree_size) == (a, b, out.tree_size)
         assert s.receipts == (1 if a <= 30 <= b else 0)
     assert list(read_bundle(bundle)) == MEMBERS
@@ -101,7 +105,8 @@ def _hex_flip(h: str) -> str:
     return ("1" if h[0] == "0" else "0") + h[1:]
 
 
-# (member edited, edit, reseal?, expected check, expected member, expected seq or None)
+# (member edited, edit, reseal? (True: with the key at the tree size), expected check, expected member,
+#  expected seq or None)
 TAMPER = [
     # raw edits: the manifest digest catches each, naming the member
     ("checkpoints.json", lambda b: _flip(b, 40), False, "digest", "checkpoints.json", None),
@@ -126,7 +131,7 @@ TAMPER = [
     ("proofs.json", lambda b: _edit_json(b, lambda d: d["consistency"][0]["proof"].__setitem__(
         0, _hex_flip(d["consistency"][0]["proof"][0]))), True, "consistency", "proofs.json", None),
     ("keys.json", lambda b: _edit_json(b, lambda d: d["keys"][1].update(
-        public_key=SigningKey.generate().public_key.to_base64())), True, "key", "keys.json", None),
+        public_key=ROGUE.public_key.to_base64())), ROGUE, "key", "keys.json", None),
     ("keys.json", lambda b: _edit_json(b, lambda d: d["keys"][1]["rotation"]["inclusion_proof"].__setitem__(
         0, _hex_flip(d["keys"][1]["rotation"]["inclusion_proof"][0]))), True, "inclusion", "keys.json", 40),
     ("checkpoints.json", lambda b: _edit_json(b, lambda d: d["checkpoints"][-1].update(
@@ -146,9 +151,9 @@ def test_tamper_matrix(bundle, keys, origin, tmp_path, member, edit, reseal, che
     members = read_bundle(bundle)
     members[member] = edit(members[member])
     bad = tmp_path / "bad.zip"
-    write_bundle(bad, members, reseal_with=keys[1] if reseal else None)
+    write_bundle(bad, members, reseal_with=keys[1] if reseal is True else (reseal or None))
     with pytest.raises(VerificationError) as err:
-        verify_bundle(bad, [keys[1].public_key])
+        verify_bundle(bad, [keys[0].public_key])
     assert (err.value.check, err.value.member) == (check, named), str(err.value)
     if seq is not None:
         assert (err.value.origin, err.value.seq) == (origin, seq)
@@ -161,19 +166,61 @@ def test_container_shape_is_fixed(bundle, keys, tmp_path):
                      {k: v for k, v in members.items() if k != "receipts.jsonl"}):
         write_bundle(tmp_path / "bad.zip", shuffled)
         with pytest.raises(VerificationError) as err:
-            verify_bundle(tmp_path / "bad.zip", [keys[1].public_key])
+            verify_bundle(tmp_path / "bad.zip", [keys[0].public_key])
         assert err.value.check == "container"
     (tmp_path / "junk.zip").write_bytes(b"not a zip")
     with pytest.raises(VerificationError, match="container"):
-        verify_bundle(tmp_path / "junk.zip", [keys[1].public_key])
+        verify_bundle(tmp_path / "junk.zip", [keys[0].public_key])
 
 
 def test_untrusted_key_and_old_key(bundle, keys):
+    for trusted in ([SigningKey.generate().public_key], [keys[1].public_key]):  # a later key is not enough
+        with pytest.raises(VerificationError) as err:
+            verify_bundle(bundle, trusted)
+        assert (err.value.check, err.value.member) == ("key", "keys.json")
+        assert "first key" in err.value.message
+    s = verify_bundle(bundle, [keys[0].public_key])
+    assert s.signer == keys[1].public_key.key_id  # the key at the tree size, by rotation from the first
+
+
+def test_a_trusted_manifest_does_not_vouch_for_another_log(store, origin, keys, tmp_path):
+    # every record signed by a key nobody trusts; the manifest re-signed by a trusted key
+    with open_log(store, origin, ROGUE, checkpoint_every=4) as log:
+        fill(log, 9)
+        log.checkpoint()
+    export(store, origin, tmp_path / "rogue.zip", ROGUE)
+    write_bundle(tmp_path / "bad.zip", read_bundle(tmp_path / "rogue.zip"), reseal_with=keys[0])
     with pytest.raises(VerificationError) as err:
-        verify_bundle(bundle, [SigningKey.generate().public_key])
-    assert err.value.check == "envelope_signature"
-    with pytest.raises(VerificationError):
-        verify_bundle(bundle, [keys[0].public_key])  # the manifest was signed with the new key
+        verify_bundle(tmp_path / "bad.zip", [keys[0].public_key])
+    assert (err.value.check, err.value.member) == ("key", "keys.json")
+    assert ROGUE.public_key.key_id[:16] in err.value.message
+
+
+def test_the_manifest_is_signed_by_the_key_at_the_tree_size(bundle, keys, tmp_path):
+    # the log is trusted, but the manifest's signer is another trusted key: the retired first
+    # key, or an unrelated one
+    other = SigningKey.generate()
+    for signer in (keys[0], other):
+        write_bundle(tmp_path / "bad.zip", read_bundle(bundle), reseal_with=signer)
+        with pytest.raises(VerificationError) as err:
+            verify_bundle(tmp_path / "bad.zip", [keys[0].public_key, other.public_key])
+        assert (err.value.check, err.value.member) == ("envelope_signature", "manifest.dsse.json")
+        assert f"{keys[1].public_key.key_id[:16]}..., the log's key at tree size 60" in err.value.message
+
+
+def test_export_signs_with_the_key_at_the_tree_size(populated, origin, keys, tmp_path):
+    old, new = keys
+    # records 0..9: the first covering checkpoint (30) is the old key's; the new key covers them
+    # with its first checkpoint after the rotation at seq 40
+    assert export(populated, origin, tmp_path / "old.zip", old, to_seq=9).tree_size == 30
+    assert export(populated, origin, tmp_path / "new.zip", new, to_seq=9).tree_size == 60
+    for path in ("old.zip", "new.zip"):
+        assert verify_bundle(tmp_path / path, [old.public_key]).to_seq == 9
+    with pytest.raises(BundleError, match="signs no checkpoint"):
+        export(populated, origin, tmp_path / "x.zip", old, from_seq=45, to_seq=50)  # rotated out
+    with pytest.raises(BundleError, match="signs no checkpoint"):
+        export(populated, origin, tmp_path / "x.zip", ROGUE, to_seq=9)
+    assert not (tmp_path / "x.zip").exists()
 
 
 def test_bundles_before_and_after_an_erasure_are_consistent(store, origin, keys, tmp_path):
@@ -198,6 +245,17 @@ def test_bundles_before_and_after_an_erasure_are_consistent(store, origin, keys,
     with pytest.raises(VerificationError) as err:
         verify_bundle(before, [key.public_key], previous=after_all)  # the wrong way round
     assert err.value.check == "consistency"
+
+
+def test_previous_bundle_across_a_rotation(populated, origin, keys, tmp_path, bundle):
+    old, new = keys
+    before = tmp_path / "before.zip"
+    export(populated, origin, before, old, to_seq=9)  # tree size 30, the old key's
+    assert verify_bundle(bundle, [old.public_key], previous=before).previous_tree_size == 30
+    write_bundle(tmp_path / "resealed.zip", read_bundle(before), reseal_with=new)  # not the key at 30
+    with pytest.raises(VerificationError) as err:
+        verify_bundle(bundle, [old.public_key, new.public_key], previous=tmp_path / "resealed.zip")
+    assert (err.value.check, err.value.member) == ("envelope_signature", "previous:manifest.dsse.json")
 
 
 def test_previous_from_a_forked_log_is_refused(origin, keys, tmp_path):

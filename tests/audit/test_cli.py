@@ -61,6 +61,34 @@ def test_not_verified_is_1_and_names_the_failure(setup, capsys):
     assert (error["member"], error["record"], error["check"]) == ("records.jsonl", f"{origin}#7", "signature")
 
 
+def test_not_verified_when_the_keys_are_not_the_trusted_log_s(setup, store, capsys):
+    url, origin, d = setup
+    trusted = SigningKey.load(d / "log.key")
+    rogue, rogue_origin = SigningKey.generate(), origin + "-rogue"
+    with open_log(store, rogue_origin, rogue) as log:  # records no trusted key signed
+        fill(log, 5)
+        log.checkpoint()
+    rogue.save(d / "rogue.key")
+    assert main(["export", "--database-url", url, "--origin", rogue_origin, "--key", str(d / "rogue.key"),
+                 "-o", str(d / "rogue.zip"), "--no-progress"]) == 0
+    write_bundle(d / "rogue-resealed.zip", read_bundle(d / "rogue.zip"), reseal_with=trusted)
+    assert main(["export", "--database-url", url, "--origin", origin, "--key", str(d / "log.key"),
+                 "-o", str(d / "b.zip"), "--no-progress"]) == 0
+    write_bundle(d / "other-signer.zip", read_bundle(d / "b.zip"), reseal_with=rogue)
+    (d / "rogue.pub").write_text(rogue.public_key.to_pem())
+    capsys.readouterr()
+    for bundle, keys, reason in (
+        ("rogue-resealed.zip", ["log.pub"], f"the log's first key {rogue.public_key.key_id[:16]}... is not a "
+                                            "trusted key"),
+        ("other-signer.zip", ["log.pub", "rogue.pub"], f"not signed by key {trusted.public_key.key_id[:16]}"
+                                                        "..., the log's key at tree size 26"),
+    ):
+        argv = ["verify", str(d / bundle)] + [a for k in keys for a in ("--public-key", str(d / k))]
+        assert main(argv) == 1
+        out = capsys.readouterr().out
+        assert out.startswith("NOT VERIFIED") and reason in out and "Traceback" not in out, out
+
+
 def test_usage_errors_are_2(setup, capsys):
     url, origin, d = setup
     assert main([]) == 2
