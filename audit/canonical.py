@@ -53,9 +53,13 @@ def subject_bytes(subject: dict[str, str]) -> bytes:
 
 
 def loads(data: bytes | str) -> Any:
-    """Parse JSON, refusing NaN/Infinity (not JSON) so they never reach a canonical check."""
+    """Parse JSON, refusing NaN/Infinity (not JSON) so they never reach a canonical check, and
+    nesting too deep for the parser with ValueError too, as every other malformed input."""
 
     def _refuse(name: str) -> Any:
         raise ValueError(f"{name} is not JSON")
 
-    return json.loads(data, parse_constant=_refuse)
+    try:
+        return json.loads(data, parse_constant=_refuse)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None

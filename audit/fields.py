@@ -197,10 +197,16 @@ def format_time(ms: int) -> str:
     return f"{dt:%Y-%m-%dT%H:%M:%S}.{ms % 1000:03d}Z"
 
 
-@lru_cache(maxsize=4096)  # a batch of records shares one time; verifiers see each many times
 def parse_time(value: Any) -> int:
     """Milliseconds since the Unix epoch of a record time; refuses any other spelling."""
-    if not isinstance(value, str) or not _TIME.fullmatch(value):
+    if not isinstance(value, str):  # before the cache, which cannot hash a list or object
+        raise RecordFormatError(f"time must look like 2025-01-31T12:00:00.123Z, got {value!r}")
+    return _parse_time(value)
+
+
+@lru_cache(maxsize=4096)  # a batch of records shares one time; verifiers see each many times
+def _parse_time(value: str) -> int:
+    if not _TIME.fullmatch(value):
         raise RecordFormatError(f"time must look like 2025-01-31T12:00:00.123Z, got {value!r}")
     try:
         dt = datetime(int(value[0:4]), int(value[5:7]), int(value[8:10]), int(value[11:13]),

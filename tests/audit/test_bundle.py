@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 
 import pytest
 
@@ -116,6 +117,11 @@ TAMPER = [
     ("records.jsonl", lambda b: b.replace(b'"pages":3', b'"pages":4', 1), False,
      "signature", "records.jsonl", 30),
     ("records.jsonl", lambda b: b[: b.rindex(b"\n", 0, -1) + 1], False, "sequence", "records.jsonl", 50),
+    # malformed fields: the format check, before any digest, never a crash
+    ("records.jsonl", lambda b: re.sub(rb'"time":"[^"]*"', b'"time":[]', b, count=1), False, "format",
+     "records.jsonl", 5),
+    ("records.jsonl", lambda b: b.replace(b'"details":{', b'"details":' + b"[" * 10**5 + b"]" * 10**5
+                                          + b',"x":{', 1), False, "format", "records.jsonl", 5),
     ("manifest.dsse.json", lambda b: _edit_json(b, lambda d: d.update(
         payload=base64.b64encode(
             base64.b64decode(d["payload"]).replace(b'"count":46', b'"count":47')).decode())),
