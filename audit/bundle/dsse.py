@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from typing import Any
 
-from ..canonical import canonical
+from ..canonical import canonical, loads
 from ..errors import VerificationError
 from ..keys import PublicKey, SigningKey
 from .layout import MANIFEST, PAYLOAD_TYPE
@@ -45,7 +44,7 @@ def open_envelope(data: bytes, keys: list[PublicKey], who: str = "a trusted key"
         return VerificationError(check, message, member=MANIFEST)
 
     try:
-        envelope = json.loads(data)
+        envelope = loads(data)
         body = _b64(envelope["payload"])
         payload_type = envelope["payloadType"]
         sigs = [_b64(s["sig"]) for s in envelope["signatures"]]
@@ -70,7 +69,7 @@ def open_envelope(data: bytes, keys: list[PublicKey], who: str = "a trusted key"
     if payload_type != PAYLOAD_TYPE:  # after the signature, as DSSE orders it
         raise fail("envelope", f"payloadType {payload_type!r} is not {PAYLOAD_TYPE!r}")
     try:
-        statement = json.loads(body)
+        statement = loads(body)
     except ValueError as exc:
         raise fail("statement", f"payload is not JSON: {exc}") from None
     if not isinstance(statement, dict):

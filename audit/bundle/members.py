@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from ..canonical import loads
 from ..checkpoint import Checkpoint, split_note
 from ..errors import KeyFileError, RecordFormatError, VerificationError
 from ..keys import PublicKey
@@ -83,7 +83,7 @@ def last_listed_key(data: bytes) -> list[PublicKey]:
     """The key keys.json lists last (the one valid at the tree size), or none if it cannot be
     read: a candidate for the manifest's signature only, before keys.json is checked in full."""
     try:
-        raw = base64.b64decode(json.loads(data)["keys"][-1]["public_key"], validate=True)
+        raw = base64.b64decode(loads(data)["keys"][-1]["public_key"], validate=True)
         return [PublicKey.from_raw(raw)]
     except (KeyError, IndexError, TypeError, ValueError, binascii.Error, KeyFileError):
         return []

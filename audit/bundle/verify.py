@@ -20,13 +20,13 @@ first failure, naming the member, the record (origin#seq) and the check.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..canonical import loads
 from ..checkpoint import open_checkpoint
 from ..errors import VerificationError
 from ..fields import ZERO_HASH
@@ -142,7 +142,7 @@ def _member_json(zf, name: str, manifest: _Manifest) -> Any:
     if hashlib.sha256(data).hexdigest() != manifest.digests[name]:
         raise VerificationError("digest", "SHA-256 differs from the manifest", member=name)
     try:
-        return json.loads(data)
+        return loads(data)
     except ValueError as exc:
         raise VerificationError("format", f"not JSON: {exc}", member=name) from None
 
@@ -222,7 +222,7 @@ def _receipts(zf, manifest: _Manifest, plan: KeyPlan, erasures: dict, listed: li
     notes, seen = {c.note for c in listed}, set()
     for line in data.splitlines():
         try:
-            receipt = json.loads(line)
+            receipt = loads(line)
             seq = receipt["record"]["seq"]
             record = verify_receipt(receipt, plan.key_at(seq))
         except (ValueError, KeyError, TypeError) as exc:

@@ -102,6 +102,9 @@ def _edit_json(data: bytes, change) -> bytes:
     return json.dumps(doc).encode() + b"\n"
 
 
+_deep = b"[" * 10**5 + b"]" * 10**5  # deeper than the JSON parser recurses
+
+
 def _hex_flip(h: str) -> str:
     return ("1" if h[0] == "0" else "0") + h[1:]
 
@@ -120,8 +123,8 @@ TAMPER = [
     # malformed fields: the format check, before any digest, never a crash
     ("records.jsonl", lambda b: re.sub(rb'"time":"[^"]*"', b'"time":[]', b, count=1), False, "format",
      "records.jsonl", 5),
-    ("records.jsonl", lambda b: b.replace(b'"details":{', b'"details":' + b"[" * 10**5 + b"]" * 10**5
-                                          + b',"x":{', 1), False, "format", "records.jsonl", 5),
+    ("records.jsonl", lambda b: b.replace(b'"details":{', b'"details":' + _deep + b',"x":{', 1), False,
+     "format", "records.jsonl", 5),
     ("manifest.dsse.json", lambda b: _edit_json(b, lambda d: d.update(
         payload=base64.b64encode(
             base64.b64decode(d["payload"]).replace(b'"count":46', b'"count":47')).decode())),
@@ -129,7 +132,10 @@ TAMPER = [
     ("manifest.dsse.json", lambda b: _edit_json(b, lambda d: d["signatures"][0].update(
         sig=base64.b64encode(b"\x00" * 64).decode())), False, "envelope_signature", "manifest.dsse.json",
      None),
+    ("manifest.dsse.json", lambda b: _deep, False, "envelope", "manifest.dsse.json", None),
     # resealed edits (digests recomputed, manifest re-signed): the deeper checks catch them
+    ("checkpoints.json", lambda b: _deep, True, "format", "checkpoints.json", None),
+    ("receipts.jsonl", lambda b: _deep + b"\n", True, "format", "receipts.jsonl", None),
     ("proofs.json", lambda b: _edit_json(b, lambda d: d["suffix"].__setitem__(0, _hex_flip(d["suffix"][0]))),
      True, "merkle_root", "proofs.json", None),
     ("proofs.json", lambda b: _edit_json(b, lambda d: d["prefix"].__setitem__(1, _hex_flip(d["prefix"][1]))),
