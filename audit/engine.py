@@ -3,8 +3,10 @@
 SQLite (the embedded default) runs in WAL mode with synchronous=FULL, so a
 committed batch survives power loss, not just a crash of the process; writes
 begin with BEGIN IMMEDIATE so a writer holds the lock from its first read of the
-tail. Migrations are the Alembic scripts in migrations/ (alembic.ini at the repo
-root runs the same scripts from the command line).
+tail; recursive_triggers is on, so the append-only triggers also refuse the
+delete inside INSERT OR REPLACE. Migrations are the Alembic scripts in
+migrations/ (alembic.ini at the repo root runs the same scripts from the
+command line).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ def make_engine(url: str, **kwargs) -> Engine:
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA busy_timeout=30000")
             cur.execute("PRAGMA secure_delete=ON")  # a shredded secret is overwritten, not unlinked
+            # INSERT OR REPLACE deletes the row it replaces; only with this does that delete fire
+            # the append-only DELETE triggers (migrations/versions/0002_append_only.py)
+            cur.execute("PRAGMA recursive_triggers=ON")
             cur.close()
 
         @event.listens_for(engine, "begin")

@@ -61,6 +61,7 @@ def test_sqlite_is_wal_with_full_sync(sqlite_url):
     with engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
+        assert conn.exec_driver_sql("PRAGMA recursive_triggers").scalar() == 1
     engine.dispose()
 
 
@@ -79,6 +80,40 @@ def test_database_refuses_update_and_delete(store, audit_log, origin, statement)
         with store.write() as conn:
             conn.execute(text(statement))
     assert store.size(origin) == 3
+
+
+@pytest.mark.parametrize("statement", [
+    "INSERT INTO records SELECT * FROM records WHERE true"
+    " ON CONFLICT (origin, seq) DO UPDATE SET body = excluded.body",
+    "INSERT INTO logs (origin, created_ms) SELECT origin, 0 FROM logs WHERE true"
+    " ON CONFLICT (origin) DO UPDATE SET created_ms = excluded.created_ms",
+])
+def test_database_refuses_an_upsert_over_a_row(store, audit_log, origin, signing_key, statement):
+    fill(audit_log, 3)
+    audit_log.checkpoint()
+    with pytest.raises(DatabaseError, match="append-only"):
+        with store.write() as conn:
+            conn.execute(text(statement))
+    assert verify_store(store, origin, [signing_key.public_key]).size == 3
+
+
+@pytest.mark.parametrize("statement", [
+    "INSERT OR REPLACE INTO records SELECT * FROM records",
+    "INSERT OR REPLACE INTO checkpoints SELECT * FROM checkpoints",
+    "INSERT OR REPLACE INTO keys SELECT * FROM keys",
+    "REPLACE INTO logs (origin, created_ms) SELECT origin, 0 FROM logs",
+])
+def test_sqlite_refuses_insert_or_replace(sqlite_url, origin, signing_key, statement):
+    # REPLACE deletes the old row, which fires DELETE triggers only with recursive_triggers on
+    store = AuditStore(sqlite_url)
+    with open_log(store, origin, signing_key) as log:
+        fill(log, 3)
+        log.checkpoint()
+    with pytest.raises(DatabaseError, match="append-only"):
+        with store.write() as conn:
+            conn.execute(text(statement))
+    assert verify_store(store, origin, [signing_key.public_key]).size == 3
+    store.dispose()
 
 
 @pytest.mark.postgres
