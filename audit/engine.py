@@ -27,7 +27,9 @@ READ_ONLY = "kvguard_read"  # execution option: a SQLite read takes no write loc
 
 
 def make_engine(url: str, **kwargs) -> Engine:
-    engine = create_engine(url, **kwargs)
+    # hide_parameters: a logged database error must not carry bound values, e.g. the pseudonym
+    # secret of a failed subject_keys insert
+    engine = create_engine(url, hide_parameters=True, **kwargs)
     if engine.dialect.name == "sqlite":
         @event.listens_for(engine, "connect")
         def _sqlite_connect(dbapi_conn, _record):

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import threading
+import uuid
 
 import pytest
-from sqlalchemy import inspect, text
-from sqlalchemy.exc import DatabaseError
+from sqlalchemy import insert, inspect, text
+from sqlalchemy.exc import DatabaseError, IntegrityError
 
 from audit.errors import StoreError
 from audit.keys import SigningKey
+from audit.models import SubjectKey
 from alembic.script import ScriptDirectory
 
 from audit.store import AuditStore, alembic_config, check_current, downgrade, make_engine, migrate
@@ -114,6 +116,20 @@ def test_sqlite_refuses_insert_or_replace(sqlite_url, origin, signing_key, state
             conn.execute(text(statement))
     assert verify_store(store, origin, [signing_key.public_key]).size == 3
     store.dispose()
+
+
+def test_database_errors_do_not_carry_bound_parameters(db_url):
+    # an exception logged by the sidecar must not show a subject's pseudonym secret
+    secret = b"S" * 32
+    engine = make_engine(db_url)
+    row = {"idx": uuid.uuid4().bytes * 2, "kind": "user", "secret": secret, "created_ms": 0}
+    with pytest.raises(IntegrityError) as err:
+        with engine.begin() as conn:
+            for _ in range(2):
+                conn.execute(insert(SubjectKey).values(**row))
+    engine.dispose()
+    assert secret.decode() not in str(err.value) and secret.hex() not in str(err.value)
+    assert "parameters hidden" in str(err.value)
 
 
 @pytest.mark.postgres
