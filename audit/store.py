@@ -263,19 +263,38 @@ class AuditStore:
             found = conn.scalar(select(SubjectKey.secret).where(SubjectKey.idx == idx))
         return None if found is None else bytes(found)
 
-    def delete_subject_secret(self, idx: bytes) -> bool:
+    def delete_subject_secret(self, idx: bytes, *, truncate_wal: bool = True) -> bool:
+        """Delete the secret under `idx`; True if there was one. On SQLite the WAL is then
+        truncated (`truncate_wal`), also when nothing was deleted, so that calling again
+        finishes a shred whose truncation a reader blocked."""
         with self.write() as conn:
             deleted = conn.execute(delete(SubjectKey).where(SubjectKey.idx == idx)).rowcount > 0
-        if deleted and self.dialect == "sqlite":
-            # Also drop the WAL frames that still hold the old page image.
-            raw = self.engine.raw_connection()
-            try:  # a busy reader only delays the overwrite to the next checkpoint
-                with suppress(self.engine.dialect.loaded_dbapi.OperationalError):
-                    raw.cursor().execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            finally:
-                raw.close()
+        if truncate_wal:
+            self.truncate_wal()
         return deleted
 
+    def truncate_wal(self) -> None:
+        """SQLite: checkpoint the WAL and truncate it to zero bytes, so no frame keeps the
+        image of a page as it was before a shred (secure_delete overwrites the page itself).
+        Raises StoreError while a reader still uses the WAL after the busy timeout: the
+        shred is then not complete on disk, and calling again completes it. No-op elsewhere."""
+        if self.dialect != "sqlite":
+            return
+        raw = self.engine.raw_connection()
+        try:
+            cur = raw.cursor()
+            try:
+                # one row (busy, frames in the log, frames checkpointed); busy = 1 is no error
+                row = cur.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            except self.engine.dialect.loaded_dbapi.OperationalError as exc:
+                raise StoreError(f"could not truncate the SQLite WAL: {exc}") from None
+            finally:
+                cur.close()
+        finally:
+            raw.close()
+        if row is None or row[0] != 0:
+            raise StoreError("a reader kept the SQLite WAL busy, so it still holds the page images from "
+                             "before the delete; shred again once readers are done to truncate it")
 
 def _checkpoint_row(cp: CheckpointEntry) -> dict:
     return {"origin": cp.origin, "tree_size": cp.size, "root_hash": cp.root, "time_ms": cp.time_ms,

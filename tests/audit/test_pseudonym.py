@@ -6,14 +6,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import sqlite3
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import event, select
 
-from audit.errors import RecordFormatError
+from audit.errors import RecordFormatError, StoreError
 from audit.models import SubjectKey
 from audit.pseudonym import Pseudonymizer, generate_index_key, load_index_key, pseudonym_of, subject_data
+from audit.store import AuditStore, make_engine
 
 INDEX_KEY = bytes(range(32))
 
@@ -94,3 +96,36 @@ def test_index_key_file(tmp_path):
     assert "index key hidden" in repr(Pseudonymizer(object(), key))
     with pytest.raises(RecordFormatError):
         Pseudonymizer(object(), b"short")
+
+
+def test_shred_refuses_to_report_success_while_a_reader_keeps_the_wal(sqlite_url):
+    """A TRUNCATE checkpoint blocked by a reader answers with a 'busy' row, not an error: the
+    deleted secret's old page would stay in the WAL file while the shred looked complete."""
+    engine = make_engine(sqlite_url)
+
+    @event.listens_for(engine, "connect")
+    def _short_wait(dbapi_conn, _record):  # after make_engine's own: wait 0.2 s, not 30 s
+        dbapi_conn.execute("PRAGMA busy_timeout=200")
+
+    store = AuditStore(engine)
+    pz = Pseudonymizer(store, INDEX_KEY)
+    path = Path(sqlite_url.removeprefix("sqlite:///"))
+    wal = path.with_name(path.name + "-wal")
+    pz.pseudonym("user", "alice", tenant="acme")
+    secret = store.find_subject_secret(pz.index(subject_data("user", "alice", tenant="acme")))
+    reader = sqlite3.connect(path, isolation_level=None)
+    try:
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM subject_keys").fetchall()  # a snapshot that pins the WAL
+        assert secret in wal.read_bytes()
+        with pytest.raises(StoreError, match="WAL"):
+            pz.shred("user", "alice", tenant="acme")
+        assert pz.existing("user", "alice", tenant="acme") is None  # the row itself is gone
+        assert secret in wal.read_bytes()  # ...but not yet its old page
+        reader.execute("COMMIT")
+        assert pz.shred("user", "alice", tenant="acme") is False  # nothing left to delete, and
+        assert not wal.exists() or secret not in wal.read_bytes()  # the retry truncates the WAL
+        assert secret not in path.read_bytes()
+    finally:
+        reader.close()
+        store.dispose()
