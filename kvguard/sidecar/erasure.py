@@ -57,18 +57,24 @@ class ErasureService:
 
     # --- intake ---------------------------------------------------------------------------------
 
-    def create(self, req: NewRequest, idempotency_key: str, principal_id: str) -> tuple[ErasureRequest, bool]:
+    def create(self, req: NewRequest, idempotency_key: str, principal_id: str, *,
+               renew_failed: bool = False) -> tuple[ErasureRequest, bool]:
         """Store the request durably and return it (and whether it is new). The same
-        Idempotency-Key from the same principal returns the first request."""
+        Idempotency-Key from the same principal returns the first request, unless that one
+        failed and `renew_failed` is set: then the failed one gives up the key (it stays,
+        failed, for the record) and a new request takes it."""
         if (req.user is None) == (req.session is None):
             raise InputError("give exactly one of user or session")
         if req.legal_basis not in BASES:
             raise InputError(f"legal_basis must be one of {sorted(BASES)}")
         idem = hashlib.sha256(f"{principal_id}\x00{idempotency_key}".encode()).hexdigest()
+        retired = None
         with self.sc.db() as db:
             existing = db.scalar(select(ErasureRequest).where(ErasureRequest.idempotency_sha256 == idem))
             if existing is not None:
-                return existing, False
+                if not (renew_failed and existing.state == "failed"):
+                    return existing, False
+                retired = existing.id
         now = _now_ms()
         s = self.sc.settings
         deadline = now + (s.gdpr_deadline_days * DAY_MS if req.legal_basis == "gdpr-art17"
@@ -83,6 +89,10 @@ class ErasureService:
             sealed_subject=self.sc.seal({"tenant": req.tenant, "scope": req.scope, "target": req.target}),
             state="received", received_ms=now, deadline_ms=deadline, attempts=0)
         with self.sc.db() as db:
+            if retired is not None:  # in the same transaction as the new request
+                failed = db.get(ErasureRequest, retired)
+                failed.idempotency_sha256 = hashlib.sha256(f"{idem}\x00retired\x00{retired}".encode()).hexdigest()
+                db.flush()
             db.add(row)
             try:
                 db.commit()  # durable before the 202

@@ -14,16 +14,25 @@ from .service import Sidecar
 PRINCIPAL = "retention"
 
 
-def expired_sessions(sidecar: Sidecar, now_ms: int) -> set[tuple[str, str, str]]:
+def expired_sessions(sidecar: Sidecar, now_ms: int) -> dict[tuple[str, str], int]:
+    """(tenant, session) -> when the session was opened (the earliest, if several processes
+    hold it), for the sessions held past the retention limit."""
     limit_ms = sidecar.settings.retention_max_age_s * 1000
-    return {key for c in sidecar.registry.live() for key, opened in c.sessions.items() if now_ms - opened > limit_ms}
+    out: dict[tuple[str, str], int] = {}
+    for c in sidecar.registry.live():
+        for (tenant, _user, session), opened in c.sessions.items():
+            if now_ms - opened > limit_ms:
+                out[(tenant, session)] = min(opened, out.get((tenant, session), opened))
+    return out
 
 
 def sweep(sidecar: Sidecar, service: ErasureService) -> int:
     n = 0
-    for tenant, _user, session in expired_sessions(sidecar, time.time_ns() // 1_000_000):
+    for (tenant, session), opened in expired_sessions(sidecar, time.time_ns() // 1_000_000).items():
+        # One request per time the session expires: a session id opened again later expires
+        # again, and gets its own request. A failed one is replaced while the session is held.
         _, new = service.create(NewRequest(tenant, None, session, "pipl-art47", "retention period expired"),
-                                f"retention:{tenant}\x00{session}", PRINCIPAL)
+                                f"retention:{tenant}\x00{session}\x00{opened}", PRINCIPAL, renew_failed=True)
         n += new
     if n:
         log.info("retention erasures requested", count=n)
