@@ -22,7 +22,7 @@ from .service import Sidecar
 def create_app(sidecar: Sidecar) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        sidecar.registry.loop = asyncio.get_running_loop()
+        sidecar.registry.start(asyncio.get_running_loop())
         tasks = [asyncio.create_task(app.state.erasure.run_forever(), name="erasure")]
         if sidecar.settings.retention_max_age_s:
             tasks.append(asyncio.create_task(retention_loop(sidecar, app.state.erasure), name="retention"))

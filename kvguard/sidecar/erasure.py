@@ -124,6 +124,8 @@ class ErasureService:
                 pass
 
     async def run_pending(self) -> None:
+        if self.sc.registry.reconnect_wait_s() > 0:
+            return  # right after a start: the processes may not have reconnected yet
         with self.sc.db() as db:
             ids = db.scalars(select(ErasureRequest.id).where(
                 ErasureRequest.origin == self.sc.settings.origin,

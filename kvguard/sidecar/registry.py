@@ -42,10 +42,22 @@ class Client:
 
 
 class Registry:
-    def __init__(self) -> None:
+    def __init__(self, live_s: float = LIVE_S) -> None:
+        self.live_s = live_s  # a process counts as live this long after its last contact
         self.clients: dict[str, Client] = {}
         self._ack_waiters: dict[str, asyncio.Future] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.started = time.monotonic()
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The API starts serving now: processes can reconnect from here on."""
+        self.loop, self.started = loop, time.monotonic()
+
+    def reconnect_wait_s(self) -> float:
+        """Seconds until every process that was live before a (re)start has had one full
+        liveness window to reconnect. Until then the registry cannot tell "no process
+        holds data" from "the processes have not reconnected yet"."""
+        return max(0.0, self.started + self.live_s - time.monotonic())
 
     def touch(self, client_id: str) -> Client:
         c = self.clients.get(client_id)
@@ -55,8 +67,9 @@ class Registry:
         return c
 
     def live(self) -> list[Client]:
+        """Processes seen within the liveness window, or waiting for commands right now."""
         now = time.monotonic()
-        return [c for c in self.clients.values() if now - c.last_seen < LIVE_S]
+        return [c for c in self.clients.values() if now - c.last_seen < self.live_s or c.wake is not None]
 
     # --- commands -------------------------------------------------------------------------------
 

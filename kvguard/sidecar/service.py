@@ -57,7 +57,7 @@ class Sidecar:
                                       sign_process=s.audit_sign_process))
         self.pseudonyms = Pseudonymizer(self.store, index_key)
         self.ingest = Ingestor(self.log, self.pseudonyms, self.sessions)
-        self.registry = Registry()
+        self.registry = Registry(s.inference_live_s)
         self.metrics = Metrics(self.db, self.registry, s.origin)
         log.info("sidecar ready", origin=s.origin, key_id=self.key.key_id, database=self.engine.url.get_backend_name())
 

@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     gdpr_deadline_days: int = Field(default=30, ge=1)
     pipl_deadline_hours: int = Field(default=72, ge=1)  # "without undue delay": configurable
     erasure_ack_timeout_s: float = Field(default=30.0, gt=0)
+    # An inference process counts as live this long after its last contact; after a start,
+    # erasures wait this long for the processes to reconnect.
+    inference_live_s: float = Field(default=30.0, gt=0)
     retention_max_age_s: float | None = Field(default=None, gt=0)  # from the policy; None = no limit
     retention_check_s: float = Field(default=60.0, gt=0)
     log_format: Literal["json", "console", "auto"] = "auto"

@@ -72,7 +72,7 @@ def start_server(tmp: Path, db_url: str, *, tokens: dict | None = None, extra_en
     data = tmp / "data"
     env = {**os.environ, "KVGUARD_DATA_DIR": str(data), "KVGUARD_DATABASE_URL": db_url,
            "KVGUARD_ORIGIN": f"test.kvguard/{uuid.uuid4().hex[:8]}", "KVGUARD_LOG_FORMAT": "json",
-           "KVGUARD_ERASURE_ACK_TIMEOUT_S": "20", **(extra_env or {})}
+           "KVGUARD_ERASURE_ACK_TIMEOUT_S": "20", "KVGUARD_INFERENCE_LIVE_S": "3", **(extra_env or {})}
     for secret in ("index.key", "seal.key"):  # as an operator provisions them for a shared database
         if not (data / secret).exists():
             data.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -1,18 +1,22 @@
-"""The erasure service in process, over SQLite and PostgreSQL."""
+"""The erasure service in process, over SQLite and PostgreSQL: who must answer, and when."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import uuid
 
 import pytest
 from sqlalchemy import select
 
-from kvguard.sidecar.erasure import ErasureService
+from kvguard.sidecar.erasure import ErasureService, NewRequest
 from kvguard.sidecar.models import ErasureRequest
 from kvguard.sidecar.retention import sweep
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.settings import Settings
+
+GOOD = {"pages": 3, "bytes": 3072, "sequences": 1, "shared_pages": 0, "tier_copies": 1, "prefix_entries": 2}
 
 
 @pytest.fixture
@@ -29,6 +33,69 @@ def make_sidecar(tmp_path, db_url):
     yield make
     for sc in made:
         sc.close()
+
+
+@pytest.fixture
+def sidecar(make_sidecar) -> Sidecar:
+    sc = make_sidecar()
+    sc.registry.started -= sc.registry.live_s  # the start's reconnect window has passed
+    return sc
+
+
+def submit(service: ErasureService, session: str, tenant: str = "acme") -> str:
+    row, new = service.create(NewRequest(tenant, None, session, "pipl-art47", None), uuid.uuid4().hex, "tester")
+    assert new
+    return row.id
+
+
+def state(sc: Sidecar, request_id: str) -> ErasureRequest:
+    with sc.db() as db:
+        return db.get(ErasureRequest, request_id)
+
+
+async def inference_process(sc: Sidecar, client_id: str, answer, stop: asyncio.Event) -> None:
+    """Polls for commands like a real process and answers each with answer(command)."""
+    while not stop.is_set():
+        for cmd in await sc.registry.take_commands(client_id, 0.05):
+            sc.registry.ack(client_id, cmd["id"], answer(cmd))
+
+
+async def with_process(sc: Sidecar, answer, body, client_id: str = "proc-a"):
+    stop = asyncio.Event()
+    task = asyncio.create_task(inference_process(sc, client_id, answer, stop))
+    try:
+        return await body()
+    finally:
+        stop.set()
+        await task
+
+
+# --- (1) who must answer --------------------------------------------------------------------------
+
+def test_after_a_start_erasures_wait_for_processes_to_reconnect(make_sidecar):
+    sc = make_sidecar(inference_live_s=1.5)
+    service = ErasureService(sc)
+    rid = submit(service, "s-1")
+
+    async def main():
+        sc.registry.start(asyncio.get_running_loop())
+        loop_task = asyncio.create_task(service.run_forever())
+        await asyncio.sleep(0.3)  # the process reconnects some time after the start
+
+        async def body():
+            deadline = time.monotonic() + 20
+            while state(sc, rid).state != "completed" and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+
+        await with_process(sc, lambda cmd: GOOD, body)
+        loop_task.cancel()
+        await asyncio.gather(loop_task, return_exceptions=True)
+
+    asyncio.run(main())
+    done = state(sc, rid)
+    assert done.state == "completed", done.error
+    assert list(json.loads(done.result_json)["processes"]) == ["proc-a"]
+    assert json.loads(done.receipt_json)["record"]["details"]["processes"] == ["proc-a"]
 
 
 # --- (3) retention, every time a session expires ----------------------------------------------------
