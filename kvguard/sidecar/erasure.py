@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from audit.canonical import MAX_SAFE_INTEGER
+from audit.errors import AuditError
+
 from ..errors import InputError
 from .logs import log
 from .models import ErasureRequest
@@ -26,6 +29,9 @@ from .service import Sidecar
 
 BASES = {"gdpr-art17": "GDPR Art. 17", "pipl-art47": "PIPL Art. 47"}
 DAY_MS = 86_400_000
+MAX_ATTEMPTS = 3
+# what a process acknowledges: counts, each a non-negative integer a record can hold
+ACK_FIELDS = ("pages", "bytes", "sequences", "shared_pages", "tier_copies", "prefix_entries")
 
 
 def _now_ms() -> int:
@@ -124,6 +130,8 @@ class ErasureService:
                 pass
 
     async def run_pending(self) -> None:
+        """One attempt at every open request. A request whose attempt raises counts that
+        attempt (and fails after the last) without keeping the others from running."""
         if self.sc.registry.reconnect_wait_s() > 0:
             return  # right after a start: the processes may not have reconnected yet
         with self.sc.db() as db:
@@ -131,12 +139,23 @@ class ErasureService:
                 ErasureRequest.origin == self.sc.settings.origin,
                 ErasureRequest.state.in_(("received", "executing")))).all()
         for rid in ids:
-            if rid not in self._running:
-                self._running.add(rid)
+            if rid in self._running:
+                continue
+            self._running.add(rid)
+            try:
+                await self.execute(rid)
+            except Exception as exc:  # noqa: BLE001 - one request's fault must not stop the others
+                # the error's type (and the audit package's own message), never an exception's
+                # text from elsewhere: it could carry a subject's ids
+                error = f"{type(exc).__name__}: {exc}" if isinstance(exc, AuditError) else type(exc).__name__
+                log.error("erasure attempt raised", request_id=rid, error=error)
                 try:
-                    await self.execute(rid)
-                finally:
-                    self._running.discard(rid)
+                    self._fail(rid, f"the attempt raised {error}")
+                except Exception as again:  # noqa: BLE001 - e.g. the database is down: retried later
+                    log.error("could not record a failed erasure attempt", request_id=rid,
+                              error=type(again).__name__)
+            finally:
+                self._running.discard(rid)
 
     async def execute(self, request_id: str) -> None:
         with self.sc.db() as db:
@@ -144,15 +163,17 @@ class ErasureService:
             if row is None or row.state in ("completed", "failed"):
                 return
             row.state, row.attempts = "executing", row.attempts + 1
-            subject = self.sc.unseal(row.sealed_subject)
-            db.commit()
+            db.commit()  # the attempt counts, even when what follows raises
+        subject = self.sc.unseal(row.sealed_subject)
         scope, tenant, target = subject["scope"], subject["tenant"], subject["target"]
         # (1) every live inference process erases and acknowledges
         cmd, targets = self.sc.registry.broadcast(scope, tenant, target)
-        acks = await self.sc.registry.wait_acks(cmd, targets, self.sc.settings.erasure_ack_timeout_s)
-        missing = sorted(set(targets) - set(acks))
+        acks = _valid_acks(await self.sc.registry.wait_acks(cmd, targets, self.sc.settings.erasure_ack_timeout_s),
+                           request_id)
+        missing = set(targets) - set(acks)
         if missing:
-            self._fail(request_id, f"{len(missing)} inference process(es) did not acknowledge in time")
+            self._fail(request_id, f"{len(missing)} inference process(es) did not acknowledge in time "
+                                   "or sent an invalid acknowledgement")
             return
         # (2) one signed erase record for the request (once, even when resumed)
         record = await asyncio.to_thread(self._erase_record, request_id, scope, acks)
@@ -184,11 +205,11 @@ class ErasureService:
             "request": request_id, "legal_basis": row.legal_basis, "scope": row.scope,
             "received": row.received_ms, "deadline": row.deadline_ms,
             "processes": sorted(acks),
-            "pages_overwritten": sum(int(a.get("pages", 0)) for a in acks.values()),
-            "bytes_overwritten": sum(int(a.get("bytes", 0)) for a in acks.values()),
-            "tier_copies_erased": sum(int(a.get("tier_copies", 0)) for a in acks.values()),
-            "shared_pages_released": sum(int(a.get("shared_pages", 0)) for a in acks.values()),
-            "prefix_entries_removed": sum(int(a.get("prefix_entries", 0)) for a in acks.values()),
+            "pages_overwritten": _total(acks, "pages"),
+            "bytes_overwritten": _total(acks, "bytes"),
+            "tier_copies_erased": _total(acks, "tier_copies"),
+            "shared_pages_released": _total(acks, "shared_pages"),
+            "prefix_entries_removed": _total(acks, "prefix_entries"),
         }
         if row.reason_sha256:
             details["reason_sha256"] = row.reason_sha256
@@ -216,7 +237,7 @@ class ErasureService:
     def _fail(self, request_id: str, error: str) -> None:
         with self.sc.db() as db:
             row = db.get(ErasureRequest, request_id)
-            if row.attempts >= 3:
+            if row.attempts >= MAX_ATTEMPTS:
                 row.state, row.error = "failed", error
             else:
                 row.state, row.error = "received", error  # retried by the loop
@@ -224,8 +245,25 @@ class ErasureService:
         log.warning("erasure attempt failed", request_id=request_id, error=error)
 
 
+def _valid_acks(acks: dict[str, dict], request_id: str) -> dict[str, dict]:
+    """The acknowledgements that are objects of non-negative integers a record can hold;
+    any other counts as no acknowledgement from its process."""
+    good = {}
+    for pid, ack in acks.items():
+        if isinstance(ack, dict) and all(type(ack.get(f)) is int and 0 <= ack[f] <= MAX_SAFE_INTEGER
+                                         for f in ACK_FIELDS):
+            good[pid] = {f: ack[f] for f in ACK_FIELDS}
+        else:
+            log.warning("invalid erasure acknowledgement", request_id=request_id, process=pid)
+    return good
+
+
+def _total(acks: dict[str, dict], field: str) -> int:
+    return sum(a[field] for a in acks.values())
+
+
 def _tier_totals(acks: dict[str, dict]) -> dict[str, int]:
     return {
-        "device_pages_overwritten": sum(int(a.get("pages", 0)) for a in acks.values()),
-        "lower_tier_copies_erased": sum(int(a.get("tier_copies", 0)) for a in acks.values()),
+        "device_pages_overwritten": _total(acks, "pages"),
+        "lower_tier_copies_erased": _total(acks, "tier_copies"),
     }

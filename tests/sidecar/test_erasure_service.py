@@ -1,4 +1,5 @@
-"""The erasure service in process, over SQLite and PostgreSQL: who must answer, and when."""
+"""The erasure service in process, over SQLite and PostgreSQL: who must answer, and what a
+bad answer or a failing request does."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import uuid
 import pytest
 from sqlalchemy import select
 
+from audit.models import RecordRow
 from kvguard.sidecar.erasure import ErasureService, NewRequest
 from kvguard.sidecar.models import ErasureRequest
 from kvguard.sidecar.retention import sweep
@@ -61,6 +63,7 @@ async def inference_process(sc: Sidecar, client_id: str, answer, stop: asyncio.E
 
 
 async def with_process(sc: Sidecar, answer, body, client_id: str = "proc-a"):
+    sc.registry.touch(client_id)  # connected before the body starts
     stop = asyncio.Event()
     task = asyncio.create_task(inference_process(sc, client_id, answer, stop))
     try:
@@ -68,6 +71,17 @@ async def with_process(sc: Sidecar, answer, body, client_id: str = "proc-a"):
     finally:
         stop.set()
         await task
+
+
+def erase_records(sc: Sidecar, request_id: str) -> list[dict]:
+    out = []
+    with sc.store.read() as conn:
+        for (body,) in conn.execute(select(RecordRow.body).where(RecordRow.origin == sc.settings.origin,
+                                                                 RecordRow.op == "erase")):
+            record = json.loads(body)
+            if record["details"].get("request") == request_id:
+                out.append(record)
+    return out
 
 
 # --- (1) who must answer --------------------------------------------------------------------------
@@ -96,6 +110,42 @@ def test_after_a_start_erasures_wait_for_processes_to_reconnect(make_sidecar):
     assert done.state == "completed", done.error
     assert list(json.loads(done.result_json)["processes"]) == ["proc-a"]
     assert json.loads(done.receipt_json)["record"]["details"]["processes"] == ["proc-a"]
+
+
+# --- (2) bad answers, bad requests ----------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [{**GOOD, "pages": "x"}, {**GOOD, "pages": -1}, {**GOOD, "bytes": 2**53},
+                                 {**GOOD, "tier_copies": True}, {**GOOD, "pages": 1.0}, {"pages": 3}])
+def test_a_bad_acknowledgement_counts_as_none_and_blocks_no_other_request(sidecar, bad):
+    service = ErasureService(sidecar)
+    bad_rid, good_rid = submit(service, "s-bad"), submit(service, "s-good")
+    with sidecar.db() as db:
+        targets = {rid: sidecar.unseal(db.get(ErasureRequest, rid).sealed_subject)["target"]
+                   for rid in (bad_rid, good_rid)}
+    answer = lambda cmd: bad if cmd["target"] == targets[bad_rid] else GOOD  # noqa: E731
+    asyncio.run(with_process(sidecar, answer, service.run_pending))
+    assert state(sidecar, good_rid).state == "completed"
+    failed = state(sidecar, bad_rid)
+    assert failed.state == "received" and failed.attempts == 1  # retried
+    assert "invalid acknowledgement" in failed.error
+    assert erase_records(sidecar, bad_rid) == []  # nothing signed for it
+
+
+def test_a_request_that_raises_is_counted_failed_and_the_others_run(sidecar):
+    service = ErasureService(sidecar)
+    broken, fine = submit(service, "s-broken"), submit(service, "s-fine")
+    with sidecar.db() as db:  # its sealed ids no longer decrypt (e.g. the seal key was replaced)
+        row = db.get(ErasureRequest, broken)
+        row.sealed_subject = row.sealed_subject[:-1] + bytes([row.sealed_subject[-1] ^ 1])
+        db.commit()
+    for attempt in (1, 2, 3):
+        asyncio.run(with_process(sidecar, lambda cmd: GOOD, service.run_pending))
+        assert state(sidecar, fine).state == "completed"
+        row = state(sidecar, broken)
+        assert row.attempts == attempt and row.error == "the attempt raised InvalidTag"
+        assert row.state == ("failed" if attempt == 3 else "received")
+    asyncio.run(service.run_pending())
+    assert state(sidecar, broken).attempts == 3  # failed: not tried again
 
 
 # --- (3) retention, every time a session expires ----------------------------------------------------
