@@ -2,9 +2,15 @@
 
 received → executing: every live inference process erases the subject's pages
 (overwritten, prefix entries dropped) and answers once its own signed `erase`
-event is recorded → one signed `erase` record for the request → the subject's
-pseudonym secrets are destroyed → a signed checkpoint → the receipt (record,
-inclusion proof, checkpoint) → completed.
+event is recorded → the subject's pseudonym secrets are destroyed → one signed
+`erase` record for the request, stating what each process erased and how many
+secrets were destroyed → a signed checkpoint → the receipt (record, inclusion
+proof, checkpoint) → completed.
+
+What the processes acknowledged and the secrets destroyed are saved with the
+request as each step ends, so an attempt resumed after a failure or a crash
+signs what every attempt did, not only what was left to do. Nothing runs until
+the processes have had one liveness window to reconnect after a start.
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from audit.canonical import MAX_SAFE_INTEGER
+from audit.canonical import MAX_SAFE_INTEGER, loads
 from audit.errors import AuditError
+from audit.models import RecordRow
+from audit.pseudonym import subject_data
+from audit.record import Record
 
 from ..errors import InputError
 from .logs import log
@@ -32,6 +41,9 @@ DAY_MS = 86_400_000
 MAX_ATTEMPTS = 3
 # what a process acknowledges: counts, each a non-negative integer a record can hold
 ACK_FIELDS = ("pages", "bytes", "sequences", "shared_pages", "tier_copies", "prefix_entries")
+NO_PROCESS_NOTICE = ("no inference process acknowledged this erasure (none was live): nothing held in an "
+                     "inference process's memory or lower tiers was erased by it; only the subject's "
+                     "pseudonym secrets were destroyed")
 
 
 def _now_ms() -> int:
@@ -164,25 +176,36 @@ class ErasureService:
                 return
             row.state, row.attempts = "executing", row.attempts + 1
             db.commit()  # the attempt counts, even when what follows raises
-        subject = self.sc.unseal(row.sealed_subject)
-        scope, tenant, target = subject["scope"], subject["tenant"], subject["target"]
-        # (1) every live inference process erases and acknowledges
-        cmd, targets = self.sc.registry.broadcast(scope, tenant, target)
-        acks = _valid_acks(await self.sc.registry.wait_acks(cmd, targets, self.sc.settings.erasure_ack_timeout_s),
-                           request_id)
-        missing = set(targets) - set(acks)
-        if missing:
-            self._fail(request_id, f"{len(missing)} inference process(es) did not acknowledge in time "
-                                   "or sent an invalid acknowledgement")
-            return
-        # (2) one signed erase record for the request (once, even when resumed)
-        record = await asyncio.to_thread(self._erase_record, request_id, scope, acks)
-        # (3) crypto-shred: the subject's pseudonym secrets
-        shredded = self._shred(scope, tenant, target)
+        progress = json.loads(row.result_json) if row.result_json else {"processes": {}, "secrets_destroyed": 0}
+        # a record written by an earlier attempt means every step before it is done
+        record = await asyncio.to_thread(self._recorded, row)
+        if record is None:
+            subject = self.sc.unseal(row.sealed_subject)
+            scope, tenant, target = subject["scope"], subject["tenant"], subject["target"]
+            # (1) every live inference process erases and acknowledges
+            cmd, targets = self.sc.registry.broadcast(scope, tenant, target)
+            acks = await self.sc.registry.wait_acks(cmd, targets, self.sc.settings.erasure_ack_timeout_s)
+            answered = _merge_acks(progress["processes"], acks, request_id)
+            self._save_progress(request_id, progress)
+            missing = set(targets) - answered
+            if missing:
+                self._fail(request_id, f"{len(missing)} inference process(es) did not acknowledge in time "
+                                       "or sent an invalid acknowledgement")
+                return
+            # (2) crypto-shred: the subject's pseudonym secrets, counted before the WAL
+            # truncation that may still fail (a retry then truncates and destroys none)
+            progress["secrets_destroyed"] += await asyncio.to_thread(self._shred, scope, tenant, target)
+            self._save_progress(request_id, progress)
+            await asyncio.to_thread(self.sc.store.truncate_wal)
+            # (3) one signed erase record for the request, attesting (1) and (2)
+            record = await asyncio.to_thread(self._erase_record, request_id, progress)
         # (4) a signed checkpoint covering the record, and the receipt
         receipt = await asyncio.to_thread(self._receipt, record.seq)
-        result = {"processes": acks, "secrets_destroyed": shredded,
-                  "tiers": _tier_totals(acks)}
+        acks = progress["processes"]
+        result = {"processes": acks, "secrets_destroyed": progress["secrets_destroyed"],
+                  "tiers": _tier_totals(acks), "no_process_acknowledged": not acks}
+        if not acks:
+            result["notice"] = NO_PROCESS_NOTICE
         with self.sc.db() as db:
             row = db.get(ErasureRequest, request_id)
             row.state, row.completed_ms = "completed", _now_ms()
@@ -190,41 +213,74 @@ class ErasureService:
             row.sealed_subject = None  # the raw ids are not kept past completion
             db.commit()
         self.sc.metrics.erasures_completed.inc()
-        log.info("erasure completed", request_id=request_id, record_seq=record.seq, processes=len(acks))
+        if acks:
+            log.info("erasure completed", request_id=request_id, record_seq=record.seq, processes=len(acks))
+        else:
+            log.warning("erasure completed without any inference process", request_id=request_id,
+                        record_seq=record.seq)
 
-    def _erase_record(self, request_id: str, scope: str, acks: dict[str, dict]):
+    def _save_progress(self, request_id: str, progress: dict) -> None:
+        with self.sc.db() as db:
+            db.get(ErasureRequest, request_id).result_json = json.dumps(progress)
+            db.commit()
+
+    def _recorded(self, row: ErasureRequest) -> Record | None:
+        """The request's erase record if an earlier attempt wrote it: by the sequence number
+        kept with the request or, after a crash before that was saved, by the request id
+        its details carry."""
+        origin = self.sc.settings.origin
+        if row.record_seq is not None:
+            return self.sc.store.record(origin, row.record_seq)
+        column = RecordRow.user_pseudonym if row.scope == "user" else RecordRow.session_pseudonym
+        query = select(RecordRow.seq, RecordRow.body).where(
+            RecordRow.origin == origin, RecordRow.op == "erase", column == row.subject_pseudonym
+        ).order_by(RecordRow.seq)
+        with self.sc.store.read() as conn:
+            for seq, body in conn.execute(query):
+                if loads(body)["details"].get("request") == row.id:
+                    self._save_record_seq(row.id, seq)
+                    return Record.from_leaf_bytes(body.encode("utf-8"))
+        return None
+
+    def _save_record_seq(self, request_id: str, seq: int) -> None:
+        with self.sc.db() as db:
+            db.get(ErasureRequest, request_id).record_seq = seq
+            db.commit()
+
+    def _erase_record(self, request_id: str, progress: dict) -> Record:
         # No transaction stays open while the log writer commits: on SQLite it would
         # hold the write lock the writer needs.
         with self.sc.db() as db:
             row = db.get(ErasureRequest, request_id)
             db.expunge(row)
-        if row.record_seq is not None:
-            return self.sc.store.record(self.sc.settings.origin, row.record_seq)
-        subject = {"tenant": row.tenant_pseudonym, scope: row.subject_pseudonym}
+        acks = progress["processes"]
+        subject = {"tenant": row.tenant_pseudonym, row.scope: row.subject_pseudonym}
         details = {
             "request": request_id, "legal_basis": row.legal_basis, "scope": row.scope,
             "received": row.received_ms, "deadline": row.deadline_ms,
             "processes": sorted(acks),
+            "process_erasures": [{"process": pid, **acks[pid]} for pid in sorted(acks)],
+            "no_process_acknowledged": not acks,
             "pages_overwritten": _total(acks, "pages"),
             "bytes_overwritten": _total(acks, "bytes"),
             "tier_copies_erased": _total(acks, "tier_copies"),
             "shared_pages_released": _total(acks, "shared_pages"),
             "prefix_entries_removed": _total(acks, "prefix_entries"),
+            "secrets_destroyed": progress["secrets_destroyed"],
         }
         if row.reason_sha256:
             details["reason_sha256"] = row.reason_sha256
         record = self.sc.log.append("erase", subject, details)
-        with self.sc.db() as db:
-            db.get(ErasureRequest, request_id).record_seq = record.seq
-            db.commit()
+        self._save_record_seq(request_id, record.seq)
         return record
 
     def _shred(self, scope: str, tenant: str, target: str) -> int:
-        p = self.sc.pseudonyms
-        n = int(p.shred(scope, target, tenant=tenant))
+        """Delete the secrets (the caller truncates SQLite's WAL once, afterwards)."""
+        p, store = self.sc.pseudonyms, self.sc.store
+        n = int(store.delete_subject_secret(p.index(subject_data(scope, target, tenant)), truncate_wal=False))
         if scope == "user":  # every session the user was seen with goes too
             for session_idx in self.sc.ingest.sessions_of(tenant, target):
-                n += int(self.sc.store.delete_subject_secret(session_idx))
+                n += int(store.delete_subject_secret(session_idx, truncate_wal=False))
             self.sc.ingest.forget_user(tenant, target)
         return n
 
@@ -245,17 +301,21 @@ class ErasureService:
         log.warning("erasure attempt failed", request_id=request_id, error=error)
 
 
-def _valid_acks(acks: dict[str, dict], request_id: str) -> dict[str, dict]:
-    """The acknowledgements that are objects of non-negative integers a record can hold;
-    any other counts as no acknowledgement from its process."""
-    good = {}
+def _merge_acks(processes: dict[str, dict], acks: dict[str, dict], request_id: str) -> set[str]:
+    """Add each valid acknowledgement to what its process acknowledged in earlier attempts;
+    returns the processes whose acknowledgement counts. One that is not an object of
+    non-negative integers a record can hold counts as no acknowledgement."""
+    answered = set()
     for pid, ack in acks.items():
-        if isinstance(ack, dict) and all(type(ack.get(f)) is int and 0 <= ack[f] <= MAX_SAFE_INTEGER
-                                         for f in ACK_FIELDS):
-            good[pid] = {f: ack[f] for f in ACK_FIELDS}
-        else:
+        before = processes.get(pid, dict.fromkeys(ACK_FIELDS, 0))
+        if not isinstance(ack, dict) or not all(
+                type(ack.get(f)) is int and 0 <= ack[f] and before[f] + ack[f] <= MAX_SAFE_INTEGER
+                for f in ACK_FIELDS):
             log.warning("invalid erasure acknowledgement", request_id=request_id, process=pid)
-    return good
+            continue
+        processes[pid] = {f: before[f] + ack[f] for f in ACK_FIELDS}
+        answered.add(pid)
+    return answered
 
 
 def _total(acks: dict[str, dict], field: str) -> int:

@@ -193,6 +193,8 @@ def test_interrupted_erasure_resumes_after_a_crash(tmp_path, db_url):
     try:
         done = wait_state(restarted, request_id)
         assert done["receipt"]["record"]["details"]["request"] == request_id
+        # the mute process never came back: the request says that no process erased anything
+        assert done["result"]["no_process_acknowledged"] is True and done["result"]["processes"] == {}
         with restarted.client("audit:read") as c:
             erases = c.get("/v1/audit/records", params={"op": "erase"}).json()["records"]
         assert [e["details"]["request"] for e in erases] == [request_id]  # recorded once

@@ -1,5 +1,5 @@
-"""The erasure service in process, over SQLite and PostgreSQL: who must answer, and what a
-bad answer or a failing request does."""
+"""The erasure service in process, over SQLite and PostgreSQL: who must answer, what a bad
+answer does, what the signed record says, and how a resumed request is recorded once."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import select
 
 from audit.models import RecordRow
+from audit.receipt import verify_receipt
 from kvguard.sidecar.erasure import ErasureService, NewRequest
 from kvguard.sidecar.models import ErasureRequest
 from kvguard.sidecar.retention import sweep
@@ -108,8 +109,27 @@ def test_after_a_start_erasures_wait_for_processes_to_reconnect(make_sidecar):
     asyncio.run(main())
     done = state(sc, rid)
     assert done.state == "completed", done.error
-    assert list(json.loads(done.result_json)["processes"]) == ["proc-a"]
-    assert json.loads(done.receipt_json)["record"]["details"]["processes"] == ["proc-a"]
+    result = json.loads(done.result_json)
+    assert list(result["processes"]) == ["proc-a"] and result["no_process_acknowledged"] is False
+    details = json.loads(done.receipt_json)["record"]["details"]
+    assert details["processes"] == ["proc-a"] and details["no_process_acknowledged"] is False
+    assert details["process_erasures"] == [{"process": "proc-a", **GOOD}]
+
+
+def test_an_erasure_without_any_live_process_says_so(sidecar):
+    service = ErasureService(sidecar)
+    rid = submit(service, "s-1")
+    asyncio.run(service.run_pending())
+    done = state(sidecar, rid)
+    assert done.state == "completed"
+    result = json.loads(done.result_json)
+    assert result["processes"] == {} and result["no_process_acknowledged"] is True
+    assert "no inference process" in result["notice"]
+    receipt = json.loads(done.receipt_json)
+    verify_receipt(receipt, sidecar.key.public_key)
+    details = receipt["record"]["details"]  # the signed record says it too
+    assert details["processes"] == [] and details["process_erasures"] == []
+    assert details["no_process_acknowledged"] is True and details["pages_overwritten"] == 0
 
 
 # --- (2) bad answers, bad requests ----------------------------------------------------------------
@@ -129,6 +149,7 @@ def test_a_bad_acknowledgement_counts_as_none_and_blocks_no_other_request(sideca
     assert failed.state == "received" and failed.attempts == 1  # retried
     assert "invalid acknowledgement" in failed.error
     assert erase_records(sidecar, bad_rid) == []  # nothing signed for it
+    assert json.loads(failed.result_json)["processes"] == {}
 
 
 def test_a_request_that_raises_is_counted_failed_and_the_others_run(sidecar):
@@ -176,3 +197,65 @@ def test_retention_erases_a_reused_session_again_and_renews_a_failed_request(mak
         states = {r.id: r.state for r in db.scalars(select(ErasureRequest).where(
             ErasureRequest.origin == sc.settings.origin))}
     assert len(states) == 3 and states[second] == "failed" and states[first.id] == "completed"
+
+
+# --- (4) the signed record attests the shred, and is written once ----------------------------------
+
+def test_the_signed_record_counts_the_destroyed_secrets(sidecar):
+    service = ErasureService(sidecar)
+    sidecar.ingest.subject({"tenant": "acme", "user": "u-9", "session": "s-9"}, {})  # seen with a session
+    row, _ = service.create(NewRequest("acme", "u-9", None, "gdpr-art17", None), uuid.uuid4().hex, "tester")
+    asyncio.run(with_process(sidecar, lambda cmd: GOOD, service.run_pending))
+    done = state(sidecar, row.id)
+    assert done.state == "completed"
+    assert json.loads(done.result_json)["secrets_destroyed"] == 2  # the user's and the session's
+    assert json.loads(done.receipt_json)["record"]["details"]["secrets_destroyed"] == 2
+    assert sidecar.pseudonyms.existing("user", "u-9", tenant="acme") is None
+
+
+def test_a_crash_after_the_record_is_signed_does_not_sign_a_second_one(sidecar, monkeypatch):
+    service = ErasureService(sidecar)
+    rid = submit(service, "s-1")
+    append = sidecar.log.append
+
+    def append_then_crash(*args, **kwargs):
+        append(*args, **kwargs)
+        raise SystemExit("killed before the record's sequence number was saved")
+
+    monkeypatch.setattr(sidecar.log, "append", append_then_crash)
+    with pytest.raises(SystemExit):
+        asyncio.run(with_process(sidecar, lambda cmd: GOOD, lambda: service.execute(rid)))
+    monkeypatch.setattr(sidecar.log, "append", append)
+    assert state(sidecar, rid).record_seq is None and state(sidecar, rid).state == "executing"
+    restarted = ErasureService(sidecar)
+    asyncio.run(with_process(sidecar, lambda cmd: GOOD, restarted.run_pending))
+    done = state(sidecar, rid)
+    assert done.state == "completed"
+    records = erase_records(sidecar, rid)
+    assert len(records) == 1 and json.loads(done.receipt_json)["record"] == records[0]
+    # what the first attempt did is what the record says, not what the resumed one found left
+    assert records[0]["details"]["pages_overwritten"] == GOOD["pages"]
+    assert records[0]["details"]["secrets_destroyed"] == 1
+
+
+def test_a_resumed_request_signs_what_every_attempt_did(sidecar, monkeypatch):
+    service = ErasureService(sidecar)
+    rid = submit(service, "s-1")
+    append = sidecar.log.append
+    calls = []
+
+    def fail_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionError("the database went away")
+        return append(*args, **kwargs)
+
+    monkeypatch.setattr(sidecar.log, "append", fail_once)
+    answers = iter([GOOD, dict.fromkeys(GOOD, 0)])  # the second time there is nothing left
+    asyncio.run(with_process(sidecar, lambda cmd: next(answers), service.run_pending))
+    assert state(sidecar, rid).state == "received" and state(sidecar, rid).error.endswith("ConnectionError")
+    asyncio.run(with_process(sidecar, lambda cmd: next(answers), service.run_pending))
+    done = state(sidecar, rid)
+    assert done.state == "completed"
+    details = json.loads(done.receipt_json)["record"]["details"]
+    assert details["pages_overwritten"] == GOOD["pages"] and details["secrets_destroyed"] == 1
