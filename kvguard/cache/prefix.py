@@ -32,8 +32,11 @@ def page_hashes(salt: bytes, tokens: Sequence[int], page_size: int) -> list[Bloc
 
 
 class PrefixIndex:
-    """hash -> (pool name, page). Entries point at pages some sequence still holds;
-    the cache removes an entry when its page is freed or its owner erased."""
+    """hash -> (pool name, page) for lookups, and page -> hash for every page indexed.
+    Entries point at pages some sequence still holds; the cache forgets a page when it
+    is freed or its owner erased. A 16-bit page quantized into the codec pool hands its
+    hash's lookup to the codec copy but keeps its hash while sharers still hold it, so
+    that their own quantize finds the copy and shares it instead of making another."""
 
     def __init__(self) -> None:
         self._by_hash: dict[BlockHash, tuple[str, int]] = {}
@@ -44,9 +47,6 @@ class PrefixIndex:
 
     def put(self, h: BlockHash, ref: tuple[str, int]) -> None:
         self.drop_page(ref)
-        old = self._by_hash.get(h)
-        if old is not None:
-            self._by_page.pop(old, None)
         self._by_hash[h] = ref
         self._by_page[ref] = h
 
@@ -54,10 +54,11 @@ class PrefixIndex:
         return self._by_page.get(ref)
 
     def drop_page(self, ref: tuple[str, int]) -> bool:
+        """Forget a page; True when it was its hash's lookup entry, now removed."""
         h = self._by_page.pop(ref, None)
-        if h is None:
+        if h is None or self._by_hash.get(h) != ref:
             return False
-        self._by_hash.pop(h, None)
+        del self._by_hash[h]
         return True
 
     def __len__(self) -> int:

@@ -253,3 +253,24 @@ def test_rows_that_share_prefix_pages_quantize_them_once_together(monkeypatch):
             assert ref.append(r, layer, k, v) and ref.append(r, layer, kn[32 * i: 32 * i + 32], vn[32 * i: 32 * i + 32])
         for layer in range(2):
             assert all(torch.equal(x, y) for x, y in zip(m.kv(seq, layer), ref.kv(r, layer)))
+
+
+def test_a_shared_page_quantized_by_one_sharer_is_shared_by_the_next():
+    # two sequences share a published 16-bit page and leave the window on different steps: the
+    # second takes the first's codec copy instead of quantizing one of its own
+    m = make(num_pages=64)
+    prompt = list(range(32))
+    k, v = outlier_kv(32, 2, 64, seed=3)
+    a = m.open(Subject("acme", "u0", "s0"), tokens=prompt)
+    for layer in range(2):
+        assert m.append(a, layer, k, v)
+    assert m.publish_prefix(a, prompt) == 2
+    b = m.open(Subject("acme", "u1", "s1"), tokens=prompt)
+    kn, vn = outlier_kv(32, 2, 64, seed=4)
+    for seq in (a, b):
+        for layer in range(2):
+            assert m.append(seq, layer, kn, vn)
+    pa, pb = m._seq(a).pages, m._seq(b).pages
+    assert pa[1] == pb[1] and pa[1].where == MAIN and m.pools[MAIN].ref[int(pa[1].page)] == 2
+    assert pa[2].where == pb[2].where == MAIN and m.pools[MAIN].used_count == 3  # page 1 once, each row's page 2
+    assert m.pools[HOT].ref[int(m._seq(b).pages[0].page)] == 2  # the sink page, shared and still 16-bit
