@@ -44,7 +44,9 @@ class PagesQuantized(CacheEvent):
 
 @dataclass(frozen=True, slots=True)
 class TokensEvicted(CacheEvent):
-    """One compaction: `n_tokens` evicted, `pages` freed (overwritten), `kept` tokens left."""
+    """One compaction: `n_tokens` evicted, `pages` freed (overwritten; `bytes` theirs, pages
+    other sequences still share are not freed), `kept` tokens left. The survivors written into
+    codec pages are reported by a `PagesQuantized` just before."""
 
     op = "evict"
     evictor: str = ""

@@ -819,10 +819,15 @@ class CacheManager:
         old_mass.zero_()
         seq.evicted += length - new_len
         seq.positional = False
+        if got_main:  # the survivors written into codec pages were (re)quantized
+            main, hot = self.pools[MAIN], self.pools[HOT]
+            self.events.emit(ev.PagesQuantized(
+                seq=seq.id, subject=seq.subject, pages=tuple(_pid(MAIN, p) for p in got_main),
+                n_tokens=len(got_main) * s, bytes=len(got_main) * main.page_bytes,
+                codec=self.codec.name, bytes_before=len(got_main) * hot.page_bytes))
         event = ev.TokensEvicted(
             seq=seq.id, subject=seq.subject, pages=tuple(freed), n_tokens=length - new_len,
-            bytes=sum(self.pools[r.where].page_bytes for r in old_refs)
-            - sum(self.pools[r.where].page_bytes for r in new_refs),
+            bytes=sum(self.pools[p.split(":")[0]].page_bytes for p in freed),
             evictor=self.evictor.name, kept=new_len)
         self.events.emit(event)
         return event

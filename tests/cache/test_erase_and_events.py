@@ -135,8 +135,13 @@ def test_each_operation_emits_exactly_its_events(alice):
     assert evs[0].bytes < evs[0].bytes_before
     m.attend(seq, 0, torch.randn(1, 4, 64).half())
     assert m.events.take_events() == []
+    used = {name: p.used_count for name, p in m.pools.items()}
     ev = m.compact(seq)
-    assert [e.op for e in m.events.take_events()] == ["evict"] and ev.n_tokens == 55 - 32
+    evs = m.events.take_events()
+    assert [e.op for e in evs] == ["quantize", "evict"] and ev.n_tokens == 55 - 32  # survivors re-encoded
+    assert len(evs[0].pages) == 1 and evs[0].pages[0].startswith("main:") and evs[0].pages[0] not in ev.pages
+    freed = sum(used.values()) - sum(p.used_count for p in m.pools.values()) + 2  # + the 2 pages written
+    assert len(ev.pages) == freed and ev.bytes == sum(m.pools[p.split(":")[0]].page_bytes for p in ev.pages)
     assert m.compact(seq) is None and m.events.take_events() == []
     m.offload(seq, "cpu", max_pages=1)
     m.kv(seq, 0)
