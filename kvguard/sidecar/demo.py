@@ -51,7 +51,9 @@ def main() -> int:
     data = root / "data"
     port = _port()
     env = {**os.environ, "KVGUARD_DATA_DIR": str(data), "KVGUARD_PORT": str(port),
-           "KVGUARD_ORIGIN": "demo.kvguard/sidecar-0", "KVGUARD_LOG_FORMAT": "json"}
+           "KVGUARD_ORIGIN": "demo.kvguard/sidecar-0", "KVGUARD_LOG_FORMAT": "json",
+           # the demo's one process connects at once: erasures need not wait 30 s for others
+           "KVGUARD_INFERENCE_LIVE_S": "5"}
     _step(f"kvguard serve on SQLite in {data}")
     admin = _kvguard(["token", "create", "--scope", "admin", "--name", "demo-admin"], env)
     ingest = _kvguard(["token", "create", "--scope", "ingest", "--name", "demo-inference"], env)
