@@ -96,9 +96,9 @@ class SidecarClient:
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every event emitted so far is durable in the audit log."""
-        self._collect()
-        target = self._next_no - 1
         with self._cond:
+            self._collect()
+            target = self._next_no - 1
             return self._cond.wait_for(lambda: self._durable_no >= target, timeout_s)
 
     @property
@@ -108,11 +108,10 @@ class SidecarClient:
     # --- threads ----------------------------------------------------------------------------------
 
     def _collect(self) -> None:
-        events = self.cache.events.take_events()
-        if not events:
-            return
+        # Taken and numbered under one lock: an event the sender has taken is numbered before
+        # `flush` reads the last number, or flush would not wait for it.
         with self._cond:
-            for e in events:
+            for e in self.cache.events.take_events():
                 s = e.subject
                 self._pending.append({"n": self._next_no, "op": e.op,
                                       "subject": {"tenant": s.tenant, "user": s.user, "session": s.session},

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvguard.cache import CacheConfig, CacheManager
+from kvguard.cache.events import EventQueue
 from kvguard.sidecar.client import SidecarClient, SidecarUnavailable
 from kvguard.types import Subject
 from tests.sidecar.conftest import free_port, start_server
@@ -80,5 +81,33 @@ def test_retention_erases_expired_sessions_each_with_its_own_record(tmp_path, db
                 time.sleep(0.2)
         # per session: the process's own erase event and the request's signed erase record
         assert count_records(server, "erase") == 6
+    finally:
+        server.stop()
+
+
+class DawdlingQueue(EventQueue):
+    """Drains, then pauses before handing the events over: the sender caught between taking
+    events and numbering them."""
+
+    def take_events(self):
+        items = super().take_events()
+        if items:
+            time.sleep(1.0)
+        return items
+
+
+def test_flush_waits_for_events_the_sender_has_already_taken(tmp_path):
+    server = start_server(tmp_path, f"sqlite:///{tmp_path / 'audit.db'}")
+    cache = small_cache()
+    cache.events = DawdlingQueue()
+    try:
+        with SidecarClient(cache, socket=server.socket, token=server.tokens["ingest"], interval_s=0.01) as client:
+            fill(cache, client.open(Subject("t", "u", "s")))
+            deadline = time.monotonic() + 10
+            while len(cache.events) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert client._next_no == 0  # the sender has taken the event and not numbered it yet
+            assert client.flush(30)
+            assert count_records(server, "quantize") == 1  # durable when flush said so
     finally:
         server.stop()
