@@ -54,6 +54,8 @@ def create_app(sidecar: Sidecar) -> FastAPI:
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
         response.headers["X-Request-ID"] = rid
+        if request.url.path == "/internal/v1/events" and response.status_code >= 400:
+            sidecar.metrics.batches_refused.labels(str(response.status_code)).inc()
         if request.url.path != "/healthz":
             log.info("request", method=request.method, path=request.url.path, status=response.status_code,
                      request_id=rid)

@@ -9,10 +9,17 @@ refused (`on_full="refuse"`) or wait (`on_full="block"`) until it drains, while
 open sequences keep decoding. A command thread long-polls for erase commands,
 erases under the cache's lock, waits until its own erase event is durable, and
 acknowledges with what was overwritten.
+
+Failures are logged (`logging`, logger `kvguard.sidecar.client`) when they begin
+and end, never with a subject id. An event the sidecar could not record as sent
+comes back as `refused` in its answer (it recorded an `ingest_error` in its
+place): it is logged as an error and counted in `refused`. A batch answered with
+an error status is kept and sent again, since nothing of it was recorded.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -26,6 +33,8 @@ import httpx
 from ..cache import CacheManager
 from ..errors import KVGuardError
 from ..types import SeqId, Subject
+
+_log = logging.getLogger(__name__)
 
 
 class SidecarUnavailable(KVGuardError):
@@ -53,6 +62,8 @@ class SidecarClient:
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self.connected = False
+        self.last_error: str | None = None  # why the last batch was not recorded, while that lasts
+        self.refused = 0  # events the sidecar recorded as ingest_error
         self.erasures: list[dict] = []  # results of executed commands, for the serving process's own use
         self._threads = [threading.Thread(target=self._send_loop, name="kvguard-events", daemon=True),
                          threading.Thread(target=self._command_loop, name="kvguard-commands", daemon=True)]
@@ -132,19 +143,51 @@ class SidecarClient:
             try:
                 r = self._http.post("/internal/v1/events", json=body)
                 r.raise_for_status()
-                up_to = int(r.json()["up_to"])
-                with self._cond:
-                    while self._pending and self._pending[0]["n"] <= up_to:
-                        self._pending.popleft()
-                    self._durable_no = max(self._durable_no, up_to)
-                    self._cond.notify_all()
-                self.connected, backoff = True, self.interval_s
-                if len(self._pending) >= self.batch:
-                    continue  # more waiting: no pause
-            except (httpx.HTTPError, KeyError, ValueError):
-                self.connected = False
+                ack = r.json()
+                up_to, refused = int(ack["up_to"]), set(ack.get("refused") or ())
+            except (httpx.HTTPError, KeyError, ValueError) as exc:
+                self._failing(exc, len(batch))
                 backoff = min(backoff * 2, 2.0)
-            self._stop.wait(backoff)
+                self._stop.wait(backoff)
+                continue
+            for e in batch:
+                if e["n"] in refused:  # a bug of this process or of the cache: say which event
+                    _log.error("the sidecar could not record event %d (op %s) as sent and recorded an "
+                               "ingest_error in its place", e["n"], e["op"])
+            recovered = self.last_error is not None
+            with self._cond:
+                while self._pending and self._pending[0]["n"] <= up_to:
+                    self._pending.popleft()
+                self._durable_no = max(self._durable_no, up_to)
+                self.refused += len(refused)
+                self.connected, self.last_error = True, None  # set before flush wakes and reads them
+                self._cond.notify_all()
+            if recovered:
+                _log.warning("the sidecar records events again (%d pending)", len(self._pending))
+            backoff = self.interval_s
+            if len(self._pending) < self.batch:  # a full batch more goes at once
+                self._stop.wait(backoff)
+
+    def _failing(self, exc: Exception, n: int) -> None:
+        """Note why a batch was not recorded; logged when the reason changes, not at every retry."""
+        self.connected = False
+        if isinstance(exc, httpx.HTTPStatusError):  # the sidecar's own words (problem+json), no event content
+            reason = f"the sidecar answered {exc.response.status_code}"
+            try:
+                detail = exc.response.json().get("detail")
+            except (ValueError, AttributeError):
+                detail = None
+            if detail:
+                reason += f" ({str(detail)[:200]})"
+        elif isinstance(exc, httpx.HTTPError):
+            reason = f"the sidecar is unreachable ({type(exc).__name__})"
+        else:
+            reason = "the sidecar's answer lacks up_to"
+        if reason != self.last_error:
+            level = logging.WARNING if isinstance(exc, httpx.TransportError) else logging.ERROR
+            _log.log(level, "%s; %d events kept for the next attempt (%d pending)", reason, n,
+                     len(self._pending))
+        self.last_error = reason
 
     def _stats(self) -> dict:
         st = self.cache.stats()

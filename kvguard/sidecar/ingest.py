@@ -3,6 +3,12 @@
 The wire event is the cache event's op, its raw subject and its details. The
 subject is replaced by keyed pseudonyms here, the edge where raw ids stop; the
 details are the event's own non-identifying fields.
+
+An event becomes one record, or several when its page list is longer than a
+record's array may be (`audit.fields.MAX_ARRAY`): parts that together list every
+page (`split_pages`). An event that cannot be recorded as sent (an unknown op,
+details outside the format) becomes an `ingest_error` record in its place, so one
+bad event neither fails its batch nor goes unrecorded.
 """
 
 from __future__ import annotations
@@ -13,14 +19,39 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from audit import fields
+from audit.errors import RecordFormatError
 from audit.log import AuditLog
 from audit.pseudonym import Pseudonymizer, subject_data
+from audit.record import Record
 
-from ..errors import InputError
 from .models import SubjectLink
 
 OPS = {"quantize", "evict", "offload", "fetch", "free", "erase", "policy"}
 WILDCARD = "*"  # an erasure event names only the scope it erased
+# What an operation touched, divided among the parts of a split event so that each sums to
+# the operation's total; every other member of the details is repeated in each part.
+COUNTS = ("n_tokens", "bytes", "bytes_before", "sequences", "shared_pages", "tier_copies", "prefix_entries")
+
+
+def split_pages(details: dict[str, Any], limit: int = fields.MAX_ARRAY) -> list[dict[str, Any]]:
+    """The details of the records of one event: the event's own, or, when its `pages` is longer
+    than `limit`, parts of at most `limit` pages in order, numbered `part` 1..`parts`, with the
+    COUNTS apportioned by pages (part i gets total*end_i//n - total*start_i//n)."""
+    pages = details.get("pages")
+    if not isinstance(pages, list) or len(pages) <= limit:
+        return [details]
+    total, parts = len(pages), -(-len(pages) // limit)
+    out = []
+    for i in range(parts):
+        lo, hi = i * limit, min((i + 1) * limit, total)
+        part = {**details, "pages": pages[lo:hi], "part": i + 1, "parts": parts}
+        for key in COUNTS:
+            value = details.get(key)
+            if type(value) is int:
+                part[key] = value * hi // total - value * lo // total
+        out.append(part)
+    return out
 
 
 class Ingestor:
@@ -76,15 +107,40 @@ class Ingestor:
             db.commit()
         self._linked = {p for p in self._linked if p[0] != user_idx}
 
-    def record_batch(self, client_id: str, events: list[dict[str, Any]]) -> list[int]:
-        """Append one record per event; returns their sequence numbers once durable."""
+    def record_batch(self, process: str, events: list[dict[str, Any]]) -> tuple[list[Record], list[dict]]:
+        """Append the records of a batch of events, in order; returns them once durable, and
+        the events recorded as `ingest_error` instead ({"n", "op", "reason"})."""
         cache: dict = {}
-        items = []
+        planned = []  # per event: the event, its subject's pseudonyms, its records' details
         for e in events:
-            op = e.get("op")
-            if op not in OPS:
-                raise InputError(f"unknown event op {op!r}")
-            details = dict(e.get("details") or {})
-            details["process"] = client_id
-            items.append((op, self.subject(e.get("subject") or {}, cache), details))
-        return [record.seq for record in self.log.append_many(items)]
+            details = {**(e.get("details") or {}), "process": process}
+            planned.append((e, self.subject(e.get("subject") or {}, cache), split_pages(details)))
+        if all(e["op"] in OPS for e, _, _ in planned):
+            try:  # the usual case: every record valid, checked once, by the log
+                return self.log.append_many([(e["op"], subject, d) for e, subject, parts in planned
+                                             for d in parts]), []
+            except RecordFormatError:
+                pass  # some event's details are outside the format: find which, below
+        items, refused = [], []
+        for e, subject, parts in planned:
+            reason = _unrecordable(e["op"], parts)
+            if reason is None:
+                items.extend((e["op"], subject, d) for d in parts)
+                continue
+            # the operation happened: say so, without the details the format refuses
+            refused.append({"n": e["n"], "op": e["op"], "reason": reason})
+            items.append(("ingest_error", subject, {"process": process, "event": e["n"], "event_op": e["op"],
+                                                    "reason": reason}))
+        return self.log.append_many(items), refused
+
+
+def _unrecordable(op: str, parts: list[dict[str, Any]]) -> str | None:
+    """Why an event cannot be recorded as sent, or None."""
+    if op not in OPS:
+        return "unknown_op"
+    try:
+        for d in parts:
+            fields.check_details(d)
+    except RecordFormatError:
+        return "details"
+    return None

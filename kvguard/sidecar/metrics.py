@@ -23,6 +23,12 @@ class Metrics:
         self.sign_latency = Histogram("kvguard_audit_write_seconds",
                                       "Time from an event batch's arrival to its records being durable",
                                       registry=r, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
+        self.events_refused = Counter("kvguard_ingest_events_refused",
+                                      "Events recorded as ingest_error because they could not be recorded as "
+                                      "sent", ["reason"], registry=r)
+        self.batches_refused = Counter("kvguard_ingest_batches_refused",
+                                       "Event batches answered with an error status (nothing of them recorded)",
+                                       ["status"], registry=r)
         self.erasures_received = Counter("kvguard_erasure_requests_received", "Erasure requests stored",
                                          registry=r)
         self.erasures_completed = Counter("kvguard_erasure_requests_completed", "Erasure requests completed",

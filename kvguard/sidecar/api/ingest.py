@@ -10,6 +10,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..logs import log
 from .deps import Ingest, SidecarDep
 
 router = APIRouter(prefix="/internal/v1", tags=["ingest"])
@@ -48,9 +49,10 @@ class EventBatch(BaseModel):
 
 
 class BatchAck(BaseModel):
-    recorded: int
+    recorded: int  # records written: one per event, more for an event split into parts
     up_to: int  # every event numbered up to this is durable
     seqs: list[int]
+    refused: list[int] = Field(default_factory=list)  # events recorded as `ingest_error`, by number
 
 
 @router.post("/events", response_model=BatchAck, summary="Record a batch of cache events")
@@ -61,15 +63,21 @@ async def events(batch: EventBatch, sidecar: SidecarDep, _: Ingest) -> BatchAck:
         client.sessions = {(s.subject.tenant, s.subject.user, s.subject.session): s.opened_ms
                            for s in batch.sessions}
     fresh = [e for e in sorted(batch.events, key=lambda e: e.n) if e.n > client.last_event_no]
+    if not fresh:
+        return BatchAck(recorded=0, up_to=client.last_event_no, seqs=[])
     t0 = time.perf_counter()
-    seqs = await asyncio.to_thread(sidecar.ingest.record_batch, batch.client,
-                                   [e.model_dump() for e in fresh]) if fresh else []
-    if fresh:
-        sidecar.metrics.sign_latency.observe(time.perf_counter() - t0)
-        for e in fresh:
-            sidecar.metrics.records.labels(e.op).inc()
-        client.last_event_no = fresh[-1].n
-    return BatchAck(recorded=len(seqs), up_to=client.last_event_no, seqs=seqs)
+    records, refused = await asyncio.to_thread(sidecar.ingest.record_batch, batch.client,
+                                               [e.model_dump() for e in fresh])
+    sidecar.metrics.sign_latency.observe(time.perf_counter() - t0)
+    for record in records:
+        sidecar.metrics.records.labels(record.op).inc()
+    for e in refused:  # recorded as ingest_error: the process has a bug to fix
+        sidecar.metrics.events_refused.labels(e["reason"]).inc()
+        log.error("event not recordable as sent", process=batch.client, event_no=e["n"], op=e["op"],
+                  reason=e["reason"])
+    client.last_event_no = fresh[-1].n
+    return BatchAck(recorded=len(records), up_to=client.last_event_no, seqs=[r.seq for r in records],
+                    refused=[e["n"] for e in refused])
 
 
 @router.get("/commands", summary="Wait for erase commands (long poll)")

@@ -1,0 +1,145 @@
+"""From the cache's events to audit records: an event of any size is recorded page by
+page, and one the sidecar cannot record never stops the ones after it."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from audit.fields import MAX_ARRAY
+from kvguard.cache import CacheConfig, CacheManager
+from kvguard.cache.events import CacheEvent, SequenceFreed
+from kvguard.sidecar.client import SidecarClient
+from kvguard.sidecar.ingest import split_pages
+from kvguard.types import Subject
+from tests.sidecar.conftest import start_server
+
+TOKENS = MAX_ARRAY + 300  # one page a token: every event of the sequence lists more pages than a record may
+
+
+def records(server, op: str | None = None) -> list[dict]:
+    out, after = [], -1
+    with server.client("audit:read") as c:
+        while after is not None:
+            params = {"after": after, "limit": 1000} | ({"op": op} if op else {})
+            page = c.get("/v1/audit/records", params=params).json()
+            out += page["records"]
+            after = page["next_after"]
+    return out
+
+
+def test_split_pages_lists_every_page_once_and_sums_the_counts():
+    details = {"seq": 7, "pages": [f"hot:{i}" for i in range(10)], "n_tokens": 33, "bytes": 1001,
+               "codec": "int8", "kept": 5}
+    parts = split_pages(details, limit=4)
+    assert [p["pages"] for p in parts] == [details["pages"][0:4], details["pages"][4:8], details["pages"][8:]]
+    assert [(p["part"], p["parts"]) for p in parts] == [(1, 3), (2, 3), (3, 3)]
+    assert sum(p["n_tokens"] for p in parts) == 33 and sum(p["bytes"] for p in parts) == 1001
+    assert [p["n_tokens"] for p in parts] == [13, 13, 7]  # in proportion to the pages, 4:4:2
+    assert all(p["seq"] == 7 and p["codec"] == "int8" and p["kept"] == 5 for p in parts)
+    assert split_pages(details, limit=10) == [details]  # at the limit: one record, no part numbers
+
+
+def test_events_over_the_array_limit_reach_the_store_with_every_page(tmp_path, db_url):
+    server = start_server(tmp_path, db_url)
+    cache = CacheManager(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=32, num_pages=TOKENS + 16,
+                                     page_size=1, codec="int8"))
+    client = SidecarClient(cache, socket=server.socket, token=server.tokens["ingest"], interval_s=0.02)
+    try:
+        k = torch.randn(TOKENS, 1, 32).half()
+        seq = client.open(Subject("acme", "long-context-user", "s-1"))
+        assert cache.append(seq, 0, k, k)  # one quantize event of TOKENS pages
+        client.free(seq)  # one free event of TOKENS pages
+        seq = client.open(Subject("acme", "erased-user", "s-2"))
+        assert cache.append(seq, 0, k, k)
+        cache.erase_user("acme", "erased-user")  # one erase event of TOKENS pages
+        events = list(cache.events._items)
+        assert [e.op for e in events] == ["quantize", "free", "quantize", "erase"]
+        assert all(len(e.pages) > MAX_ARRAY for e in events)
+        client.start()
+        assert client.flush(60), client.last_error
+        assert client.refused == 0
+        stored = records(server)
+    finally:
+        client.close()
+        server.stop()
+    # each event's parts, in log order: every page once, the counts summing to the event's
+    by_event: dict[tuple, list[dict]] = defaultdict(list)
+    for r in stored:
+        by_event[(r["op"], r["details"]["seq"])].append(r["details"])
+    assert len(by_event) == len(events)
+    for e in events:
+        parts = by_event[(e.op, e.seq)]
+        assert [(p["part"], p["parts"]) for p in parts] == [(i + 1, len(parts)) for i in range(len(parts))]
+        assert all(len(p["pages"]) <= MAX_ARRAY for p in parts)
+        assert [page for p in parts for page in p["pages"]] == list(e.pages)
+        assert sum(p["n_tokens"] for p in parts) == e.n_tokens and sum(p["bytes"] for p in parts) == e.bytes
+        if e.op == "erase":
+            assert sum(p["sequences"] for p in parts) == e.sequences == 1
+
+
+@dataclass(frozen=True, slots=True)
+class BadEvent(CacheEvent):
+    """An event whose details break the format (a key that names a raw subject id)."""
+
+    op = "free"
+    email: str = ""
+
+
+def test_an_event_the_format_refuses_is_recorded_as_an_ingest_error_and_stops_nothing(tmp_path, db_url,
+                                                                                        caplog):
+    server = start_server(tmp_path, db_url)
+    cache = CacheManager(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=32, num_pages=16, page_size=4))
+    subject = Subject("acme", "raw-user-4411", "raw-session-4411")
+    client = SidecarClient(cache, socket=server.socket, token=server.tokens["ingest"], interval_s=0.02)
+    try:
+        cache.events.emit(SequenceFreed(1, subject, ("hot:0",), 4, 0))
+        cache.events.emit(BadEvent(2, subject, ("hot:1",), 4, 0, email="raw-user-4411@example.com"))
+        cache.events.emit(SequenceFreed(3, subject, ("hot:2",), 4, 0))
+        with caplog.at_level(logging.INFO, logger="kvguard.sidecar.client"):
+            client.start()
+            assert client.flush(30), client.last_error
+        assert client.pending == 0 and client.refused == 1
+        stored = records(server)
+        with server.client("audit:read") as c:
+            metrics = c.get("/metrics").text
+    finally:
+        client.close()
+        server.stop()
+    assert [(r["op"], r["details"].get("seq")) for r in stored] == [("free", 1), ("ingest_error", None),
+                                                                    ("free", 3)]
+    error = stored[1]
+    assert error["details"] == {"process": client.client_id, "event": 1, "event_op": "free", "reason": "details"}
+    assert error["subject"] == stored[0]["subject"]  # pseudonyms, as for any record
+    assert 'kvguard_ingest_events_refused_total{reason="details"} 1.0' in metrics
+    logged = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(logged) == 1 and "event 1 (op free)" in logged[0].getMessage()
+    text = caplog.text + (tmp_path / "serve.log").read_text()
+    assert "raw-user-4411" not in text and "raw-session-4411" not in text
+
+
+def test_a_refused_batch_is_kept_logged_once_and_sent_again(tmp_path, caplog):
+    server = start_server(tmp_path, f"sqlite:///{tmp_path / 'audit.db'}")
+    cache = CacheManager(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=32, num_pages=16, page_size=4))
+    client = SidecarClient(cache, socket=server.socket, token="kvg_" + "x" * 43, interval_s=0.01)
+    try:
+        with caplog.at_level(logging.INFO, logger="kvguard.sidecar.client"):
+            cache.events.emit(SequenceFreed(1, Subject("acme", "raw-user-4411", "s"), ("hot:0",), 4, 0))
+            client.start()
+            assert not client.flush(1.5)  # a few retries, each answered 401
+            assert client.pending == 1 and client.last_error.startswith("the sidecar answered 401")
+            client._http.headers["Authorization"] = f"Bearer {server.tokens['ingest']}"
+            assert client.flush(30) and client.last_error is None
+        assert len(records(server, "free")) == 1
+        with server.client("audit:read") as c:
+            assert 'kvguard_ingest_batches_refused_total{status="401"}' in c.get("/metrics").text
+    finally:
+        client.close()
+        server.stop()
+    logged = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert len(logged) == 2 and logged[0][0] == logging.ERROR and "401" in logged[0][1]  # once, not per retry
+    assert logged[1] == (logging.WARNING, "the sidecar records events again (0 pending)")
+    assert "raw-user-4411" not in caplog.text
