@@ -20,6 +20,7 @@ an error status is kept and sent again, since nothing of it was recorded.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -50,6 +51,9 @@ class SidecarClient:
             raise ValueError("give exactly one of socket (Unix socket path) or url (loopback http://...)")
         self.cache = cache
         self.client_id = client_id or f"proc-{uuid.uuid4().hex[:12]}"
+        # Drawn at every start: with it the sidecar tells this process's events and commands from
+        # those of an earlier run, or of another process, under the same client_id.
+        self.instance = secrets.token_hex(8)
         transport = httpx.HTTPTransport(uds=str(socket)) if socket else None
         self._http = httpx.Client(base_url=url or "http://sidecar", transport=transport, timeout=40.0,
                                   headers={"Authorization": f"Bearer {token}"})
@@ -137,7 +141,8 @@ class SidecarClient:
                 batch = list(self._pending)[: self.batch]
             live = [s for s in self._opened if s in set(self.cache.sequences())]
             self._opened = {s: self._opened[s] for s in live}
-            body = {"client": self.client_id, "events": batch, "stats": self._stats(),
+            body = {"client": self.client_id, "instance": self.instance, "events": batch,
+                    "stats": self._stats(),
                     "sessions": [{"subject": {"tenant": sub.tenant, "user": sub.user, "session": sub.session},
                                   "opened_ms": t} for sub, t in self._opened.values()]}
             try:
@@ -197,7 +202,8 @@ class SidecarClient:
     def _command_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                r = self._http.get("/internal/v1/commands", params={"client": self.client_id, "wait": 5})
+                r = self._http.get("/internal/v1/commands",
+                                   params={"client": self.client_id, "instance": self.instance, "wait": 5})
                 r.raise_for_status()
                 for cmd in r.json():
                     self._execute(cmd)
@@ -219,5 +225,5 @@ class SidecarClient:
                   "shared_pages": event.shared_pages, "tier_copies": event.tier_copies,
                   "prefix_entries": event.prefix_entries}
         self.erasures.append(result)
-        self._http.post(f"/internal/v1/commands/{cmd['id']}/ack",
-                        json={"client": self.client_id, "result": result}).raise_for_status()
+        body = {"client": self.client_id, "instance": self.instance, "result": result}
+        self._http.post(f"/internal/v1/commands/{cmd['id']}/ack", json=body).raise_for_status()

@@ -1,6 +1,12 @@
 """Connected inference processes: liveness, their cache statistics, the subjects they
 hold, and the commands (erasures) waiting for them.
 
+A client is one start of a process: the id it chose and a random instance it draws
+at start (`name/instance`). A process restarted under the same id, or two processes
+sharing one, are distinct clients: each numbers its events from 0 without its events
+being taken for another's resent ones, and each receives and acknowledges every erase
+command itself.
+
 Everything here is memory only: raw subject ids reported by a process stay in
 this process and are rebuilt from the clients' next reports after a restart.
 """
@@ -14,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 LIVE_S = 30.0
+FORGET_S = 20 * LIVE_S  # a client not seen for this long is dropped (a process restarted long ago)
 
 
 @dataclass
@@ -31,7 +38,7 @@ class Command:
 
 @dataclass
 class Client:
-    id: str
+    id: str  # name/instance
     last_seen: float = field(default_factory=time.monotonic)
     stats: dict[str, Any] = field(default_factory=dict)
     # open sessions: (tenant, user, session) -> wall-clock ms the process opened it
@@ -59,10 +66,13 @@ class Registry:
         holds data" from "the processes have not reconnected yet"."""
         return max(0.0, self.started + self.live_s - time.monotonic())
 
-    def touch(self, client_id: str) -> Client:
-        c = self.clients.get(client_id)
+    def touch(self, name: str, instance: str) -> Client:
+        key = f"{name}/{instance}"
+        c = self.clients.get(key)
         if c is None:
-            c = self.clients[client_id] = Client(client_id)
+            now = time.monotonic()
+            self.clients = {k: o for k, o in self.clients.items() if now - o.last_seen < FORGET_S}
+            c = self.clients[key] = Client(key)
         c.last_seen = time.monotonic()
         return c
 
@@ -90,19 +100,19 @@ class Registry:
             await asyncio.sleep(0.02)
         return dict(cmd.acks)
 
-    def ack(self, client_id: str, command_id: str, result: dict) -> bool:
-        c = self.clients.get(client_id)
+    def ack(self, name: str, instance: str, command_id: str, result: dict) -> bool:
+        c = self.clients.get(f"{name}/{instance}")
         if c is None:
             return False
         for cmd in list(c.pending):
             if cmd.id == command_id:
-                cmd.acks[client_id] = result
+                cmd.acks[c.id] = result
                 c.pending.remove(cmd)
                 return True
         return False
 
-    async def take_commands(self, client_id: str, wait_s: float) -> list[dict]:
-        c = self.touch(client_id)
+    async def take_commands(self, name: str, instance: str, wait_s: float) -> list[dict]:
+        c = self.touch(name, instance)
         if not c.pending and wait_s > 0:
             c.wake = asyncio.Event()
             try:
@@ -111,5 +121,5 @@ class Registry:
                 pass
             finally:
                 c.wake = None
-            self.touch(client_id)
+            c.last_seen = time.monotonic()
         return [cmd.wire() for cmd in c.pending]

@@ -1,5 +1,6 @@
 """From the cache's events to audit records: an event of any size is recorded page by
-page, and one the sidecar cannot record never stops the ones after it."""
+page, one the sidecar cannot record never stops the ones after it, and a process that
+reuses a client id (restarted, or two at once) has every event recorded."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvguard.sidecar.client import SidecarClient
 from kvguard.sidecar.ingest import split_pages
 from kvguard.types import Subject
 from tests.sidecar.conftest import start_server
+from tests.sidecar.test_erasure_e2e import wait_state
 
 TOKENS = MAX_ARRAY + 300  # one page a token: every event of the sequence lists more pages than a record may
 
@@ -112,7 +114,8 @@ def test_an_event_the_format_refuses_is_recorded_as_an_ingest_error_and_stops_no
     assert [(r["op"], r["details"].get("seq")) for r in stored] == [("free", 1), ("ingest_error", None),
                                                                     ("free", 3)]
     error = stored[1]
-    assert error["details"] == {"process": client.client_id, "event": 1, "event_op": "free", "reason": "details"}
+    assert error["details"] == {"process": f"{client.client_id}/{client.instance}", "event": 1, "event_op": "free",
+                                "reason": "details"}
     assert error["subject"] == stored[0]["subject"]  # pseudonyms, as for any record
     assert 'kvguard_ingest_events_refused_total{reason="details"} 1.0' in metrics
     logged = [r for r in caplog.records if r.levelno == logging.ERROR]
@@ -143,3 +146,52 @@ def test_a_refused_batch_is_kept_logged_once_and_sent_again(tmp_path, caplog):
     assert len(logged) == 2 and logged[0][0] == logging.ERROR and "401" in logged[0][1]  # once, not per retry
     assert logged[1] == (logging.WARNING, "the sidecar records events again (0 pending)")
     assert "raw-user-4411" not in caplog.text
+
+
+def small_cache() -> CacheManager:
+    return CacheManager(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=32, num_pages=16, page_size=4))
+
+
+def test_a_client_restarted_under_the_same_id_has_every_event_recorded(tmp_path, db_url):
+    server = start_server(tmp_path, db_url)
+    try:
+        for run, n in enumerate((5, 3)):  # the second run numbers its events from 0 again
+            cache = small_cache()
+            with SidecarClient(cache, socket=server.socket, token=server.tokens["ingest"], client_id="fixed-proc",
+                               interval_s=0.01) as client:
+                for i in range(n):
+                    cache.events.emit(SequenceFreed(i, Subject("acme", f"u{run}", "s"), (f"hot:{i}",), 4, 0))
+                assert client.flush(30)
+        stored = records(server, "free")
+    finally:
+        server.stop()
+    assert [r["details"]["seq"] for r in stored] == [0, 1, 2, 3, 4, 0, 1, 2]
+    runs = [r["details"]["process"] for r in stored]
+    assert len(set(runs)) == 2 and all(p.startswith("fixed-proc/") for p in runs)  # one instance per run
+
+
+def test_two_processes_sharing_an_id_each_record_and_each_erase(tmp_path, db_url):
+    server = start_server(tmp_path, db_url)
+    caches = [small_cache(), small_cache()]
+    clients = [SidecarClient(cache, socket=server.socket, token=server.tokens["ingest"], client_id="shared-proc",
+                             interval_s=0.01).start() for cache in caches]
+    try:
+        for i, (cache, client) in enumerate(zip(caches, clients)):
+            seq = client.open(Subject("acme", "alice", f"s-{i}"))
+            k = torch.randn(8, 1, 32).half()
+            assert cache.append(seq, 0, k, k)
+            for j in range(2):
+                cache.events.emit(SequenceFreed(j, Subject("acme", "bob", "s"), (f"hot:{j}",), 4, 0))
+            assert client.flush(30)  # the first has recorded events 0 and 1 before the second sends its own
+        assert len(records(server, "free")) == 4
+        with server.client("erasure:write") as c:
+            r = c.post("/v1/erasure-requests", json={"tenant": "acme", "user": "alice", "legal_basis": "gdpr-art17"},
+                       headers={"Idempotency-Key": "shared-id-erasure"})
+        done = wait_state(server, r.json()["id"])
+        assert len(done["result"]["processes"]) == 2  # each process received the command and acknowledged
+        assert [cache.sequences() for cache in caches] == [[], []]
+        assert all(len(client.erasures) == 1 for client in clients)
+    finally:
+        for client in clients:
+            client.close()
+        server.stop()

@@ -16,6 +16,8 @@ from .deps import Ingest, SidecarDep
 router = APIRouter(prefix="/internal/v1", tags=["ingest"])
 
 ClientId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
+# Drawn by the process at each start: its event numbers and commands are its own (registry.py).
+Instance = Annotated[str, Field(pattern=r"^[0-9a-f]{16,32}$")]
 Name = Annotated[str, Field(min_length=1, max_length=256)]
 
 
@@ -43,6 +45,7 @@ class OpenSession(BaseModel):
 class EventBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
     client: ClientId
+    instance: Instance
     events: Annotated[list[WireEvent], Field(max_length=4096)] = Field(default_factory=list)
     stats: dict[str, Any] = Field(default_factory=dict)
     sessions: Annotated[list[OpenSession], Field(max_length=100_000)] | None = None
@@ -57,7 +60,7 @@ class BatchAck(BaseModel):
 
 @router.post("/events", response_model=BatchAck, summary="Record a batch of cache events")
 async def events(batch: EventBatch, sidecar: SidecarDep, _: Ingest) -> BatchAck:
-    client = sidecar.registry.touch(batch.client)
+    client = sidecar.registry.touch(batch.client, batch.instance)
     client.stats = batch.stats or client.stats
     if batch.sessions is not None:
         client.sessions = {(s.subject.tenant, s.subject.user, s.subject.session): s.opened_ms
@@ -66,14 +69,14 @@ async def events(batch: EventBatch, sidecar: SidecarDep, _: Ingest) -> BatchAck:
     if not fresh:
         return BatchAck(recorded=0, up_to=client.last_event_no, seqs=[])
     t0 = time.perf_counter()
-    records, refused = await asyncio.to_thread(sidecar.ingest.record_batch, batch.client,
+    records, refused = await asyncio.to_thread(sidecar.ingest.record_batch, client.id,
                                                [e.model_dump() for e in fresh])
     sidecar.metrics.sign_latency.observe(time.perf_counter() - t0)
     for record in records:
         sidecar.metrics.records.labels(record.op).inc()
     for e in refused:  # recorded as ingest_error: the process has a bug to fix
         sidecar.metrics.events_refused.labels(e["reason"]).inc()
-        log.error("event not recordable as sent", process=batch.client, event_no=e["n"], op=e["op"],
+        log.error("event not recordable as sent", process=client.id, event_no=e["n"], op=e["op"],
                   reason=e["reason"])
     client.last_event_no = fresh[-1].n
     return BatchAck(recorded=len(records), up_to=client.last_event_no, seqs=[r.seq for r in records],
@@ -82,16 +85,18 @@ async def events(batch: EventBatch, sidecar: SidecarDep, _: Ingest) -> BatchAck:
 
 @router.get("/commands", summary="Wait for erase commands (long poll)")
 async def commands(sidecar: SidecarDep, _: Ingest, client: Annotated[str, Query(pattern=r"^[A-Za-z0-9._-]{1,64}$")],
+                   instance: Annotated[str, Query(pattern=r"^[0-9a-f]{16,32}$")],
                    wait: Annotated[float, Query(ge=0, le=30)] = 10.0) -> list[dict]:
-    return await sidecar.registry.take_commands(client, wait)
+    return await sidecar.registry.take_commands(client, instance, wait)
 
 
 class AckIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     client: ClientId
+    instance: Instance
     result: dict[str, Any]
 
 
 @router.post("/commands/{command_id}/ack", summary="Acknowledge an executed command")
 def ack(command_id: Annotated[str, Field(max_length=64)], body: AckIn, sidecar: SidecarDep, _: Ingest) -> dict:
-    return {"accepted": sidecar.registry.ack(body.client, command_id, body.result)}
+    return {"accepted": sidecar.registry.ack(body.client, body.instance, command_id, body.result)}
