@@ -7,6 +7,11 @@ sharing one, are distinct clients: each numbers its events from 0 without its ev
 being taken for another's resent ones, and each receives and acknowledges every erase
 command itself.
 
+A client id belongs to the ingest token that registered it while any process start
+under it is live: another token naming it is refused (`ClientIdTaken`), so one
+token cannot read another's erase commands, acknowledge them in its name or send
+events as it.
+
 Everything here is memory only: raw subject ids reported by a process stay in
 this process and are rebuilt from the clients' next reports after a restart.
 """
@@ -19,8 +24,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import KVGuardError
+
 LIVE_S = 30.0
 FORGET_S = 20 * LIVE_S  # a client not seen for this long is dropped (a process restarted long ago)
+
+
+class ClientIdTaken(KVGuardError):
+    """Another ingest token holds this client id; each token's processes need ids of their own."""
 
 
 @dataclass
@@ -39,6 +50,8 @@ class Command:
 @dataclass
 class Client:
     id: str  # name/instance
+    name: str  # the client id the process chose
+    token_id: str  # the ingest token that registered it
     last_seen: float = field(default_factory=time.monotonic)
     stats: dict[str, Any] = field(default_factory=dict)
     # open sessions: (tenant, user, session) -> wall-clock ms the process opened it
@@ -66,15 +79,24 @@ class Registry:
         holds data" from "the processes have not reconnected yet"."""
         return max(0.0, self.started + self.live_s - time.monotonic())
 
-    def touch(self, name: str, instance: str) -> Client:
-        key = f"{name}/{instance}"
+    def touch(self, name: str, instance: str, token_id: str) -> Client:
+        key = self._check(name, instance, token_id)
         c = self.clients.get(key)
         if c is None:
             now = time.monotonic()
             self.clients = {k: o for k, o in self.clients.items() if now - o.last_seen < FORGET_S}
-            c = self.clients[key] = Client(key)
+            c = self.clients[key] = Client(key, name, token_id)
         c.last_seen = time.monotonic()
         return c
+
+    def _check(self, name: str, instance: str, token_id: str) -> str:
+        """The client's key, once sure that no other token holds the id (raises ClientIdTaken)."""
+        key, now = f"{name}/{instance}", time.monotonic()
+        for k, o in self.clients.items():
+            if o.token_id != token_id and (k == key or o.name == name and now - o.last_seen < LIVE_S):
+                raise ClientIdTaken(f"client id {name!r} is in use by another ingest token; "
+                                    "give each token's processes client ids of their own")
+        return key
 
     def live(self) -> list[Client]:
         """Processes seen within the liveness window, or waiting for commands right now."""
@@ -100,8 +122,8 @@ class Registry:
             await asyncio.sleep(0.02)
         return dict(cmd.acks)
 
-    def ack(self, name: str, instance: str, command_id: str, result: dict) -> bool:
-        c = self.clients.get(f"{name}/{instance}")
+    def ack(self, name: str, instance: str, token_id: str, command_id: str, result: dict) -> bool:
+        c = self.clients.get(self._check(name, instance, token_id))
         if c is None:
             return False
         for cmd in list(c.pending):
@@ -111,8 +133,8 @@ class Registry:
                 return True
         return False
 
-    async def take_commands(self, name: str, instance: str, wait_s: float) -> list[dict]:
-        c = self.touch(name, instance)
+    async def take_commands(self, name: str, instance: str, token_id: str, wait_s: float) -> list[dict]:
+        c = self.touch(name, instance, token_id)
         if not c.pending and wait_s > 0:
             c.wake = asyncio.Event()
             try:

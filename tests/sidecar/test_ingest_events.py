@@ -1,10 +1,12 @@
 """From the cache's events to audit records: an event of any size is recorded page by
 page, one the sidecar cannot record never stops the ones after it, and a process that
-reuses a client id (restarted, or two at once) has every event recorded."""
+reuses a client id (restarted, or two at once) has every event recorded; a client id
+belongs to the ingest token that registered it."""
 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -16,7 +18,7 @@ from kvguard.cache.events import CacheEvent, SequenceFreed
 from kvguard.sidecar.client import SidecarClient
 from kvguard.sidecar.ingest import split_pages
 from kvguard.types import Subject
-from tests.sidecar.conftest import start_server
+from tests.sidecar.conftest import kvguard, start_server
 from tests.sidecar.test_erasure_e2e import wait_state
 
 TOKENS = MAX_ARRAY + 300  # one page a token: every event of the sequence lists more pages than a record may
@@ -194,4 +196,34 @@ def test_two_processes_sharing_an_id_each_record_and_each_erase(tmp_path, db_url
     finally:
         for client in clients:
             client.close()
+        server.stop()
+
+
+def test_a_client_id_belongs_to_the_token_that_registered_it(tmp_path):
+    server = start_server(tmp_path, f"sqlite:///{tmp_path / 'audit.db'}")
+    other_token = kvguard(["token", "create", "--scope", "ingest", "--name", "other-pod"], server.env)
+    mine = {"client": "pod-a", "instance": "a" * 16}
+    try:
+        with server.client("ingest") as owner, server.client(None) as other:
+            other.headers["Authorization"] = f"Bearer {other_token}"
+            assert owner.post("/internal/v1/events", json={**mine, "events": []}).status_code == 200
+            with server.client("erasure:write") as c:
+                c.post("/v1/erasure-requests", json={"tenant": "acme", "user": "alice", "legal_basis": "gdpr-art17"},
+                       headers={"Idempotency-Key": "owned-id-1"}).raise_for_status()
+            # the other token can neither read pod-a's commands (raw subject ids), nor acknowledge one
+            # in its name, nor send events as pod-a, under its instance or a new one
+            for instance in (mine["instance"], "b" * 16):
+                as_pod_a = {"client": "pod-a", "instance": instance}
+                for r in (other.get("/internal/v1/commands", params={**as_pod_a, "wait": 0}),
+                          other.post(f"/internal/v1/commands/{uuid.uuid4().hex}/ack",
+                                     json={**as_pod_a, "result": {"pages": 0}}),
+                          other.post("/internal/v1/events", json={**as_pod_a, "events": []})):
+                    assert r.status_code == 403 and "in use by another ingest token" in r.json()["detail"]
+                    assert "alice" not in r.text
+            # the owner still gets its command, and the other token works under an id of its own
+            commands = owner.get("/internal/v1/commands", params={**mine, "wait": 5}).json()
+            assert [c["target"] for c in commands] == ["alice"]
+            assert other.post("/internal/v1/events", json={"client": "pod-b", "instance": "b" * 16,
+                                                           "events": []}).status_code == 200
+    finally:
         server.stop()

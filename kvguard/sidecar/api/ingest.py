@@ -1,5 +1,6 @@
 """The internal API of inference processes (over the Unix socket, or loopback TCP):
-event batches in, erase commands out, acknowledgements back. Needs the `ingest` scope."""
+event batches in, erase commands out, acknowledgements back. Needs the `ingest` scope;
+a client id belongs to the token that registered it (registry.py), others get 403."""
 
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ class BatchAck(BaseModel):
 
 
 @router.post("/events", response_model=BatchAck, summary="Record a batch of cache events")
-async def events(batch: EventBatch, sidecar: SidecarDep, _: Ingest) -> BatchAck:
-    client = sidecar.registry.touch(batch.client, batch.instance)
+async def events(batch: EventBatch, sidecar: SidecarDep, principal: Ingest) -> BatchAck:
+    client = sidecar.registry.touch(batch.client, batch.instance, principal.token_id)
     client.stats = batch.stats or client.stats
     if batch.sessions is not None:
         client.sessions = {(s.subject.tenant, s.subject.user, s.subject.session): s.opened_ms
@@ -84,10 +85,11 @@ async def events(batch: EventBatch, sidecar: SidecarDep, _: Ingest) -> BatchAck:
 
 
 @router.get("/commands", summary="Wait for erase commands (long poll)")
-async def commands(sidecar: SidecarDep, _: Ingest, client: Annotated[str, Query(pattern=r"^[A-Za-z0-9._-]{1,64}$")],
+async def commands(sidecar: SidecarDep, principal: Ingest,
+                   client: Annotated[str, Query(pattern=r"^[A-Za-z0-9._-]{1,64}$")],
                    instance: Annotated[str, Query(pattern=r"^[0-9a-f]{16,32}$")],
                    wait: Annotated[float, Query(ge=0, le=30)] = 10.0) -> list[dict]:
-    return await sidecar.registry.take_commands(client, instance, wait)
+    return await sidecar.registry.take_commands(client, instance, principal.token_id, wait)
 
 
 class AckIn(BaseModel):
@@ -98,5 +100,7 @@ class AckIn(BaseModel):
 
 
 @router.post("/commands/{command_id}/ack", summary="Acknowledge an executed command")
-def ack(command_id: Annotated[str, Field(max_length=64)], body: AckIn, sidecar: SidecarDep, _: Ingest) -> dict:
-    return {"accepted": sidecar.registry.ack(body.client, body.instance, command_id, body.result)}
+def ack(command_id: Annotated[str, Field(max_length=64)], body: AckIn, sidecar: SidecarDep,
+        principal: Ingest) -> dict:
+    return {"accepted": sidecar.registry.ack(body.client, body.instance, principal.token_id, command_id,
+                                             body.result)}

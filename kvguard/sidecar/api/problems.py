@@ -9,6 +9,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...errors import InputError, KVGuardError, UnknownSequence
 from ..logs import log
+from ..registry import ClientIdTaken
 
 MEDIA = "application/problem+json"
 
@@ -49,6 +50,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(UnknownSequence)
     async def _unknown(request: Request, exc: UnknownSequence):
         return problem_response(404, "Not Found", str(exc), request)
+
+    @app.exception_handler(ClientIdTaken)
+    async def _taken(request: Request, exc: ClientIdTaken):
+        return problem_response(403, "Forbidden", str(exc), request)
 
     @app.exception_handler(KVGuardError)
     async def _kvguard(request: Request, exc: KVGuardError):
