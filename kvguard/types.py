@@ -22,8 +22,9 @@ class Subject:
     def __post_init__(self) -> None:
         for name in ("tenant", "user", "session"):
             value = getattr(self, name)
-            if not isinstance(value, str) or not value or len(value) > 256:
-                raise ValueError(f"subject {name} must be a non-empty string of at most 256 characters")
+            if not isinstance(value, str) or not value or len(value) > 256 or "\x00" in value:
+                raise ValueError(f"subject {name} must be a non-empty string of at most 256 characters, "
+                                 "without NUL (the pseudonyms' separator)")
 
     def __repr__(self) -> str:
         return "Subject(<redacted>)"

@@ -91,5 +91,7 @@ def test_out_of_pages_is_an_ordinary_outcome(cache, alice, bob):
 def test_subject_is_validated_and_redacted():
     with pytest.raises(ValueError, match="tenant"):
         Subject("", "u", "s")
+    with pytest.raises(ValueError, match="user .* without NUL"):
+        Subject("acme", "a\x00b", "s")
     s = Subject("acme", "alice@example.com", "sess")
     assert "alice" not in repr(s) and "alice" not in str(s)

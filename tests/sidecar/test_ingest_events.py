@@ -139,8 +139,14 @@ def test_a_refused_batch_is_kept_logged_once_and_sent_again(tmp_path, caplog):
             client._http.headers["Authorization"] = f"Bearer {server.tokens['ingest']}"
             assert client.flush(30) and client.last_error is None
         assert len(records(server, "free")) == 1
+        with server.client("ingest") as c:  # a subject id the pseudonyms cannot take: refused, not a 500
+            bad = {"n": 0, "op": "free", "subject": {"tenant": "acme", "user": "a\x00b", "session": "s"}}
+            assert c.post("/internal/v1/events", json={"client": "p", "instance": "c" * 16,
+                                                       "events": [bad]}).status_code == 422
         with server.client("audit:read") as c:
-            assert 'kvguard_ingest_batches_refused_total{status="401"}' in c.get("/metrics").text
+            metrics = c.get("/metrics").text
+        assert 'kvguard_ingest_batches_refused_total{status="401"}' in metrics
+        assert 'kvguard_ingest_batches_refused_total{status="422"}' in metrics
     finally:
         client.close()
         server.stop()

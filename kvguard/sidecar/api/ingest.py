@@ -19,7 +19,7 @@ router = APIRouter(prefix="/internal/v1", tags=["ingest"])
 ClientId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 # Drawn by the process at each start: its event numbers and commands are its own (registry.py).
 Instance = Annotated[str, Field(pattern=r"^[0-9a-f]{16,32}$")]
-Name = Annotated[str, Field(min_length=1, max_length=256)]
+Name = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00]+$")]  # NUL: the pseudonyms' separator
 
 
 class WireSubject(BaseModel):
