@@ -139,10 +139,12 @@ def test_a_refused_batch_is_kept_logged_once_and_sent_again(tmp_path, caplog):
             client._http.headers["Authorization"] = f"Bearer {server.tokens['ingest']}"
             assert client.flush(30) and client.last_error is None
         assert len(records(server, "free")) == 1
-        with server.client("ingest") as c:  # a subject id the pseudonyms cannot take: refused, not a 500
-            bad = {"n": 0, "op": "free", "subject": {"tenant": "acme", "user": "a\x00b", "session": "s"}}
-            assert c.post("/internal/v1/events", json={"client": "p", "instance": "c" * 16,
-                                                       "events": [bad]}).status_code == 422
+        with server.client("ingest") as c:  # what no record can hold is refused, not a 500
+            subject = {"tenant": "acme", "user": "u", "session": "s"}
+            for bad in ({"n": 0, "op": "free", "subject": {**subject, "user": "a\x00b"}},  # the pseudonyms' separator
+                        {"n": 2**53, "op": "free", "subject": subject, "details": {"email": "x"}}):  # over 2**53 - 1
+                assert c.post("/internal/v1/events", json={"client": "p", "instance": "c" * 16,
+                                                           "events": [bad]}).status_code == 422
         with server.client("audit:read") as c:
             metrics = c.get("/metrics").text
         assert 'kvguard_ingest_batches_refused_total{status="401"}' in metrics

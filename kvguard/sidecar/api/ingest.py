@@ -11,6 +11,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
+from audit.canonical import MAX_SAFE_INTEGER
+
 from ..logs import log
 from .deps import Ingest, SidecarDep
 
@@ -31,7 +33,8 @@ class WireSubject(BaseModel):
 
 class WireEvent(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    n: Annotated[int, Field(ge=0)]  # the process's event number, to drop resent duplicates
+    # the process's event number, to drop resent duplicates; an ingest_error record names it
+    n: Annotated[int, Field(ge=0, le=MAX_SAFE_INTEGER)]
     op: Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")]
     subject: WireSubject
     details: dict[str, Any] = Field(default_factory=dict)
