@@ -69,6 +69,7 @@ class SidecarClient:
         self.last_error: str | None = None  # why the last batch was not recorded, while that lasts
         self.refused = 0  # events the sidecar recorded as ingest_error
         self.erasures: list[dict] = []  # results of executed commands, for the serving process's own use
+        self.command_errors = 0  # commands whose execution raised (each retried at the next poll)
         self._threads = [threading.Thread(target=self._send_loop, name="kvguard-events", daemon=True),
                          threading.Thread(target=self._command_loop, name="kvguard-commands", daemon=True)]
 
@@ -208,6 +209,12 @@ class SidecarClient:
                 for cmd in r.json():
                     self._execute(cmd)
             except httpx.HTTPError:
+                self._stop.wait(1.0)
+            except Exception as exc:  # noqa: BLE001 - e.g. a tier down (TierError): the thread must live on
+                # unacknowledged, the command comes back with the next poll and is tried again; the
+                # error's type only, as its text could name the subject
+                self.command_errors += 1
+                _log.error("kvguard: an erase command failed (%s); it will be retried", type(exc).__name__)
                 self._stop.wait(1.0)
 
     def _execute(self, cmd: dict) -> None:

@@ -111,3 +111,34 @@ def test_flush_waits_for_events_the_sender_has_already_taken(tmp_path):
             assert count_records(server, "quantize") == 1  # durable when flush said so
     finally:
         server.stop()
+
+
+def test_an_erase_command_that_fails_is_retried_and_the_client_lives_on(tmp_path, db_url, monkeypatch):
+    # a tier down makes the cache's erasure raise (TierError, nothing released): the command
+    # thread survives, the unacknowledged command comes back and the erasure completes
+    from kvguard.errors import TierError
+
+    server = start_server(tmp_path, db_url, extra_env={"KVGUARD_RETENTION_MAX_AGE_S": "1",
+                                                       "KVGUARD_RETENTION_CHECK_S": "0.5"})
+    cache = small_cache()
+    real, calls = cache.erase_session, []
+
+    def flaky(tenant, session):
+        calls.append(session)
+        if len(calls) == 1:
+            raise TierError("1 of 1 lower-tier copies could not be erased (ConnectionError)")
+        return real(tenant, session)
+
+    monkeypatch.setattr(cache, "erase_session", flaky)
+    try:
+        with SidecarClient(cache, socket=server.socket, token=server.tokens["ingest"], interval_s=0.05) as client:
+            fill(cache, client.open(Subject("bank", "user-0", "session-0")))
+            assert client.flush(20)
+            deadline = time.monotonic() + 60
+            while (cache.sequences() or not client.erasures) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert cache.sequences() == [] and len(client.erasures) == 1
+            assert client.command_errors == 1 and len(calls) == 2
+            assert client._threads[1].is_alive()
+    finally:
+        server.stop()
