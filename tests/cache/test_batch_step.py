@@ -220,11 +220,9 @@ def test_batch_chunk_refuses_bad_input():
     assert [m.length(s) for s in seqs] == list(LENGTHS)
 
 
-def test_rows_that_share_prefix_pages_quantize_them_once_together(monkeypatch):
-    # two rows share a published page; one chunk pushes it and a page of each row's own out of the
-    # 16-bit window: one quantizing write per layer for all three pages, the shared page once and
-    # still shared, and every row reads what rows quantized apart would read
-    m, ref = make(num_pages=64), make(num_pages=64)
+def sharing_rows(m):
+    """Row a writes 32 tokens and publishes them; row b opens on the same prompt, sharing a's
+    two pages. Returns a, b and a's K, V."""
     prompt = list(range(32))
     k, v = outlier_kv(32, 2, 64, seed=3)
     a = m.open(Subject("acme", "u0", "s0"), tokens=prompt)
@@ -232,6 +230,15 @@ def test_rows_that_share_prefix_pages_quantize_them_once_together(monkeypatch):
         assert m.append(a, layer, k, v)
     assert m.publish_prefix(a, prompt) == 2
     b = m.open(Subject("acme", "u1", "s1"), tokens=prompt)
+    return a, b, k, v
+
+
+def test_rows_that_share_prefix_pages_quantize_them_once_together(monkeypatch):
+    # two rows share a published page; one chunk pushes it and a page of each row's own out of the
+    # 16-bit window: one quantizing write per layer for all three pages, the shared page once and
+    # still shared, and every row reads what rows quantized apart would read
+    m, ref = make(num_pages=64), make(num_pages=64)
+    a, b, k, v = sharing_rows(m)
     assert m.length(b) == 32
     shared = int(m._seq(b).pages[1].page)
     writes = []
@@ -259,13 +266,7 @@ def test_a_shared_page_quantized_by_one_sharer_is_shared_by_the_next():
     # two sequences share a published 16-bit page and leave the window on different steps: the
     # second takes the first's codec copy instead of quantizing one of its own
     m = make(num_pages=64)
-    prompt = list(range(32))
-    k, v = outlier_kv(32, 2, 64, seed=3)
-    a = m.open(Subject("acme", "u0", "s0"), tokens=prompt)
-    for layer in range(2):
-        assert m.append(a, layer, k, v)
-    assert m.publish_prefix(a, prompt) == 2
-    b = m.open(Subject("acme", "u1", "s1"), tokens=prompt)
+    a, b, _, _ = sharing_rows(m)
     kn, vn = outlier_kv(32, 2, 64, seed=4)
     for seq in (a, b):
         for layer in range(2):

@@ -187,15 +187,21 @@ class FlakyTier(CpuTier):
         super().erase(key)
 
 
-def test_a_failed_tier_read_leaks_no_page_and_loses_no_copy(alice):
-    # the tier fails mid-fetch: no device page stays taken for the copies not brought back, and
-    # the sequence still points at them, so a later fetch (or an erasure) finds them
+def offloaded(alice):
+    """A sequence of 70 tokens with 3 pages offloaded to a FlakyTier, and what it reads before."""
     tier = FlakyTier()
     m = make("int8", fp_window=16, tiers={"cpu": tier})
     seq = m.open(alice)
     write(m, seq, 70)
     before = [t.clone() for t in m.kv(seq, 1)]
     assert m.offload(seq, "cpu", max_pages=3) == 3
+    return tier, m, seq, before
+
+
+def test_a_failed_tier_read_leaks_no_page_and_loses_no_copy(alice):
+    # the tier fails mid-fetch: no device page stays taken for the copies not brought back, and
+    # the sequence still points at them, so a later fetch (or an erasure) finds them
+    tier, m, seq, before = offloaded(alice)
     free = free_pages(m)
     tier.broken = {"get"}
     with pytest.raises(ConnectionError):
@@ -212,12 +218,7 @@ def test_a_failed_tier_read_leaks_no_page_and_loses_no_copy(alice):
 def test_a_copy_that_cannot_be_erased_after_its_fetch_is_erased_with_the_sequence(alice):
     # the tier overwrites a copy, then fails to remove it (a disk or Redis erase is two steps):
     # the page fetched back is its home now, and the copy left behind goes with the sequence
-    tier = FlakyTier()
-    m = make("int8", fp_window=16, tiers={"cpu": tier})
-    seq = m.open(alice)
-    write(m, seq, 70)
-    before = [t.clone() for t in m.kv(seq, 1)]
-    assert m.offload(seq, "cpu", max_pages=3) == 3
+    tier, m, seq, before = offloaded(alice)
     tier.broken = {"erase"}
     assert all(torch.equal(x, y) for x, y in zip(before, m.kv(seq, 1)))
     assert m.stats().pages_offloaded == {} and len(tier.keys()) == 3
