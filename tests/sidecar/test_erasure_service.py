@@ -56,15 +56,18 @@ def state(sc: Sidecar, request_id: str) -> ErasureRequest:
         return db.get(ErasureRequest, request_id)
 
 
+INSTANCE, TOKEN = "i-1", "token-1"  # the process's start and the ingest token it holds
+
+
 async def inference_process(sc: Sidecar, client_id: str, answer, stop: asyncio.Event) -> None:
     """Polls for commands like a real process and answers each with answer(command)."""
     while not stop.is_set():
-        for cmd in await sc.registry.take_commands(client_id, 0.05):
-            sc.registry.ack(client_id, cmd["id"], answer(cmd))
+        for cmd in await sc.registry.take_commands(client_id, INSTANCE, TOKEN, 0.05):
+            sc.registry.ack(client_id, INSTANCE, TOKEN, cmd["id"], answer(cmd))
 
 
 async def with_process(sc: Sidecar, answer, body, client_id: str = "proc-a"):
-    sc.registry.touch(client_id)  # connected before the body starts
+    sc.registry.touch(client_id, INSTANCE, TOKEN)  # connected before the body starts
     stop = asyncio.Event()
     task = asyncio.create_task(inference_process(sc, client_id, answer, stop))
     try:
@@ -110,10 +113,10 @@ def test_after_a_start_erasures_wait_for_processes_to_reconnect(make_sidecar):
     done = state(sc, rid)
     assert done.state == "completed", done.error
     result = json.loads(done.result_json)
-    assert list(result["processes"]) == ["proc-a"] and result["no_process_acknowledged"] is False
+    assert list(result["processes"]) == ["proc-a/i-1"] and result["no_process_acknowledged"] is False
     details = json.loads(done.receipt_json)["record"]["details"]
-    assert details["processes"] == ["proc-a"] and details["no_process_acknowledged"] is False
-    assert details["process_erasures"] == [{"process": "proc-a", **GOOD}]
+    assert details["processes"] == ["proc-a/i-1"] and details["no_process_acknowledged"] is False
+    assert details["process_erasures"] == [{"process": "proc-a/i-1", **GOOD}]
 
 
 def test_an_erasure_without_any_live_process_says_so(sidecar):
@@ -174,7 +177,7 @@ def test_a_request_that_raises_is_counted_failed_and_the_others_run(sidecar):
 def test_retention_erases_a_reused_session_again_and_renews_a_failed_request(make_sidecar):
     sc = make_sidecar(retention_max_age_s=1)
     service = ErasureService(sc)
-    proc = sc.registry.touch("proc-a")
+    proc = sc.registry.touch("proc-a", INSTANCE, TOKEN)
     now = time.time_ns() // 1_000_000
     proc.sessions = {("bank", "u-1", "s-1"): now - 5_000}
     assert sweep(sc, service) == 1
