@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from audit.pseudonym import subject_data
+
 from .erasure import ErasureService, NewRequest
 from .logs import log
 from .service import Sidecar
@@ -31,8 +33,11 @@ def sweep(sidecar: Sidecar, service: ErasureService) -> int:
     for (tenant, session), opened in expired_sessions(sidecar, time.time_ns() // 1_000_000).items():
         # One request per time the session expires: a session id opened again later expires
         # again, and gets its own request. A failed one is replaced while the session is held.
+        # The key names the session by its keyed index, not its raw ids: the request keeps only a
+        # hash of the key, which a guess of short ids must not be able to reproduce.
+        index = sidecar.pseudonyms.index(subject_data("session", session, tenant)).hex()
         _, new = service.create(NewRequest(tenant, None, session, "pipl-art47", "retention period expired"),
-                                f"retention:{tenant}\x00{session}\x00{opened}", PRINCIPAL, renew_failed=True)
+                                f"retention:{index}\x00{opened}", PRINCIPAL, renew_failed=True)
         n += new
     if n:
         log.info("retention erasures requested", count=n)

@@ -262,3 +262,20 @@ def test_a_resumed_request_signs_what_every_attempt_did(sidecar, monkeypatch):
     assert done.state == "completed"
     details = json.loads(done.receipt_json)["record"]["details"]
     assert details["pages_overwritten"] == GOOD["pages"] and details["secrets_destroyed"] == 1
+
+
+def test_a_retention_request_keeps_no_unkeyed_hash_of_the_session_ids(make_sidecar):
+    # its idempotency key is built from the session's keyed index: hashing a guess of the raw
+    # tenant and session ids (and the opening time, seen in the logs) does not reproduce it
+    import hashlib
+
+    sc = make_sidecar(retention_max_age_s=1)
+    service = ErasureService(sc)
+    proc = sc.registry.touch("proc-a", INSTANCE, TOKEN)
+    opened = time.time_ns() // 1_000_000 - 5_000
+    proc.sessions = {("bank", "u-1", "s-1"): opened}
+    assert sweep(sc, service) == 1
+    with sc.db() as db:
+        row = db.scalar(select(ErasureRequest).where(ErasureRequest.origin == sc.settings.origin))
+    for key in (f"retention:bank\x00s-1\x00{opened}", "retention:bank\x00s-1"):
+        assert row.idempotency_sha256 != hashlib.sha256(f"retention\x00{key}".encode()).hexdigest()
