@@ -25,5 +25,6 @@ class OutOfPages(KVGuardError):
 
 
 class TierError(KVGuardError):
-    """A lower tier (disk, Redis) failed while its copies were being erased. What the
-    operation had done is safe to do again: retry it once the tier is back."""
+    """A lower tier (disk, Redis) failed while its copies were being erased: what the
+    operation had done is safe to do again, so retry it once the tier is back. Also a
+    copy that does not open under its process's key (altered, or moved between keys)."""

@@ -2,18 +2,29 @@
 
 A tier stores one page (every layer's fields) under a key. `erase` overwrites what
 it can reach before unlinking: CPU tensors are zeroed, disk files overwritten with
-zeros and fsynced before removal; Redis values are overwritten, then deleted (Redis
-frees the memory; it cannot be asked to zero it, so keep Redis on a host you trust).
+zeros and fsynced before removal; Redis values are overwritten, then deleted.
+
+What leaves the process is sealed: the disk and Redis tiers store each page
+encrypted with AES-256-GCM under a key drawn when the tier is made and held only
+in this process's memory, the page's tier key as associated data. Their copies
+are thus unreadable once the process is gone, however it ended (a crash leaves
+files and Redis values that no erasure can reach any more), wherever the bytes
+went that an overwrite cannot reach (freed Redis memory, a filesystem's old
+blocks, backups), and a value swapped under another key or altered fails to
+load instead of being unpickled.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import threading
 from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
+
+from ..errors import TierError
 
 Blob = dict[str, torch.Tensor]
 
@@ -26,6 +37,40 @@ def _to_bytes(blob: Blob) -> bytes:
 
 def _from_bytes(data: bytes) -> Blob:
     return torch.load(io.BytesIO(data), weights_only=True)
+
+
+class _Seal:
+    """AES-256-GCM under a key that never leaves this object. Nonces count up from zero:
+    the key is new for every tier, so no nonce repeats under it. (Imported here: the cache
+    runs without `cryptography` where it has only device and CPU pages.)"""
+
+    def __init__(self, where: str) -> None:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        self._aead = AESGCM(AESGCM.generate_key(bit_length=256))
+        self._where = where
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def seal(self, key: str, data: bytes) -> bytes:
+        with self._lock:
+            n, self._next = self._next, self._next + 1
+        nonce = n.to_bytes(12, "big")
+        return nonce + self._aead.encrypt(nonce, data, self._aad(key))
+
+    def open(self, key: str, data: bytes) -> bytes:
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            if len(data) < 12 + 16:  # a nonce and a tag at least (a truncated file)
+                raise InvalidTag
+            return self._aead.decrypt(data[:12], data[12:], self._aad(key))
+        except InvalidTag:
+            raise TierError(f"the {self._where} copy of page {key} does not open under this process's key: "
+                            "it was altered, moved from another key, or written by another process") from None
+
+    def _aad(self, key: str) -> bytes:
+        return f"kvguard page {self._where} {key}".encode()
 
 
 class Tier(ABC):
@@ -78,6 +123,7 @@ class DiskTier(Tier):
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._seal = _Seal(self.name)
 
     def _path(self, key: str) -> Path:
         if not key.replace("-", "").replace("_", "").isalnum():
@@ -85,8 +131,8 @@ class DiskTier(Tier):
         return self.root / f"{key}.page"
 
     def put(self, key, blob):
-        data = _to_bytes(blob)
         path = self._path(key)
+        data = self._seal.seal(key, _to_bytes(blob))
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -101,7 +147,7 @@ class DiskTier(Tier):
         return len(data)
 
     def get(self, key):
-        return _from_bytes(self._path(key).read_bytes())
+        return _from_bytes(self._seal.open(key, self._path(key).read_bytes()))
 
     def erase(self, key):
         path = self._path(key)
@@ -127,9 +173,10 @@ class RedisTier(Tier):
     def __init__(self, client, prefix: str = "kvguard:page:"):
         self.r = client
         self.prefix = prefix
+        self._seal = _Seal(self.name)
 
     def put(self, key, blob):
-        data = _to_bytes(blob)
+        data = self._seal.seal(key, _to_bytes(blob))
         self.r.set(self.prefix + key, data)
         return len(data)
 
@@ -137,7 +184,7 @@ class RedisTier(Tier):
         data = self.r.get(self.prefix + key)
         if data is None:
             raise KeyError(key)
-        return _from_bytes(data)
+        return _from_bytes(self._seal.open(key, data))
 
     def erase(self, key):
         k = self.prefix + key

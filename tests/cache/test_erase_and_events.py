@@ -311,3 +311,64 @@ def test_attention_mass_is_zeroed_when_its_sequence_goes(alice, bob):
     m.erase_user("acme", "alice")
     m.free(b)
     assert kept.abs().sum() == 0 and bufs[1].abs().sum() == 0
+
+
+SEALED = [
+    pytest.param(lambda tmp: DiskTier(tmp / "pages"), id="disk"),
+    pytest.param(lambda tmp: RedisTier(redis.Redis(host="127.0.0.1", port=6379),
+                                       prefix=f"kvguard-test:{tmp.name}:"), id="redis"),
+]
+
+
+def stored(tier, key) -> bytes:
+    return tier._path(key).read_bytes() if isinstance(tier, DiskTier) else tier.r.get(tier.prefix + key)
+
+
+def store(tier, key, data: bytes) -> None:
+    if isinstance(tier, DiskTier):
+        tier._path(key).write_bytes(data)
+    else:
+        tier.r.set(tier.prefix + key, data)
+
+
+@pytest.mark.parametrize("factory", SEALED)
+def test_pages_leave_the_process_sealed_under_its_own_key(factory, tmp_path):
+    tier = factory(tmp_path)
+    page = torch.arange(4096, dtype=torch.int32).to(torch.uint8).reshape(16, 256)
+    try:
+        tier.put("s1-a", {"0.k": page})
+        data = stored(tier, "s1-a")
+        assert page.numpy().tobytes()[:256] not in data  # no run of the page's bytes is stored as such
+        assert torch.equal(tier.get("s1-a")["0.k"], page)
+        # a process started later (or another one) has its own key: what a dead process left is
+        # unreadable to it, and so to anyone else reading the disk or Redis
+        with pytest.raises(TierError, match="does not open"):
+            factory(tmp_path).get("s1-a")
+        # moved under another key, or altered: refused, never unpickled
+        tier.put("s1-b", {"0.k": page + 1})
+        store(tier, "s1-b", data)
+        with pytest.raises(TierError, match="does not open"):
+            tier.get("s1-b")
+        for bad in (data[:-1] + bytes([data[-1] ^ 1]), data[:5], b""):
+            store(tier, "s1-a", bad)
+            with pytest.raises(TierError, match="does not open"):
+                tier.get("s1-a")
+    finally:
+        for key in ("s1-a", "s1-b"):
+            tier.erase(key)
+
+
+def test_a_copy_that_does_not_open_stays_in_its_tier_and_is_erased_with_its_subject(tmp_path, alice):
+    tier = DiskTier(tmp_path / "pages")
+    m = make("int8", fp_window=16, tiers={"disk": tier})
+    seq = m.open(alice)
+    write(m, seq, 70)
+    m.offload(seq, "disk", max_pages=1)
+    (key,) = tier.keys()
+    free = free_pages(m)
+    data = stored(tier, key)
+    store(tier, key, data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(TierError):
+        m.kv(seq, 1)
+    assert tier.keys() == [key] and free_pages(m) == free and m.stats().pages_offloaded == {"disk": 1}
+    assert m.erase_user("acme", "alice").tier_copies == 1 and tier.keys() == []
