@@ -55,9 +55,13 @@ class TokensEvicted(CacheEvent):
 
 @dataclass(frozen=True, slots=True)
 class PagesOffloaded(CacheEvent):
+    """Device pages moved to a lower tier (bytes: the device pages', as `fetch` counts them;
+    stored_bytes: what the tier holds for them, sealed and serialized)."""
+
     op = "offload"
     src: str = ""
     dst: str = ""
+    stored_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +73,11 @@ class PagesFetched(CacheEvent):
 
 @dataclass(frozen=True, slots=True)
 class SequenceFreed(CacheEvent):
-    """A sequence ended; its unshared pages were overwritten and returned to the pool."""
+    """A sequence ended; its unshared pages were overwritten and returned to the pool, and
+    its lower-tier copies erased (`tier_copies`)."""
 
     op = "free"
+    tier_copies: int = 0
 
 
 @dataclass(frozen=True, slots=True)

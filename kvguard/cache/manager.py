@@ -847,16 +847,17 @@ class CacheManager:
         cand = cand[:max_pages] if max_pages is not None else cand
         if not cand:
             return 0
-        moved, nbytes = [], 0
+        moved, nbytes, stored = [], 0, 0
         try:
             for i in cand:
                 r = seq.pages[i]
                 key = f"{seq.id}-{uuid.uuid4().hex}"
                 try:
-                    nbytes += self.tiers[tier].put(key, self.pools[r.where].page_blob(PageId(int(r.page))))
+                    stored += self.tiers[tier].put(key, self.pools[r.where].page_blob(PageId(int(r.page))))
                 except BaseException:  # the tier may have stored it before failing (a reply lost)
                     self._erase_or_keep(seq, tier, key)
                     raise
+                nbytes += self.pools[r.where].page_bytes
                 self._release(r.where, [PageId(int(r.page))], seq.subject)
                 moved.append(_pid(r.where, r.page))
                 seq.pages[i] = PageRef(tier, key, r.where)
@@ -864,7 +865,7 @@ class CacheManager:
             if moved:
                 self.events.emit(ev.PagesOffloaded(seq=seq.id, subject=seq.subject, pages=tuple(moved),
                                                    n_tokens=len(moved) * self.cfg.page_size, bytes=nbytes,
-                                                   src="device", dst=tier))
+                                                   src="device", dst=tier, stored_bytes=stored))
         return len(moved)
 
     def _fetch_all(self, seq: Sequence) -> None:
@@ -957,7 +958,7 @@ class CacheManager:
         shares them; its prefix-index entries stay for the pages still shared. Raises
         TierError, releasing nothing, when a tier copy cannot be erased."""
         seq = self._seq(seq_id)
-        self._erase_copies([seq])
+        copies = self._erase_copies([seq])
         freed = []
         for r in seq.pages:
             if r.where in self.pools:
@@ -965,7 +966,9 @@ class CacheManager:
         seq.mass_buf.zero_()
         del self._seqs[seq.id]
         self.events.emit(ev.SequenceFreed(seq=seq.id, subject=seq.subject, pages=tuple(freed),
-                                          n_tokens=max(seq.lengths), bytes=0))
+                                          n_tokens=max(seq.lengths),
+                                          bytes=sum(self.pools[p.split(":")[0]].page_bytes for p in freed),
+                                          tier_copies=copies))
 
     @_locked
     def erase_user(self, tenant: str, user: str) -> ev.SubjectErased:

@@ -31,7 +31,8 @@ OPS = {"quantize", "evict", "offload", "fetch", "free", "erase", "policy"}
 WILDCARD = "*"  # an erasure event names only the scope it erased
 # What an operation touched, divided among the parts of a split event so that each sums to
 # the operation's total; every other member of the details is repeated in each part.
-COUNTS = ("n_tokens", "bytes", "bytes_before", "sequences", "shared_pages", "tier_copies", "prefix_entries")
+COUNTS = ("n_tokens", "bytes", "bytes_before", "stored_bytes", "sequences", "shared_pages", "tier_copies",
+          "prefix_entries")
 
 
 def split_pages(details: dict[str, Any], limit: int = fields.MAX_ARRAY) -> list[dict[str, Any]]:

@@ -115,10 +115,22 @@ def test_offload_fetch_and_erase_in_tier(factory, tmp_path, alice):
     after = m.kv(seq, 1)  # fetches back
     assert all(torch.equal(x, y) for x, y in zip(before, after))
     assert tier.keys() == []
-    assert [e.op for e in m.events.take_events()] == ["offload", "fetch"]
+    off, fetch = m.events.take_events()
+    assert (off.op, fetch.op) == ("offload", "fetch")
+    # both count the device pages' bytes; the offload also what the tier holds for them
+    assert off.bytes == fetch.bytes == sum(m.pools[p.split(":")[0]].page_bytes for p in off.pages)
+    assert off.stored_bytes > 0 and "stored_bytes" in off.details()
     m.offload(seq, tier.name, max_pages=3)
     event = m.erase_user("acme", "alice")
     assert event.tier_copies == 3 and tier.keys() == []
+    seq = m.open(alice)
+    write(m, seq, 70)
+    m.offload(seq, tier.name, max_pages=2)
+    m.events.take_events()
+    m.free(seq)
+    (freed,) = m.events.take_events()
+    assert freed.op == "free" and freed.tier_copies == 2 and tier.keys() == []
+    assert freed.bytes == sum(m.pools[p.split(":")[0]].page_bytes for p in freed.pages) > 0
 
 
 def test_each_operation_emits_exactly_its_events(alice):
