@@ -60,6 +60,11 @@ def subject_data(kind: str, raw_id: str, tenant: str | None = None) -> bytes:
     return kind.encode() + b"\x00" + b"\x00".join(p.encode("utf-8") for p in parts)
 
 
+def index_of(index_key: bytes, data: bytes) -> bytes:
+    """The subject's index: HMAC-SHA256 under the index key."""
+    return hmac.new(index_key, data, hashlib.sha256).digest()
+
+
 def pseudonym_of(secret: bytes, data: bytes) -> str:
     return hmac.new(secret, data, hashlib.sha256).hexdigest()[:32]
 
@@ -80,7 +85,7 @@ class Pseudonymizer:
         return "Pseudonymizer(<index key hidden>)"
 
     def index(self, data: bytes) -> bytes:
-        return hmac.new(self._index_key, data, hashlib.sha256).digest()
+        return index_of(self._index_key, data)
 
     def pseudonym(self, kind: str, raw_id: str, *, tenant: str | None = None) -> str:
         """The subject's pseudonym, creating its secret on first use."""

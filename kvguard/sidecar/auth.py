@@ -2,6 +2,11 @@
 
 A token is 256 random bits, so a plain SHA-256 is enough to store it: there is
 nothing to brute-force. It is printed once, at creation, and never logged.
+
+An `ingest` token may be bound to tenants: its processes may then send events of
+those tenants only, and receive only their erase commands (which carry raw ids).
+The token row keeps the tenants' keyed indexes (HMAC under the index key), never
+their names.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from audit.errors import RecordFormatError
+from audit.pseudonym import index_of, subject_data
+
 from ..errors import ConfigError
 from .models import ApiToken
 
@@ -28,6 +36,7 @@ class Principal:
     token_id: str
     name: str
     scopes: frozenset[str]
+    tenants: frozenset[str] | None = None  # an ingest token's tenants (their indexes); None: all
 
     def allows(self, scope: str) -> bool:
         return scope in self.scopes or "admin" in self.scopes and scope != "ingest"
@@ -37,15 +46,31 @@ def digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def create_token(session: Session, name: str, scopes: list[str]) -> str:
+def tenant_index(index_key: bytes, tenant: str) -> str:
+    """A tenant's keyed index (hex), as token rows and the registry keep it."""
+    return index_of(index_key, subject_data("tenant", tenant)).hex()
+
+
+def create_token(session: Session, name: str, scopes: list[str], *, tenants: list[str] | None = None,
+                 index_key: bytes | None = None) -> str:
     bad = [s for s in scopes if s not in SCOPES]
     if not scopes or bad:
         raise ConfigError(f"unknown scope(s) {bad}; choose from {', '.join(SCOPES)}" if bad else "give --scope")
     if not name or len(name) > 100:
         raise ConfigError("a token needs a name of 1 to 100 characters")
+    bound = None
+    if tenants is not None:
+        if set(scopes) != {"ingest"}:
+            raise ConfigError("only an ingest token can be bound to tenants (--tenant): give --scope ingest alone")
+        if not tenants or len(tenants) > 1000 or index_key is None:
+            raise ConfigError("bind a token to 1 to 1000 tenants")
+        try:
+            bound = " ".join(sorted({tenant_index(index_key, t) for t in tenants}))
+        except RecordFormatError:
+            raise ConfigError("a tenant id must be a non-empty string without NUL") from None
     token = PREFIX + secrets.token_urlsafe(32)
     session.add(ApiToken(id=uuid.uuid4().hex, name=name, token_sha256=digest(token),
-                         scopes=" ".join(sorted(set(scopes))), created_ms=int(time.time() * 1000)))
+                         scopes=" ".join(sorted(set(scopes))), tenants=bound, created_ms=int(time.time() * 1000)))
     session.commit()
     return token
 
@@ -57,7 +82,8 @@ def authenticate(session: Session, token: str) -> Principal | None:
     row = session.scalar(select(ApiToken).where(ApiToken.token_sha256 == d))
     if row is None or row.revoked or not hmac.compare_digest(row.token_sha256, d):
         return None
-    return Principal(row.id, row.name, frozenset(row.scopes.split()))
+    return Principal(row.id, row.name, frozenset(row.scopes.split()),
+                     None if row.tenants is None else frozenset(row.tenants.split()))
 
 
 def any_admin_token(session: Session) -> bool:

@@ -41,16 +41,22 @@ def _cmd_token(args: argparse.Namespace) -> int:
     from audit.store import make_engine
 
     from .auth import create_token
+    from .service import load_or_create_secret
 
     settings = _settings(args)
     settings.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # the index key first: a token bound to tenants keeps their indexes under it
+    index_key = load_or_create_secret(settings.index_key_path) if args.tenant else None
     migrate(settings.db_url)
     engine = make_engine(settings.db_url)
-    with Session(engine) as db:
-        token = create_token(db, args.name, args.scope)
-    engine.dispose()
+    try:
+        with Session(engine) as db:
+            token = create_token(db, args.name, args.scope, tenants=args.tenant, index_key=index_key)
+    finally:
+        engine.dispose()
     print(token)
-    print(f"(scopes: {' '.join(args.scope)}; shown once, stored only as a hash)", file=sys.stderr)
+    bound = f"; bound to {len(set(args.tenant))} tenant(s)" if args.tenant else ""
+    print(f"(scopes: {' '.join(args.scope)}{bound}; shown once, stored only as a hash)", file=sys.stderr)
     return 0
 
 
@@ -98,6 +104,10 @@ def register(sub) -> None:
     c.add_argument("--scope", action="append", required=True, choices=SCOPES,
                    help="a scope to grant (repeat for several)")
     c.add_argument("--name", default="admin", help="a label for the token (default: admin)")
+    c.add_argument("--tenant", action="append", metavar="TENANT",
+                   help="bind an ingest token to this tenant (repeat for several): its processes may send "
+                        "events of these tenants only and receive only their erase commands; stored as keyed "
+                        "indexes under the index key, so give the sidecar's index key (--data-dir)")
     c.set_defaults(func=_cmd_token)
 
     k = sub.add_parser("keygen", help="create an Ed25519 signing key file (mode 0600)",

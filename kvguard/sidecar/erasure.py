@@ -183,7 +183,7 @@ class ErasureService:
             subject = self.sc.unseal(row.sealed_subject)
             scope, tenant, target = subject["scope"], subject["tenant"], subject["target"]
             # (1) every live inference process erases and acknowledges
-            cmd, targets = self.sc.registry.broadcast(scope, tenant, target)
+            cmd, targets = self.sc.registry.broadcast(scope, tenant, target, self.sc.tenant_index(tenant))
             acks = await self.sc.registry.wait_acks(cmd, targets, self.sc.settings.erasure_ack_timeout_s)
             answered = _merge_acks(progress["processes"], acks, request_id)
             self._save_progress(request_id, progress)

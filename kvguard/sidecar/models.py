@@ -22,6 +22,9 @@ class ApiToken(Base):
     name: Mapped[str] = mapped_column(String(100))
     token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
     scopes: Mapped[str] = mapped_column(String(200))  # space separated
+    # an ingest token bound to tenants: their indexes (hex HMAC under the index key, never the
+    # raw ids), space separated; None: every tenant
+    tenants: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_ms: Mapped[int] = mapped_column(BigInteger)
     revoked: Mapped[bool] = mapped_column(Boolean, default=False)
 

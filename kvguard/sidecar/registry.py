@@ -10,7 +10,8 @@ command itself.
 A client id belongs to the ingest token that registered it while any process start
 under it is live: another token naming it is refused (`ClientIdTaken`), so one
 token cannot read another's erase commands, acknowledge them in its name or send
-events as it.
+events as it. A client whose token is bound to tenants receives the erase commands
+of those tenants only.
 
 Everything here is memory only: raw subject ids reported by a process stay in
 this process and are rebuilt from the clients' next reports after a restart.
@@ -52,6 +53,7 @@ class Client:
     id: str  # name/instance
     name: str  # the client id the process chose
     token_id: str  # the ingest token that registered it
+    tenants: frozenset[str] | None = None  # its token's tenants (keyed indexes); None: every tenant
     last_seen: float = field(default_factory=time.monotonic)
     stats: dict[str, Any] = field(default_factory=dict)
     # open sessions: (tenant, user, session) -> wall-clock ms the process opened it
@@ -79,7 +81,7 @@ class Registry:
         holds data" from "the processes have not reconnected yet"."""
         return max(0.0, self.started + self.live_s - time.monotonic())
 
-    def touch(self, name: str, instance: str, token_id: str) -> Client:
+    def touch(self, name: str, instance: str, token_id: str, tenants: frozenset[str] | None = None) -> Client:
         key = self._check(name, instance, token_id)
         c = self.clients.get(key)
         if c is None:
@@ -87,6 +89,7 @@ class Registry:
             self.clients = {k: o for k, o in self.clients.items() if now - o.last_seen < FORGET_S}
             c = self.clients[key] = Client(key, name, token_id)
         c.last_seen = time.monotonic()
+        c.tenants = tenants  # as the token says now (one token, one binding)
         return c
 
     def _check(self, name: str, instance: str, token_id: str) -> str:
@@ -105,11 +108,15 @@ class Registry:
 
     # --- commands -------------------------------------------------------------------------------
 
-    def broadcast(self, scope: str, tenant: str, target: str) -> tuple[Command, list[str]]:
-        """Send an erase command to every live process; returns it and who must answer."""
+    def broadcast(self, scope: str, tenant: str, target: str,
+                  tenant_index: str | None = None) -> tuple[Command, list[str]]:
+        """Send an erase command to every live process that may hold the tenant's data (all
+        but those whose token is bound to other tenants); returns it and who must answer."""
         cmd = Command(uuid.uuid4().hex, "erase", scope, tenant, target)
         targets = []
         for c in self.live():
+            if c.tenants is not None and tenant_index not in c.tenants:
+                continue
             c.pending.append(cmd)
             targets.append(c.id)
             if c.wake is not None:
@@ -133,8 +140,9 @@ class Registry:
                 return True
         return False
 
-    async def take_commands(self, name: str, instance: str, token_id: str, wait_s: float) -> list[dict]:
-        c = self.touch(name, instance, token_id)
+    async def take_commands(self, name: str, instance: str, token_id: str, wait_s: float,
+                            tenants: frozenset[str] | None = None) -> list[dict]:
+        c = self.touch(name, instance, token_id, tenants)
         if not c.pending and wait_s > 0:
             c.wake = asyncio.Event()
             try:

@@ -24,11 +24,12 @@ from .auth import any_admin_token
 from .ingest import Ingestor
 from .logs import log
 from .metrics import Metrics
+from .auth import tenant_index
 from .registry import Registry
 from .settings import Settings, check_secure
 
 
-def _secret(path: Path) -> bytes:
+def load_or_create_secret(path: Path) -> bytes:
     """A 32-byte secret kept as hex in a mode-0600 file, created on first start."""
     return load_index_key(path) if path.exists() else generate_index_key(path)
 
@@ -49,8 +50,8 @@ class Sidecar:
             SigningKey.generate().save(key_path)
             log.info("signing key created", path=str(key_path))
         self.key = SigningKey.load(key_path)  # refuses a file others can read
-        index_key = _secret(s.index_key_path)
-        self._seal = AESGCM(_secret(s.seal_key_path))
+        self._index_key = index_key = load_or_create_secret(s.index_key_path)
+        self._seal = AESGCM(load_or_create_secret(s.seal_key_path))
         self.store = AuditStore(self.engine)
         self.log = AuditLog(self.store, s.origin, self.key,
                             LogConfig(checkpoint_every=s.checkpoint_every, checkpoint_interval_ms=s.checkpoint_ms,
@@ -63,6 +64,10 @@ class Sidecar:
 
     def db(self) -> Session:
         return self.sessions()
+
+    def tenant_index(self, tenant: str) -> str:
+        """The tenant's keyed index, as tenant-bound ingest tokens name their tenants."""
+        return tenant_index(self._index_key, tenant)
 
     # --- sealing of pending subject ids ---------------------------------------------------------
 

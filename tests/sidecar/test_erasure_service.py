@@ -135,6 +135,38 @@ def test_an_erasure_without_any_live_process_says_so(sidecar):
     assert details["no_process_acknowledged"] is True and details["pages_overwritten"] == 0
 
 
+def test_a_process_whose_token_is_bound_to_other_tenants_never_sees_the_command(sidecar):
+    """Erase commands carry raw ids: only processes that may hold the tenant's data get them."""
+    service = ErasureService(sidecar)
+    rid = submit(service, "s-1", tenant="acme")
+    bound = {"proc-any": None, "proc-acme": frozenset({sidecar.tenant_index("acme")}),
+             "proc-globex": frozenset({sidecar.tenant_index("globex")})}
+    seen: dict[str, list[str]] = {name: [] for name in bound}
+
+    async def main():
+        for name, tenants in bound.items():  # each process under a token of its own
+            sidecar.registry.touch(name, INSTANCE, f"token-{name}", tenants)
+
+        async def process(name: str, stop: asyncio.Event):
+            while not stop.is_set():
+                for cmd in await sidecar.registry.take_commands(name, INSTANCE, f"token-{name}", 0.05,
+                                                                bound[name]):
+                    seen[name].append(cmd["tenant"])
+                    sidecar.registry.ack(name, INSTANCE, f"token-{name}", cmd["id"], GOOD)
+
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(process(name, stop)) for name in bound]
+        await service.run_pending()
+        stop.set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    done = state(sidecar, rid)
+    assert done.state == "completed", done.error
+    assert sorted(json.loads(done.result_json)["processes"]) == ["proc-acme/i-1", "proc-any/i-1"]
+    assert seen == {"proc-any": ["acme"], "proc-acme": ["acme"], "proc-globex": []}
+
+
 # --- (2) bad answers, bad requests ----------------------------------------------------------------
 
 @pytest.mark.parametrize("bad", [{**GOOD, "pages": "x"}, {**GOOD, "pages": -1}, {**GOOD, "bytes": 2**53},

@@ -1,15 +1,19 @@
 """From the cache's events to audit records: an event of any size is recorded page by
 page, one the sidecar cannot record never stops the ones after it, and a process that
 reuses a client id (restarted, or two at once) has every event recorded; a client id
-belongs to the ingest token that registered it."""
+belongs to the ingest token that registered it, and a token bound to tenants sends
+events of those tenants only."""
 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 
+import sqlalchemy as sa
 import torch
 
 from audit.fields import MAX_ARRAY
@@ -18,7 +22,7 @@ from kvguard.cache.events import CacheEvent, SequenceFreed
 from kvguard.sidecar.client import SidecarClient
 from kvguard.sidecar.ingest import split_pages
 from kvguard.types import Subject
-from tests.sidecar.conftest import kvguard, start_server
+from tests.sidecar.conftest import ROOT, kvguard, start_server
 from tests.sidecar.test_erasure_e2e import wait_state
 
 TOKENS = MAX_ARRAY + 300  # one page a token: every event of the sequence lists more pages than a record may
@@ -233,5 +237,38 @@ def test_a_client_id_belongs_to_the_token_that_registered_it(tmp_path):
             assert [c["target"] for c in commands] == ["alice"]
             assert other.post("/internal/v1/events", json={"client": "pod-b", "instance": "b" * 16,
                                                            "events": []}).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_a_token_bound_to_tenants_sends_their_events_only(tmp_path, db_url):
+    server = start_server(tmp_path, db_url)
+    acme = kvguard(["token", "create", "--scope", "ingest", "--name", "acme-pods", "--tenant", "acme",
+                    "--tenant", "acme-eu"], server.env)
+    event = {"n": 0, "op": "free", "subject": {"tenant": "acme", "user": "alice", "session": "s"},
+             "details": {"seq": 0, "pages": ["hot:0"], "n_tokens": 4, "bytes": 0}}
+    globex = {**event, "n": 1, "subject": {**event["subject"], "tenant": "globex"}}
+    try:
+        with server.client(None) as c:
+            c.headers["Authorization"] = f"Bearer {acme}"
+            pod = {"client": "acme-pod", "instance": "a" * 16}
+            r = c.post("/internal/v1/events", json={**pod, "events": [event, globex]})
+            assert r.status_code == 403 and "not among this ingest token's tenants" in r.json()["detail"]
+            assert "globex" not in r.text and "alice" not in r.text
+            r = c.post("/internal/v1/events", json={**pod, "events": [], "sessions": [
+                {"subject": globex["subject"], "opened_ms": 1}]})
+            assert r.status_code == 403
+            assert records(server, "free") == []  # nothing of a refused batch was recorded
+            r = c.post("/internal/v1/events", json={**pod, "events": [event]})
+            assert r.status_code == 200 and r.json()["recorded"] == 1
+        # the token row keeps keyed indexes, not the tenants' names
+        with sa.create_engine(db_url).connect() as conn:
+            (tenants,) = conn.execute(sa.text("SELECT tenants FROM api_tokens WHERE name = 'acme-pods'")).one()
+        assert len(tenants.split()) == 2 and "acme" not in tenants
+        for bad in (["--scope", "admin", "--tenant", "acme"], ["--scope", "ingest", "--scope", "audit:read",
+                                                              "--tenant", "acme"]):
+            r = subprocess.run([sys.executable, "-m", "kvguard", "token", "create", *bad], env=server.env,
+                               capture_output=True, text=True, cwd=ROOT)
+            assert r.returncode != 0 and "only an ingest token can be bound to tenants" in r.stderr
     finally:
         server.stop()

@@ -1,6 +1,8 @@
 """The internal API of inference processes (over the Unix socket, or loopback TCP):
 event batches in, erase commands out, acknowledgements back. Needs the `ingest` scope;
-a client id belongs to the token that registered it (registry.py), others get 403."""
+a client id belongs to the token that registered it (registry.py), others get 403. A
+token bound to tenants sends events of those tenants only (403 for a batch naming
+another) and gets their erase commands only."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from audit.canonical import MAX_SAFE_INTEGER
 
 from ..logs import log
 from .deps import Ingest, SidecarDep
+from .problems import Problem
 
 router = APIRouter(prefix="/internal/v1", tags=["ingest"])
 
@@ -64,7 +67,13 @@ class BatchAck(BaseModel):
 
 @router.post("/events", response_model=BatchAck, summary="Record a batch of cache events")
 async def events(batch: EventBatch, sidecar: SidecarDep, principal: Ingest) -> BatchAck:
-    client = sidecar.registry.touch(batch.client, batch.instance, principal.token_id)
+    if principal.tenants is not None:
+        named = {e.subject.tenant for e in batch.events} | {s.subject.tenant for s in batch.sessions or ()}
+        others = [t for t in named if sidecar.tenant_index(t) not in principal.tenants]
+        if others:  # nothing of the batch is recorded; the detail names no tenant
+            raise Problem(403, "Forbidden", f"{len(others)} tenant(s) named in the batch are not among this "
+                                            "ingest token's tenants; nothing was recorded")
+    client = sidecar.registry.touch(batch.client, batch.instance, principal.token_id, principal.tenants)
     client.stats = batch.stats or client.stats
     if batch.sessions is not None:
         client.sessions = {(s.subject.tenant, s.subject.user, s.subject.session): s.opened_ms
@@ -92,7 +101,7 @@ async def commands(sidecar: SidecarDep, principal: Ingest,
                    client: Annotated[str, Query(pattern=r"^[A-Za-z0-9._-]{1,64}$")],
                    instance: Annotated[str, Query(pattern=r"^[0-9a-f]{16,32}$")],
                    wait: Annotated[float, Query(ge=0, le=30)] = 10.0) -> list[dict]:
-    return await sidecar.registry.take_commands(client, instance, principal.token_id, wait)
+    return await sidecar.registry.take_commands(client, instance, principal.token_id, wait, principal.tenants)
 
 
 class AckIn(BaseModel):
