@@ -166,7 +166,8 @@ class DiskTier(Tier):
 
 
 class RedisTier(Tier):
-    """Pages shared across pods. `prefix` namespaces this cache's keys."""
+    """Pages in a Redis server, which several pods may use: `prefix` namespaces this cache's
+    keys, and each process's pages are sealed under its own key, so no pod reads another's."""
 
     name = "redis"
 
