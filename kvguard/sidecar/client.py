@@ -225,9 +225,11 @@ class SidecarClient:
         else:
             event = self.cache.erase_session(cmd["tenant"], cmd["target"])
         self._opened = {s: v for s, v in self._opened.items() if s in set(self.cache.sequences())}
-        # acknowledge only once our own erase event is durable in the log
-        while not self.flush(5.0) and not self._stop.is_set():
-            pass
+        # acknowledge only once our own erase event is durable in the log: a client closed before
+        # that leaves the command unacknowledged, and the sidecar's attempt fails and is retried
+        while not self.flush(5.0):
+            if self._stop.is_set():
+                return
         result = {"pages": len(event.pages), "bytes": event.bytes, "sequences": event.sequences,
                   "shared_pages": event.shared_pages, "tier_copies": event.tier_copies,
                   "prefix_entries": event.prefix_entries}

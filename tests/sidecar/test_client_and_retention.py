@@ -142,3 +142,15 @@ def test_an_erase_command_that_fails_is_retried_and_the_client_lives_on(tmp_path
             assert client._threads[1].is_alive()
     finally:
         server.stop()
+
+
+def test_an_erasure_whose_event_is_not_durable_is_never_acknowledged(monkeypatch):
+    cache = small_cache()
+    client = SidecarClient(cache, url="http://127.0.0.1:9", token="kvg_" + "x" * 43)
+    posted = []
+    monkeypatch.setattr(client, "flush", lambda timeout_s=10.0: False)  # the sidecar records nothing
+    monkeypatch.setattr(client._http, "post", lambda *a, **kw: posted.append(a))
+    client._stop.set()  # closing
+    client._execute({"id": "c1", "kind": "erase", "scope": "session", "tenant": "t", "target": "s"})
+    assert posted == [] and client.erasures == []
+    client._http.close()
