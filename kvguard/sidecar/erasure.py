@@ -41,9 +41,9 @@ DAY_MS = 86_400_000
 MAX_ATTEMPTS = 3
 # what a process acknowledges: counts, each a non-negative integer a record can hold
 ACK_FIELDS = ("pages", "bytes", "sequences", "shared_pages", "tier_copies", "prefix_entries")
-NO_PROCESS_NOTICE = ("no inference process acknowledged this erasure (none was live): nothing held in an "
-                     "inference process's memory or lower tiers was erased by it; only the subject's "
-                     "pseudonym secrets were destroyed")
+NO_PROCESS_NOTICE = ("no inference process acknowledged this erasure (none was live that may hold the tenant's "
+                     "data): nothing held in an inference process's memory or lower tiers was erased by it; "
+                     "only the subject's pseudonym secrets were destroyed")
 
 
 def _now_ms() -> int:
@@ -182,7 +182,7 @@ class ErasureService:
         if record is None:
             subject = self.sc.unseal(row.sealed_subject)
             scope, tenant, target = subject["scope"], subject["tenant"], subject["target"]
-            # (1) every live inference process erases and acknowledges
+            # (1) every live inference process that may hold the tenant's data erases and acknowledges
             cmd, targets = self.sc.registry.broadcast(scope, tenant, target, self.sc.tenant_index(tenant))
             acks = await self.sc.registry.wait_acks(cmd, targets, self.sc.settings.erasure_ack_timeout_s)
             answered = _merge_acks(progress["processes"], acks, request_id)
