@@ -118,12 +118,19 @@ class CpuTier(Tier):
 
 
 class DiskTier(Tier):
+    """Pages in files of a directory. With `clear_stale`, the directory is this process's alone
+    (an emptyDir of its pod, a path with its name in it): the pages an earlier run left there,
+    sealed under a key that is gone, and a write a crash cut short are erased at start."""
+
     name = "disk"
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, *, clear_stale: bool = False):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._seal = _Seal(self.name)
+        if clear_stale:
+            for path in [*self.root.glob("*.page"), *self.root.glob("*.tmp")]:
+                _shred(path)
 
     def _path(self, key: str) -> Path:
         if not key.replace("-", "").replace("_", "").isalnum():
@@ -150,31 +157,40 @@ class DiskTier(Tier):
         return _from_bytes(self._seal.open(key, self._path(key).read_bytes()))
 
     def erase(self, key):
-        path = self._path(key)
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            return
-        with open(path, "r+b") as f:
-            f.write(b"\x00" * size)
-            f.flush()
-            os.fsync(f.fileno())
-        path.unlink()
+        _shred(self._path(key))
 
     def keys(self):
         return [p.stem for p in self.root.glob("*.page")]
 
 
+def _shred(path: Path) -> None:
+    """Overwrite a file with zeros, fsync, unlink; nothing when it is gone."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return
+    with open(path, "r+b") as f:
+        f.write(b"\x00" * size)
+        f.flush()
+        os.fsync(f.fileno())
+    path.unlink()
+
+
 class RedisTier(Tier):
     """Pages in a Redis server, which several pods may use: `prefix` namespaces this cache's
-    keys, and each process's pages are sealed under its own key, so no pod reads another's."""
+    keys, and each process's pages are sealed under its own key, so no pod reads another's.
+    With `clear_stale`, the prefix is this process's alone (its pod's name in it): the pages an
+    earlier run left under it are erased at start."""
 
     name = "redis"
 
-    def __init__(self, client, prefix: str = "kvguard:page:"):
+    def __init__(self, client, prefix: str = "kvguard:page:", *, clear_stale: bool = False):
         self.r = client
         self.prefix = prefix
         self._seal = _Seal(self.name)
+        if clear_stale:
+            for key in self.keys():
+                self.erase(key)
 
     def put(self, key, blob):
         data = self._seal.seal(key, _to_bytes(blob))
