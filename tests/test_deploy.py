@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from kvguard.sidecar.settings import Settings
@@ -29,3 +30,45 @@ def test_environment_variables_are_real_settings():
     for path in [*(ROOT / "deploy").rglob("*.yaml"), ROOT / "deploy/Dockerfile"]:
         for var in set(re.findall(r"KVGUARD_[A-Z_]+", path.read_text())):
             assert var in fields | CLIENT_SIDE | {"KVGUARD_BEHIND_TLS_PROXY"}, f"{path.name}: {var} is no setting"
+
+
+def render_chart(release: str = "llm-inference") -> dict:
+    """The chart's Deployment as `helm template` renders it with the default values (the few
+    template constructs it uses: values, the release name, `if` on a value)."""
+    chart = ROOT / "deploy/helm/kvguard"
+    values = yaml.safe_load((chart / "values.yaml").read_text())
+
+    def value(path: str):
+        v = values
+        for part in path.split("."):
+            v = v[part]
+        return v
+
+    text = (chart / "templates/deployment.yaml").read_text()
+    text = re.sub(r"\n[ \t]*\{\{- if \.Values\.([\w.]+) \}\}(.*?)\n[ \t]*\{\{- end \}\}",
+                  lambda m: m.group(2) if value(m.group(1)) else "", text, flags=re.S)
+    text = text.replace("{{ .Release.Name }}", release)
+    text = re.sub(r"\{\{ \.Values\.([\w.]+) \}\}", lambda m: str(value(m.group(1))), text)
+    assert "{{" not in text, "a template construct this renderer does not know"
+    return yaml.safe_load(text)
+
+
+DEPLOYMENTS = {"manifest": lambda: next(yaml.safe_load_all((ROOT / "deploy/k8s/inference-with-kvguard.yaml")
+                                                         .read_text())),
+               "chart": render_chart}
+
+
+def sidecar_of(pod: dict) -> dict:
+    return next(c for c in pod["containers"] if c["name"] == "kvguard")
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_probes_reach_the_admin_api_on_loopback(deployment):
+    sidecar = sidecar_of(DEPLOYMENTS[deployment]()["spec"]["template"]["spec"])
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    host, port = env.get("KVGUARD_HOST", Settings.model_fields["host"].default), env.get("KVGUARD_PORT", "8470")
+    assert host in ("127.0.0.1", "::1", "localhost")  # no TLS on the admin API: it never leaves the pod
+    for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+        # the kubelet sends httpGet and tcpSocket probes to the pod's IP, which a loopback listener never answers
+        assert set(sidecar[probe]) & {"httpGet", "tcpSocket", "grpc"} == set(), f"{probe} cannot reach {host}"
+        assert f"http://127.0.0.1:{port}{path}" in " ".join(sidecar[probe]["exec"]["command"])
