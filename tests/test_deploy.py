@@ -21,8 +21,6 @@ def test_manifest_parses_and_wires_the_socket():
     assert mounts["inference"]["kvguard-sock"] == mounts["kvguard"]["kvguard-sock"]
     sidecar = next(c for c in pod["containers"] if c["name"] == "kvguard")
     assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
-    key_volume = next(v for v in pod["volumes"] if v["name"] == "kvguard-key")
-    assert key_volume["secret"]["defaultMode"] == 0o400  # the loader refuses keys others can read
 
 
 def test_environment_variables_are_real_settings():
@@ -72,3 +70,34 @@ def test_probes_reach_the_admin_api_on_loopback(deployment):
         # the kubelet sends httpGet and tcpSocket probes to the pod's IP, which a loopback listener never answers
         assert set(sidecar[probe]) & {"httpGet", "tcpSocket", "grpc"} == set(), f"{probe} cannot reach {host}"
         assert f"http://127.0.0.1:{port}{path}" in " ".join(sidecar[probe]["exec"]["command"])
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_keys_reach_the_sidecar_readable_by_its_user_only(deployment):
+    """The kubelet gives a Secret volume's files to root and the pod's fsGroup, adding group read
+    to defaultMode when there is one (kubernetes/kubernetes#57923); kvguard refuses a key file
+    its group or others can read, and the sidecar runs as neither root nor the file's owner."""
+    pod = DEPLOYMENTS[deployment]()["spec"]["template"]["spec"]
+    sidecar = sidecar_of(pod)
+    uid = sidecar["securityContext"]["runAsUser"]
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for var in ("KVGUARD_KEY_FILE", "KVGUARD_INDEX_KEY_FILE", "KVGUARD_SEAL_KEY_FILE"):
+        folder, name = env[var].rsplit("/", 1)
+        mount = next(m for m in sidecar["volumeMounts"] if m["mountPath"] == folder)
+        assert mount.get("readOnly") is True
+        volume = volumes[mount["name"]]
+        if "secret" in volume:
+            mode = volume["secret"].get("defaultMode", 0o644) | (0o440 if "fsGroup" in pod["securityContext"] else 0)
+            readable = bool(mode & 0o004) or (bool(mode & 0o040) and "fsGroup" in pod["securityContext"])
+            assert readable and not mode & 0o077, f"{var}: a Secret file of mode {mode:04o} owned by root"
+            continue
+        # copied out of the Secret into memory by an init container running as the sidecar's user
+        assert volume["emptyDir"]["medium"] == "Memory"
+        writers = [c for c in pod.get("initContainers", []) if any(m["name"] == mount["name"]
+                                                                   for m in c["volumeMounts"])]
+        assert len(writers) == 1 and writers[0]["securityContext"]["runAsUser"] == uid
+        command = " ".join(writers[0]["command"])
+        assert "install -m 0400" in command and f"/{name}" in command and command.rstrip().endswith(folder + "/")
+        sources = [volumes[m["name"]] for m in writers[0]["volumeMounts"] if m["name"] != mount["name"]]
+        assert [v["secret"]["secretName"] for v in sources] == ["kvguard-signing-key"]
