@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -101,3 +102,13 @@ def test_keys_reach_the_sidecar_readable_by_its_user_only(deployment):
         assert "install -m 0400" in command and f"/{name}" in command and command.rstrip().endswith(folder + "/")
         sources = [volumes[m["name"]] for m in writers[0]["volumeMounts"] if m["name"] != mount["name"]]
         assert [v["secret"]["secretName"] for v in sources] == ["kvguard-signing-key"]
+
+
+def test_image_data_volume_belongs_to_the_service_user():
+    """Docker creates a VOLUME's mount point root-owned unless the image holds the folder: the
+    service user could not write its database and keys there."""
+    final = (ROOT / "deploy/Dockerfile").read_text().replace("\\\n", " ").rsplit("\nFROM ", 1)[1]
+    user = re.search(r"^USER (\S+)", final, re.M).group(1)
+    for folder in json.loads(re.search(r"^VOLUME (\[.*\])", final, re.M).group(1)):
+        made = re.search(rf"^RUN .*install -d -o {user} .*-m 0?700 {re.escape(folder)}\b", final, re.M)
+        assert made and made.start() < final.index("\nVOLUME "), f"{folder} is not made {user}'s before VOLUME"
