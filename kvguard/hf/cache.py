@@ -223,8 +223,7 @@ class KVGuardCache(Cache):
             # a decode step: every row's token in one write and one pass of the decode kernels
             k, v = key[:, :, 0].to(dtype).contiguous(), value[:, :, 0].to(dtype).contiguous()  # [B, H, D]
             if not self._manager.append_step(self.seqs, layer, k, v):
-                raise CacheFullError(f"no free page for the new tokens of {batch} rows at layer {layer}: "
-                                     "raise num_pages or configure an evictor with a budget")
+                raise self._full(layer, t, f"no free page for the new tokens of {batch} rows at layer {layer}")
             return self._attend_step(layer, query[:, :, 0], scale).to(query.dtype).unsqueeze(1)
         counts = self._suffix_counts(real, t)
         if self.batched_decode and self._manager.cfg.use_kernels and counts is not None:
@@ -232,8 +231,7 @@ class KVGuardCache(Cache):
             # launch of the prefill kernel per pool for every row
             k, v = key.transpose(1, 2).to(dtype).contiguous(), value.transpose(1, 2).to(dtype).contiguous()
             if not self._manager.append_chunk(self.seqs, layer, k, v, counts):
-                raise CacheFullError(f"no free page for the new tokens of {batch} rows at layer {layer}: "
-                                     "raise num_pages or configure an evictor with a budget")
+                raise self._full(layer, t, f"no free page for the new tokens of {batch} rows at layer {layer}")
             q = query.transpose(1, 2).to(dtype).contiguous()  # [B, T, Hq, D]
             return self._manager.attend_chunk(self.seqs, layer, q, counts, scale=scale).to(query.dtype)
         out = query.new_zeros(batch, t, query.shape[1], query.shape[3])
@@ -245,10 +243,18 @@ class KVGuardCache(Cache):
             k = key[b, :, idx].transpose(0, 1).to(dtype).contiguous()  # [t, H, D]
             v = value[b, :, idx].transpose(0, 1).to(dtype).contiguous()
             if not self._manager.append(seq, layer, k, v):
-                raise CacheFullError(f"no free page for {k.shape[0]} tokens of row {b} at layer {layer}: "
-                                     "raise num_pages or configure an evictor with a budget")
+                raise self._full(layer, t, f"no free page for {k.shape[0]} tokens of row {b} at layer {layer}")
             out[b, idx] = self._attend_row(seq, layer, q, scale).to(out.dtype)
         return out
+
+    def _full(self, layer: int, t: int, what: str) -> CacheFullError:
+        """The error for a write the pool had no pages for. A forward pass takes its pages at the
+        first layer, each write all or none, so (but for the rows before row b of a row-by-row
+        write) nothing of it is held: the layer stops counting its t tokens, and the cache goes
+        on from where it was once pages are free."""
+        self.layers[layer].seen -= t
+        return CacheFullError(f"{what}: raise num_pages, free other sequences or configure an evictor "
+                              "with a budget")
 
     def _suffix_counts(self, real: list[torch.Tensor | None] | None, t: int) -> list[int] | None:
         """Each row's real tokens among the t new ones when they are its last ones (no padding,

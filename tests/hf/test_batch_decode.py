@@ -11,7 +11,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvguard.cache import CacheManager
 from kvguard.eval.probe import ProbeCache
-from kvguard.hf import KVGuardCache
+from kvguard.hf import CacheFullError, KVGuardCache
 from kvguard.types import Subject
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
@@ -74,3 +74,21 @@ def test_padding_mask_read_once_per_forward_pass(tiny):
     again = cache._real_tokens(mask, 3)
     assert again is not rows and again[0].tolist() == [1, 2]
     assert cache._real_tokens(mask.clone(), 3) is not again  # another pass's mask
+
+
+def test_a_forward_refused_for_want_of_pages_leaves_the_cache_as_it_was(tiny):
+    """A CacheFullError writes nothing: the cache still counts only the tokens it holds, so the
+    caller can free pages elsewhere and go on at the right positions."""
+    ids = torch.randint(0, 96, (1, 45), generator=torch.Generator().manual_seed(3))
+    tiny.set_attn_implementation("kvguard")
+    full = KVGuardCache(tiny.config, PEOPLE[0], num_pages=2, dtype=torch.float32)  # 32 tokens
+    roomy = KVGuardCache(tiny.config, PEOPLE[0], num_pages=4, dtype=torch.float32)
+    with torch.no_grad():
+        tiny(ids[:, :20], past_key_values=full)
+        tiny(ids[:, :20], past_key_values=roomy)
+        with pytest.raises(CacheFullError):
+            tiny(ids[:, 20:45], past_key_values=full)
+        assert full.get_seq_length() == 20 and [layer.seen for layer in full.layers] == [20, 20]
+        got = tiny(ids[:, 20:30], past_key_values=full).logits
+        want = tiny(ids[:, 20:30], past_key_values=roomy).logits
+    torch.testing.assert_close(got, want)
