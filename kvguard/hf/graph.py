@@ -122,12 +122,16 @@ def greedy(model, cache: KVGuardCache, input_ids: torch.Tensor, *, max_new_token
            capture: bool | None = None) -> torch.Tensor:
     """Greedy decoding, as `model.generate(do_sample=False)`: the prompt's forward pass eagerly
     through `cache` (left padding allowed, given by attention_mask), then one DecodeGraph step
-    per new token. Rows that produced eos_token_id get pad_token_id after it; decoding stops
-    when every row has. Returns [B, prompt + new] token ids."""
+    per new token. The cache must hold no tokens yet (a new one, or one after `free()`). Rows
+    that produced eos_token_id get pad_token_id after it; decoding stops when every row has.
+    Returns [B, prompt + new] token ids."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1:
         raise InputError("input_ids must be a [B, T] tensor of token ids with T >= 1")
+    if cache.get_seq_length():
+        raise InputError(f"the cache holds {cache.get_seq_length()} tokens already; greedy feeds the prompt from "
+                         "position 0: pass a new KVGuardCache, or call cache.free() first")
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     if mask.shape != input_ids.shape:
         raise InputError(f"attention_mask has shape {list(mask.shape)}; input_ids {list(input_ids.shape)}")

@@ -105,3 +105,24 @@ def test_decode_graph_refuses_bad_input():
     with pytest.raises(InputError, match="pad on the left"):
         greedy(None, KVGuardCache(cfg, who), torch.zeros(1, 4, dtype=torch.long), max_new_tokens=2,
                attention_mask=torch.tensor([[1, 1, 1, 0]]))
+
+
+def test_greedy_refuses_a_cache_that_already_holds_tokens():
+    """greedy numbers the prompt's positions from 0: through a cache that holds tokens already,
+    it would write them at positions those tokens hold."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvguard.hf import KVGuardCache, greedy
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation("kvguard")
+    cache = KVGuardCache(cfg, Subject("acme", "alice", "s1"), num_pages=8, dtype=torch.float32)
+    ids = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    with pytest.raises(InputError, match="holds 10 tokens"):
+        greedy(model, cache, ids, max_new_tokens=4)
+    assert cache.get_seq_length() == 10 and cache.manager.length(cache.seqs[0]) == 10
