@@ -106,7 +106,15 @@ def check_secure(settings: Settings, *, tokens_exist: bool) -> None:
         if shared_db and not path.exists():
             problems.append(f"the {what} file {path} does not exist: with a shared database every sidecar needs "
                             f"the same one; create it once with 'kvguard keygen --secret {path}' and mount it")
-    if shared_db and "password=" in settings.database_url:
+    if shared_db and _password_in(settings.database_url):
         problems.append("the database password is in the URL: use a PGPASSFILE or a secret-mounted service file")
     if problems:
         raise ConfigError("refusing to start in production: " + "; ".join(problems))
+
+
+def _password_in(url: str) -> bool:
+    """Whether a database URL carries a password: user:password@host or ?password=..."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    return parsed.password is not None or "password" in parsed.query

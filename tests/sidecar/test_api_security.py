@@ -113,3 +113,17 @@ def test_production_refuses_insecure_settings(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kvguard", "serve"], env=env, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode != 0 and "chmod 600" in r.stderr
+
+
+@pytest.mark.parametrize("url", ["postgresql+psycopg://kvguard:s3cret@db/audit",
+                                 "postgresql+psycopg://kvguard@db/audit?password=s3cret"])
+def test_production_refuses_a_database_password_in_the_url(tmp_path, url):
+    from kvguard.errors import ConfigError
+    from kvguard.sidecar.settings import Settings, check_secure
+
+    for name in ("index.key", "seal.key"):
+        (tmp_path / name).write_text("00")
+    settings = Settings(data_dir=tmp_path, database_url=url)
+    with pytest.raises(ConfigError, match="password is in the URL"):
+        check_secure(settings, tokens_exist=True)
+    check_secure(Settings(data_dir=tmp_path, database_url="postgresql+psycopg://kvguard@db/audit"), tokens_exist=True)
