@@ -179,7 +179,13 @@ class Policy(Layers):
 
     def at(self, step: int) -> Policy:
         """This policy with step `step` of `steps()` as its compression layers."""
-        layers = self.steps()[step]
+        steps = self.steps()
+        if step < 0:  # PolicyDecision.step of a refusal: no configuration may run
+            raise ConfigError(f"policy {self.name!r} was refused: no configuration of it is in force; "
+                              "measure a safer configuration or raise its fidelity bound")
+        if step >= len(steps):
+            raise ConfigError(f"policy {self.name!r} has steps 0 to {len(steps) - 1}, not {step}")
+        layers = steps[step]
         return self.model_copy(update={"codec": layers.codec, "evictor": layers.evictor})
 
     def cache_options(self) -> dict:

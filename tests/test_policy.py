@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvguard.cache import CacheManager, EventQueue
+from kvguard.errors import ConfigError
 from kvguard.policy import (SCENARIOS, Measurement, ModelShape, PolicyError, calibrate, load_policies, load_policy,
                             parse_policy)
 
@@ -133,6 +134,18 @@ def test_calibrate_refuses():
     bad = Measurement(0.5, 2.0)
     assert calibrate(chat, lambda step: bad).refused  # no downgrade step passes either
     assert calibrate(chat, Measurement(0.001, 0.7)).outcome == "downgrade"  # perplexity counts too
+
+
+def test_a_refused_policy_has_no_configuration_in_force():
+    reasoning = load_policy(POLICIES / "reasoning.yaml")  # on_violation: refuse, no downgrade steps
+    d = calibrate(reasoning, Measurement(0.011, 0.0))
+    with pytest.raises(ConfigError, match="refused"):
+        reasoning.at(d.step)  # not the refused configuration as written
+    chat = load_policy(POLICIES / "chat.yaml")
+    with pytest.raises(ConfigError, match="refused"):
+        chat.at(calibrate(chat, lambda step: Measurement(0.5, 2.0)).step)  # not its last downgrade step
+    with pytest.raises(ConfigError, match="steps 0 to 2"):
+        chat.at(3)
 
 
 def test_per_head_is_an_evictor_option_and_named_in_the_key():
