@@ -213,6 +213,23 @@ def _lines(node: yaml.Node, path: tuple = (), out: dict | None = None) -> dict[t
     return out
 
 
+def _duplicate(node: yaml.Node, path: tuple = ()) -> tuple[int, tuple] | None:
+    """Line and path of the first key given twice in one mapping (PyYAML keeps the last silently)."""
+    if isinstance(node, yaml.MappingNode):
+        seen = set()
+        for k, v in node.value:
+            if k.value in seen:
+                return k.start_mark.line + 1, (*path, k.value)
+            seen.add(k.value)
+            if found := _duplicate(v, (*path, k.value)):
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            if found := _duplicate(v, (*path, i)):
+                return found
+    return None
+
+
 def _where(lines: dict[tuple, int], loc: tuple) -> tuple[int, str]:
     loc = tuple(p for p in loc if not (isinstance(p, str) and p in ("function-after", "literal")))
     field = ".".join(str(p) if isinstance(p, str) else f"[{p}]" for p in loc).replace(".[", "[") or "(top level)"
@@ -231,6 +248,9 @@ def parse_policy(text: str, source: str = "<string>") -> Policy:
         raise PolicyError(f"{source}:{line}: not valid YAML: {e.problem}") from None
     if not isinstance(data, dict):
         raise PolicyError(f"{source}:1: a policy is a mapping of fields (name, scenario, codec, ...)")
+    if dup := _duplicate(node):
+        line, field = _where({dup[1]: dup[0]}, dup[1])
+        raise PolicyError(f"{source}:{line}: {field}: given twice; keep one (YAML would silently use the last)")
     lines = _lines(node)
     try:
         policy = Policy.model_validate(data)

@@ -81,6 +81,16 @@ def test_bad_policy_names_file_line_and_field(change, needle, field, words):
     assert words in msg
 
 
+def test_a_field_given_twice_is_an_error_not_the_last_one_silently():
+    text = CHAT.replace("  sink: 4\ntiers", "  sink: 4\n  budget: 64\ntiers")
+    with pytest.raises(PolicyError, match=rf"^policies/bad.yaml:{line_of(text, 'budget: 64')}: evictor.budget: "
+                                          "given twice"):
+        parse_policy(text, "policies/bad.yaml")
+    text = CHAT + "on_violation: refuse\n"
+    with pytest.raises(PolicyError, match=rf"^x:{len(text.splitlines())}: on_violation: given twice"):
+        parse_policy(text, "x")
+
+
 def test_h2o_in_a_rag_policy_is_refused_at_its_line(tmp_path):
     text = (POLICIES / "rag.yaml").read_text()
     text += "  - codec: {name: int8}\n    evictor: {name: h2o, budget: 512}\n"
