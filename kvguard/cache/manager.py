@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.quantize import INT4_GROUP
+
 from ..compress.codecs import Fp16Codec, make_codec
 from ..compress.evictors import make_evictor
 from ..errors import ConfigError, InputError, OutOfPages, TierError, UnknownSequence
@@ -170,6 +172,9 @@ class CacheManager:
             self.codec.check(c.num_kv_heads, c.page_size, c.head_dim)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if c.use_kernels and getattr(self.codec, "group", INT4_GROUP) != INT4_GROUP:
+            raise ConfigError(f"the Triton kernels take int4 value groups of {INT4_GROUP}, not "
+                              f"{self.codec.group}: use group {INT4_GROUP} or use_kernels=False")
         self.evictor = make_evictor(c.evictor, **c.evictor_options) if c.evictor else None
         self.events = events if events is not None else ev.EventQueue()
         self.tiers = dict(tiers or {})

@@ -71,6 +71,10 @@ def test_unknown_sequence(cache):
     ({"page_size": 0}, "page_size must be a positive integer"),
     ({"dtype": "float64"}, "dtype must be one of"),
     ({"codec": "int4", "head_dim": 48}, "divisible"),
+    ({"codec": "int4", "codec_options": {"group": 0}}, "group must be a positive integer, got 0"),
+    ({"codec": "int4", "codec_options": {"group": -32}}, "group must be a positive integer"),
+    ({"codec": "int4", "codec_options": {"group": "32"}}, "group must be a positive integer, got '32'"),
+    ({"codec": "int4", "codec_options": {"group": 64}, "use_kernels": True}, "value groups of 32"),
 ])
 def test_bad_config(kwargs, match):
     base = dict(num_layers=1, num_kv_heads=2, head_dim=64, num_pages=4)

@@ -19,7 +19,7 @@ def make_codec(name: str, **options) -> Codec:
         raise ConfigError(f"unknown codec {name!r}; choose one of {sorted(CODECS)}")
     try:
         return CODECS[key](**options)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise ConfigError(f"bad options for codec {name!r}: {e}") from None
 
 
