@@ -22,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .cache.config import CacheConfig
 from .cache.events import CacheEvent, EventQueue
+from .compress.codecs import make_codec
+from .compress.evictors import make_evictor
 from .errors import ConfigError
 from .types import Subject
 
@@ -70,6 +72,14 @@ class Codec(_Strict):
     fp_window: Count = 0  # last tokens kept 16-bit (whole pages)
     options: dict = Field(default_factory=dict)  # e.g. int4's value group size: {group: 32}
 
+    @model_validator(mode="after")
+    def _options(self):
+        try:  # the cache's own checks, on load rather than when a cache is made
+            make_codec(self.name, **self.options)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return self
+
 
 class Evictor(_Strict):
     name: Literal["streamingllm", "h2o", "snapkv"]
@@ -90,6 +100,10 @@ class Evictor(_Strict):
             raise ValueError("observe and pool are snapkv's options")
         if self.name == "streamingllm" and not self.per_head:
             raise ValueError("per_head is h2o's and snapkv's option (streamingllm keeps one set)")
+        try:  # the cache's own checks, on load rather than when a cache is made
+            make_evictor(self.name, **self.options())
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
         return self
 
     def options(self) -> dict:

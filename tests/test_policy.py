@@ -66,6 +66,12 @@ BAD = [
      "on_violation", "downgrade list"),
     (("  sink: 4\ntiers", "  sink: 4\n  window: 32\n  observe: 8\ntiers"), "name: streamingllm", "evictor",
      "snapkv's options"),
+    (("name: streamingllm\n  budget: 4096\n  sink: 4", "name: snapkv\n  budget: 4096\n  sink: 4\n  pool: 4"),
+     "name: snapkv", "evictor", "pool an odd number"),
+    (("  fp_window: 128\nevictor", "  fp_window: 128\n  options: {grup: 64}\nevictor"), "name: int8\n", "codec",
+     "bad options for codec 'int8'"),
+    (("name: int8\n  fp_sink: 4\n  fp_window: 128\nevictor", "name: int4\n  options: {group: 0}\nevictor"),
+     "name: int4", "codec", "group must be a positive integer"),
 ]
 
 
@@ -76,7 +82,9 @@ def test_bad_policy_names_file_line_and_field(change, needle, field, words):
     with pytest.raises(PolicyError) as e:
         parse_policy(text, "policies/bad.yaml")
     msg = str(e.value)
-    line = line_of(text, needle) if needle != "name: streamingllm" else line_of(text, "evictor:")
+    line = {"name: streamingllm": line_of(text, "evictor:"), "name: snapkv": line_of(text, "evictor:"),
+            "name: int8\n": line_of(text, "codec:"), "name: int4": line_of(text, "codec:")}.get(needle)
+    line = line or line_of(text, needle)
     assert msg.startswith(f"policies/bad.yaml:{line}: {field}: "), msg
     assert words in msg
 
