@@ -91,13 +91,25 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         raise ConfigError(f"unknown format(s) {sorted(bad)}; choose from md, csv, json, html")
     if args.from_json:
-        return _write(report.from_json(json.loads(Path(args.from_json).read_text(encoding="utf-8"))), args)
+        try:
+            data = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read {args.from_json}: {getattr(e, 'strerror', None) or e}; give the "
+                              "fidelity.json an earlier run wrote") from None
+        return _write(report.from_json(data), args)
+    if not 0 < args.max_deviation < 1:
+        raise ConfigError(f"--max-deviation must be between 0 and 1 (0.01 = 1 %), got {args.max_deviation}")
+    if not args.max_ppl_increase > 0:
+        raise ConfigError(f"--max-ppl-increase must be above 0, got {args.max_ppl_increase}")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     settings = Settings(prefix=args.prefix, score=args.score, chunk=args.chunk, generate=args.generate,
                         budget=args.budget, page_size=args.page_size, dtype=args.cache_dtype)
     available = builtin_methods(args.budget, args.page_size)
     methods = select(args.methods or list(available), available)
+    if args.policies and not Path(args.policies).is_dir():
+        raise ConfigError(f"no folder {args.policies} of policies to calibrate; give --policies DIR, "
+                          "or --policies '' for none")
     policies = list(load_policies(args.policies).values()) if args.policies else []
     texts = load_texts(args.texts, args.text_file, args.text_cache)
     if not texts:

@@ -7,8 +7,12 @@ import argparse
 import subprocess
 import sys
 
+import pytest
+
+from kvguard.errors import ConfigError
 from kvguard.eval import register
 from kvguard.eval.cli import main
+from kvguard.eval.settings import Settings
 
 
 def test_module_help_describes_the_protocol():
@@ -37,3 +41,26 @@ def test_bad_arguments_are_errors_not_tracebacks(capsys):
     assert "unknown format(s) ['pdf']" in capsys.readouterr().err
     assert main(["--methods", "int3", "--policies", ""]) == 1
     assert "unknown method(s) ['int3']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--chunk", "0"], "chunk must be an integer >= 1, got 0"),
+    (["--prefix", "0"], "prefix must be an integer >= 1, got 0"),
+    (["--score", "1"], "score must be an integer >= 2"),  # no query would be compared: every deviation 0
+    (["--page-size", "0"], "page_size must be an integer >= 1, got 0"),
+    (["--generate", "-1"], "generate must be an integer >= 0"),
+    (["--max-deviation", "2"], "--max-deviation must be between 0 and 1"),
+    (["--max-deviation", "nan"], "--max-deviation must be between 0 and 1"),
+    (["--max-ppl-increase", "0"], "--max-ppl-increase must be above 0"),
+    (["--from-json", "/nonexistent/fidelity.json"], "cannot read /nonexistent/fidelity.json"),
+    (["--policies", "/nonexistent/policies"], "no folder /nonexistent/policies"),
+])
+def test_bad_settings_are_errors_before_any_measurement(capsys, argv, words):
+    assert main([*argv, "--methods", "none", "--texts", "", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvguard eval: error: ") and words in err, err
+
+
+def test_settings_refuse_a_protocol_that_measures_nothing():
+    with pytest.raises(ConfigError, match="score must be an integer >= 2"):
+        Settings(score=1)
