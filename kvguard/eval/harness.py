@@ -152,7 +152,7 @@ def run(model, ids: torch.Tensor, text: str, method: Method, s: Settings) -> Tex
 def compare(result: TextResult, reference: TextResult) -> None:
     result.ppl_delta = result.ppl - reference.ppl
     same = [a == b for a, b in zip(result.tokens, reference.tokens)]
-    result.agreement = sum(same) / len(same)
+    result.agreement = sum(same) / len(same) if same else math.nan  # --generate 0: no greedy tokens
 
 
 def summarize(method: Method, results: list[TextResult], bound_dev: float, bound_ppl: float) -> Summary:

@@ -131,11 +131,15 @@ def from_json(data: dict) -> Report:
     def num(x):
         return math.nan if x is None else x
 
+    # NaN, JSON's null, without greedy tokens (--generate 0)
+    undefined = ("ppl_delta", "worst_ppl_delta", "agreement", "decode_tps")
+
     summaries = []
     for d in data["summaries"]:
-        texts = [TextResult(**{k: (num(v) if k in ("ppl_delta", "agreement", "decode_tps") else v)
+        texts = [TextResult(**{k: (num(v) if k in undefined else v)
                                for k, v in t.items() if k != "mean_deviation"}) for t in d["texts"]]
-        summaries.append(Summary(**(d | {"texts": texts})))
+        fields = {k: (num(v) if k in undefined else v) for k, v in d.items()}
+        summaries.append(Summary(**(fields | {"texts": texts})))
     decisions = [PolicyDecision(subject=Subject("*", "*", "*"), **{k: v for k, v in d.items() if k != "op"}
                                 | {"pages": tuple(d["pages"])}) for d in data["decisions"]]
     return Report(data["model"], Settings(**data["settings"]), data["texts"], summaries, decisions,

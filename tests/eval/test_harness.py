@@ -114,3 +114,21 @@ def test_a_budget_near_the_whole_text_still_compacts(smollm2):
     method = Method("h2o", "evictor", {"evictor": "h2o", "evictor_options": {"budget": 384, "sink": 4, "window": 64}})
     got = run(model, token_ids(tok, stdlib_code(), 416), "stdlib-code", method, s)
     assert got.evicted > 0
+
+
+def test_compare_without_greedy_tokens():
+    from kvguard.eval.evaluate import Report
+    from kvguard.eval.harness import TextResult, compare, summarize
+
+    def result(ppl):
+        return TextResult("m", "codec", "int8", "t", [0.01], ppl, 0.5, 1.0, 0, [], 1.0, math.nan)
+
+    r = result(10.25)
+    compare(r, result(10.0))  # --generate 0: nothing to agree on, still a ΔPPL
+    assert r.ppl_delta == 0.25 and math.isnan(r.agreement)
+    # and the report, written and read back from its JSON, renders it
+    summary = summarize(Method("int8", "codec", {"codec": "int8"}), [r], 0.01, 0.5)
+    again = report.from_json(json.loads(json.dumps(report.to_json(
+        Report("m", Settings(generate=0), {"t": 1}, [summary])))))
+    assert math.isnan(again.summaries[0].agreement) and math.isnan(again.summaries[0].decode_tps)
+    assert "| int8 | `int8` |" in report.to_markdown(again)
