@@ -53,15 +53,18 @@ def evaluate(model, tokenizer, texts: dict[str, str], methods: list[Method], set
     refs: dict[str, TextResult] = {}
     summaries: dict[str, Summary] = {}
 
-    measured_as: dict[str, str] = {}  # effective configuration -> the method measured for it
+    # (effective configuration, page size) -> the method measured for it; the key does not name the page
+    # size, which a policy sets for itself
+    measured_as: dict[tuple[str, int], str] = {}
 
     def measure(method: Method) -> Summary:
         if method.name in summaries:
             return summaries[method.name]
-        effective = method.effective_key(s.prefix, s.prefix + s.score + s.generate)
-        if effective in measured_as:  # the same computation under another name: measured once
+        page_size = method.options.get("page_size", s.page_size)
+        effective = method.effective_key(s.prefix, s.prefix + s.score + s.generate, page_size)
+        if (effective, page_size) in measured_as:  # the same computation under another name: measured once
             bar.update(len(ids))
-            same = summaries[measured_as[effective]]
+            same = summaries[measured_as[effective, page_size]]
             why = "" if effective == method.key else "; its evictor never fires at this length"
             summaries[method.name] = replace(same, method=method.name, kind=method.kind, key=method.key,
                                              description=f"{method.description} (measured as {same.method}{why})")
@@ -76,7 +79,7 @@ def evaluate(model, tokenizer, texts: dict[str, str], methods: list[Method], set
             results.append(r)
             bar.update()
         summaries[method.name] = summarize(method, results, bound.max_attention_deviation, bound.max_ppl_increase)
-        measured_as[effective] = method.name
+        measured_as[effective, page_size] = method.name
         return summaries[method.name]
 
     for m in plan[: len(plan) - len(policies)]:

@@ -40,13 +40,14 @@ class Method:
                 + ("/per-head" if self.per_head else "")
                 + (f"+sparse@{self.sparse_pages}p" if self.sparse_pages else ""))
 
-    def effective_key(self, prefix: int, total: int) -> str:
+    def effective_key(self, prefix: int, total: int, page_size: int = 16) -> str:
         """The key of what actually runs: an evictor whose budget is never passed
-        (continuous compaction needs budget + one page) is no evictor at all."""
+        (continuous compaction needs budget + one page; `page_size` unless the method
+        sets its own) is no evictor at all."""
         o = self.options
         if o.get("evictor"):
             budget = o["evictor_options"]["budget"]
-            fires = budget < prefix if self.evict_prefix_only else budget + o.get("page_size", 16) <= total
+            fires = budget < prefix if self.evict_prefix_only else budget + o.get("page_size", page_size) <= total
             if not fires:
                 plain = {k: v for k, v in o.items() if k not in ("evictor", "evictor_options")}
                 return replace(self, options=plain, evict_prefix_only=False).key

@@ -132,3 +132,27 @@ def test_compare_without_greedy_tokens():
         Report("m", Settings(generate=0), {"t": 1}, [summary])))))
     assert math.isnan(again.summaries[0].agreement) and math.isnan(again.summaries[0].decode_tps)
     assert "| int8 | `int8` |" in report.to_markdown(again)
+
+
+def test_a_policy_is_not_taken_as_measured_at_another_page_size(monkeypatch):
+    import kvguard.eval.evaluate as ev
+    from kvguard.eval.harness import TextResult
+
+    pages = {}  # method -> the page size its cache was made with
+
+    def fake_run(model, ids, text, method, s):
+        pages[method.name] = method.options.get("page_size", s.page_size)
+        return TextResult(method.name, method.kind, method.key, text, [0.001 * pages[method.name]], 10.0, 0.5,
+                          1.0, 0, [1], 1.0, 1.0)
+
+    monkeypatch.setattr(ev, "run", fake_run)
+    tokenizer = lambda text, return_tensors: type("T", (), {"input_ids": torch.zeros(1, 64, dtype=torch.long)})
+    policy = parse_policy(POLICY.replace("evictor: {name: h2o, budget: 48, sink: 4, window: 16}\n", ""))
+    methods = [builtin_methods(32)["int8"]]  # the same layers as the policy: int8(sink 4)
+    got = evaluate(None, tokenizer, {"t": "x"}, methods, Settings(prefix=32, score=32, page_size=32), [policy],
+                   progress=False)
+    assert pages == {"none": 32, "int8": 32, "tiny": 16}  # the policy measured at its own page size
+    assert got.by_method()["tiny"].deviation == pytest.approx(0.016)
+    pages.clear()  # at the same page size, the same configuration is measured once
+    got = evaluate(None, tokenizer, {"t": "x"}, methods, Settings(prefix=32, score=32), [policy], progress=False)
+    assert pages == {"none": 16, "int8": 16} and "measured as int8" in got.by_method()["tiny"].description
