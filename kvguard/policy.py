@@ -203,7 +203,8 @@ class Policy(Layers):
         return self.model_copy(update={"codec": layers.codec, "evictor": layers.evictor})
 
     def cache_options(self) -> dict:
-        return super().cache_options() | {"page_size": self.page_size}
+        return super().cache_options() | {"page_size": self.page_size, "tiers": tuple(self.tiers),
+                                          "prefix_sharing": self.prefix_sharing == "tenant"}
 
     def cache_config(self, shape: ModelShape, **overrides) -> CacheConfig:
         """A CacheConfig for a model of this shape (overrides: dtype, device, num_pages, ...)."""

@@ -46,6 +46,25 @@ def test_cache_config_follows_the_policy():
     assert chat.evictor_options == {"budget": 4096, "sink": 4, "window": 4092}
 
 
+def test_a_cache_made_from_a_policy_keeps_its_tiers_and_prefix_sharing(tmp_path):
+    from kvguard.cache.tiers import CpuTier, DiskTier
+    from kvguard.types import Subject
+
+    chat = load_policy(POLICIES / "chat.yaml").cache_config(SMOLLM2, num_pages=8)  # device, cpu; tenant
+    assert chat.tiers == ("cpu",) and chat.prefix_sharing
+    CacheManager(chat, tiers={"cpu": CpuTier()})
+    with pytest.raises(ConfigError, match=r"tier\(s\) \['disk'\] given, but pages of this cache may go to \['cpu'\]"):
+        CacheManager(chat, tiers={"cpu": CpuTier(), "disk": DiskTier(tmp_path / "pages")})
+    long_doc = load_policy(POLICIES / "long-document.yaml").cache_config(SMOLLM2, num_pages=8)  # device; none
+    assert long_doc.tiers == () and not long_doc.prefix_sharing
+    with pytest.raises(ConfigError, match="no lower tier"):
+        CacheManager(long_doc, tiers={"cpu": CpuTier()})
+    m = CacheManager(long_doc)
+    seq = m.open(Subject("acme", "alice", "s"), tokens=list(range(32)))
+    with pytest.raises(ConfigError, match="shares no prompt pages"):
+        m.publish_prefix(seq, list(range(32)))
+
+
 def line_of(text: str, needle: str) -> int:
     return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
 

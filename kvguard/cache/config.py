@@ -35,6 +35,10 @@ class CacheConfig:
     use_kernels: bool | None = None
     # Server-side secret that salts prefix hashes per tenant; random per process unless given.
     prefix_secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
+    # Whether full prompt pages may be shared between sequences of one tenant (publish_prefix).
+    prefix_sharing: bool = True
+    # The lower tiers pages may go to ("cpu", "disk", "redis"); None: whichever the cache is given.
+    tiers: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str):
@@ -57,6 +61,8 @@ class CacheConfig:
         if self.fp_sink < 0 or self.fp_window < 0:
             raise ConfigError("fp_sink and fp_window must be >= 0")
         self.device = torch.device(self.device)
+        if self.tiers is not None:
+            self.tiers = tuple(t for t in self.tiers if t != "device")  # the pools themselves
         if self.use_kernels is None:
             self.use_kernels = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
         elif self.use_kernels and self.dtype == torch.float32:

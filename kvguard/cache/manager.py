@@ -178,6 +178,9 @@ class CacheManager:
         self.evictor = make_evictor(c.evictor, **c.evictor_options) if c.evictor else None
         self.events = events if events is not None else ev.EventQueue()
         self.tiers = dict(tiers or {})
+        if c.tiers is not None and (extra := sorted(set(self.tiers) - set(c.tiers))):
+            raise ConfigError(f"tier(s) {extra} given, but pages of this cache may go to "
+                              f"{list(c.tiers) or 'no lower tier'} only (its policy's tiers)")
         shape = dict(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                      page_size=c.page_size, dtype=c.dtype, device=c.device)
         self.pools = {HOT: PagePool(Fp16Codec(), num_pages=c.num_hot_pages, **shape)}
@@ -218,7 +221,11 @@ class CacheManager:
     @_locked
     def publish_prefix(self, seq_id: SeqId, tokens: Seq[int]) -> int:
         """Index the sequence's full pages under the tenant-salted hashes of `tokens`, so
-        later sequences of the same tenant share them. Returns pages indexed."""
+        later sequences of the same tenant share them. Returns pages indexed. A cache whose
+        policy shares no prefixes (`prefix_sharing` off) refuses."""
+        if not self.cfg.prefix_sharing:
+            raise ConfigError("this cache shares no prompt pages (its policy's prefix_sharing is none): "
+                              "do not publish prefixes, or use a policy with prefix_sharing: tenant")
         seq = self._seq(seq_id)
         if not seq.positional:
             return 0
