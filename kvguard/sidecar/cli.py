@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def _settings(args: argparse.Namespace):
-    from .settings import Settings
+    from .settings import load_settings
 
     if getattr(args, "config", None):
         os.environ["KVGUARD_CONFIG"] = str(args.config)
@@ -18,7 +18,7 @@ def _settings(args: argparse.Namespace):
         "environment": "development" if getattr(args, "dev", False) else None,
         "host": getattr(args, "host", None), "port": getattr(args, "port", None),
     }.items() if v is not None}
-    return Settings(**overrides)
+    return load_settings(**overrides)
 
 
 def _common(p: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
 from ..errors import ConfigError
@@ -41,7 +41,9 @@ class Settings(BaseSettings):
     # An inference process counts as live this long after its last contact; after a start,
     # erasures wait this long for the processes to reconnect.
     inference_live_s: float = Field(default=30.0, gt=0)
-    retention_max_age_s: float | None = Field(default=None, gt=0)  # from the policy; None = no limit
+    # The deployment's policy (kvguard/policy.py): its retention.max_age is the retention limit.
+    policy_file: Path | None = None
+    retention_max_age_s: float | None = Field(default=None, gt=0)  # default: the policy's; None = no limit
     retention_check_s: float = Field(default=60.0, gt=0)
     log_format: Literal["json", "console", "auto"] = "auto"
     log_level: str = "info"
@@ -56,6 +58,20 @@ class Settings(BaseSettings):
                 raise ConfigError(f"KVGUARD_CONFIG points to {yaml_file}, which is not a readable file")
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
         return tuple(sources)
+
+    @model_validator(mode="after")
+    def _policy(self) -> "Settings":
+        if self.policy_file is None:
+            return self
+        from ..policy import load_policy
+
+        limit = load_policy(self.policy_file).retention.seconds  # PolicyError: file, line and field
+        if self.retention_max_age_s is None:
+            self.retention_max_age_s = float(limit)
+        elif self.retention_max_age_s != limit:
+            raise ValueError(f"retention_max_age_s is {self.retention_max_age_s:g} s but the policy "
+                             f"{self.policy_file} says {limit} s (retention.max_age): set one of them")
+        return self
 
     @field_validator("origin")
     @classmethod
@@ -89,6 +105,21 @@ class Settings(BaseSettings):
     @property
     def development(self) -> bool:
         return self.environment == "development"
+
+
+def load_settings(**overrides) -> Settings:
+    """Settings from the environment, the YAML file and `overrides`; what is wrong with them is
+    a ConfigError naming each setting, without its value (a URL may hold a secret)."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            name = ".".join(str(p) for p in err["loc"]) or "settings"
+            env = f"KVGUARD_{name.upper()}" if err["loc"] else ""
+            msg = err["msg"].removeprefix("Value error, ")
+            problems.append(f"{name} ({env}): {msg}" if env else f"{name}: {msg}")
+        raise ConfigError("invalid settings: " + "; ".join(problems)) from None
 
 
 def check_secure(settings: Settings, *, tokens_exist: bool) -> None:

@@ -127,3 +127,36 @@ def test_production_refuses_a_database_password_in_the_url(tmp_path, url):
     with pytest.raises(ConfigError, match="password is in the URL"):
         check_secure(settings, tokens_exist=True)
     check_secure(Settings(data_dir=tmp_path, database_url="postgresql+psycopg://kvguard@db/audit"), tokens_exist=True)
+
+
+def test_bad_settings_are_one_clear_error_without_their_values(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVGUARD_DATA_DIR": str(tmp_path / "d"), "KVGUARD_PORT": "abc",
+           "KVGUARD_DATABASE_URL": "sqlite:////s3cret-path/audit.db", "KVGUARD_INFERENCE_LIVE_S": "-1"}
+    r = subprocess.run([sys.executable, "-m", "kvguard", "token", "create", "--scope", "admin"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "port (KVGUARD_PORT): Input should be a valid integer" in r.stderr
+    assert "inference_live_s (KVGUARD_INFERENCE_LIVE_S)" in r.stderr and "abc" not in r.stderr
+
+
+def test_the_retention_limit_comes_from_the_deployment_policy(tmp_path):
+    from pathlib import Path
+
+    from kvguard.errors import ConfigError
+    from kvguard.policy import load_policy
+    from kvguard.sidecar.settings import load_settings
+
+    chat = Path(__file__).resolve().parents[2] / "policies" / "chat.yaml"
+    limit = load_policy(chat).retention.seconds
+    assert load_settings(data_dir=tmp_path, policy_file=chat).retention_max_age_s == limit
+    assert load_settings(data_dir=tmp_path, policy_file=chat, retention_max_age_s=limit).retention_max_age_s == limit
+    with pytest.raises(ConfigError, match=r"retention_max_age_s is 60 s but the policy .*chat.yaml says"):
+        load_settings(data_dir=tmp_path, policy_file=chat, retention_max_age_s=60)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(chat.read_text().replace("retention:", "retentoin:"))
+    with pytest.raises(ConfigError, match=r"bad.yaml:\d+: retentoin"):
+        load_settings(data_dir=tmp_path, policy_file=bad)
