@@ -113,6 +113,7 @@ def test_greedy_refuses_a_cache_that_already_holds_tokens():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from kvguard.hf import KVGuardCache, greedy
+    from kvguard.hf.cache import cache_kwarg
 
     cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
@@ -122,7 +123,7 @@ def test_greedy_refuses_a_cache_that_already_holds_tokens():
     cache = KVGuardCache(cfg, Subject("acme", "alice", "s1"), num_pages=8, dtype=torch.float32)
     ids = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **{cache_kwarg(model): cache})
     with pytest.raises(InputError, match="holds 10 tokens"):
         greedy(model, cache, ids, max_new_tokens=4)
     assert cache.get_seq_length() == 10 and cache.manager.length(cache.seqs[0]) == 10
