@@ -214,35 +214,23 @@ class Policy(Layers):
 # --- loading ------------------------------------------------------------------------------------
 
 
-def _lines(node: yaml.Node, path: tuple = (), out: dict | None = None) -> dict[tuple, int]:
-    """Line (1-based) of every mapping key and sequence item in a composed YAML tree."""
+def _lines(node: yaml.Node, path: tuple = (), out: dict | None = None,
+           twice: list | None = None) -> dict[tuple, int]:
+    """Line (1-based) of every mapping key and sequence item in a composed YAML tree; `twice`
+    gets (line, path) of each key given again in its mapping (PyYAML keeps the last silently)."""
     out = {} if out is None else out
     out.setdefault(path, node.start_mark.line + 1)
     if isinstance(node, yaml.MappingNode):
         for k, v in node.value:
-            out[(*path, k.value)] = k.start_mark.line + 1
-            _lines(v, (*path, k.value), out)
+            key, line = (*path, k.value), k.start_mark.line + 1
+            if key in out and twice is not None:
+                twice.append((line, key))
+            out[key] = line
+            _lines(v, key, out, twice)
     elif isinstance(node, yaml.SequenceNode):
         for i, v in enumerate(node.value):
-            _lines(v, (*path, i), out)
+            _lines(v, (*path, i), out, twice)
     return out
-
-
-def _duplicate(node: yaml.Node, path: tuple = ()) -> tuple[int, tuple] | None:
-    """Line and path of the first key given twice in one mapping (PyYAML keeps the last silently)."""
-    if isinstance(node, yaml.MappingNode):
-        seen = set()
-        for k, v in node.value:
-            if k.value in seen:
-                return k.start_mark.line + 1, (*path, k.value)
-            seen.add(k.value)
-            if found := _duplicate(v, (*path, k.value)):
-                return found
-    elif isinstance(node, yaml.SequenceNode):
-        for i, v in enumerate(node.value):
-            if found := _duplicate(v, (*path, i)):
-                return found
-    return None
 
 
 def _where(lines: dict[tuple, int], loc: tuple) -> tuple[int, str]:
@@ -263,10 +251,12 @@ def parse_policy(text: str, source: str = "<string>") -> Policy:
         raise PolicyError(f"{source}:{line}: not valid YAML: {e.problem}") from None
     if not isinstance(data, dict):
         raise PolicyError(f"{source}:1: a policy is a mapping of fields (name, scenario, codec, ...)")
-    if dup := _duplicate(node):
-        line, field = _where({dup[1]: dup[0]}, dup[1])
-        raise PolicyError(f"{source}:{line}: {field}: given twice; keep one (YAML would silently use the last)")
-    lines = _lines(node)
+    twice: list[tuple[int, tuple]] = []
+    lines = _lines(node, twice=twice)
+    if twice:
+        line, key = twice[0]
+        raise PolicyError(f"{source}:{line}: {_where(lines, key)[1]}: given twice; keep one "
+                          "(YAML would silently use the last)")
     try:
         policy = Policy.model_validate(data)
     except ValidationError as e:

@@ -839,10 +839,14 @@ class CacheManager:
                 codec=self.codec.name, bytes_before=len(got_main) * hot.page_bytes))
         event = ev.TokensEvicted(
             seq=seq.id, subject=seq.subject, pages=tuple(freed), n_tokens=length - new_len,
-            bytes=sum(self.pools[p.split(":")[0]].page_bytes for p in freed),
+            bytes=self._bytes_of(freed),
             evictor=self.evictor.name, kept=new_len)
         self.events.emit(event)
         return event
+
+    def _bytes_of(self, pages: Seq[str]) -> int:
+        """Bytes of pages named "<pool>:<page>", as events name them."""
+        return sum(self.pools[p.split(":")[0]].page_bytes for p in pages)
 
     # --- offload / fetch ------------------------------------------------------------------------
 
@@ -979,7 +983,7 @@ class CacheManager:
         del self._seqs[seq.id]
         self.events.emit(ev.SequenceFreed(seq=seq.id, subject=seq.subject, pages=tuple(freed),
                                           n_tokens=max(seq.lengths),
-                                          bytes=sum(self.pools[p.split(":")[0]].page_bytes for p in freed),
+                                          bytes=self._bytes_of(freed),
                                           tier_copies=copies))
 
     @_locked
@@ -1004,7 +1008,7 @@ class CacheManager:
             freed += f
             shared, prefix, n = shared + sh, prefix + p, n + 1
             tokens += max(seq.lengths)
-        nbytes = sum(self.pools[p.split(":")[0]].page_bytes for p in freed)
+        nbytes = self._bytes_of(freed)
         event = ev.SubjectErased(seq=None, subject=who, pages=tuple(freed), n_tokens=tokens, bytes=nbytes,
                                  scope=scope, sequences=n, shared_pages=shared, tier_copies=tiers,
                                  prefix_entries=prefix)

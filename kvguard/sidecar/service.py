@@ -20,11 +20,10 @@ from audit.log import AuditLog, LogConfig
 from audit.pseudonym import Pseudonymizer, generate_index_key, load_index_key
 from audit.store import AuditStore, check_current, make_engine, migrate
 
-from .auth import any_admin_token
+from .auth import any_admin_token, tenant_index
 from .ingest import Ingestor
 from .logs import log
 from .metrics import Metrics
-from .auth import tenant_index
 from .registry import Registry
 from .settings import Settings, check_secure
 
