@@ -1,4 +1,4 @@
-"""`python -m audit` runs the audit CLI (audit.cli)."""
+"""`python -m kvguard.audit` runs the audit CLI (kvguard.audit.cli)."""
 
 import sys
 

@@ -81,4 +81,4 @@ def check_current(url: str) -> None:
     finally:
         engine.dispose()
     if current != head:
-        raise StoreError(f"audit store is at schema {current!r}, expected {head!r}: run audit.store.migrate")
+        raise StoreError(f"audit store is at schema {current!r}, expected {head!r}: run `kvguard db upgrade` (kvguard.audit.store.migrate)")

@@ -32,13 +32,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from audit import fields  # noqa: E402
-from audit.keys import SigningKey  # noqa: E402
-from audit.log import AuditLog, LogConfig  # noqa: E402
-from audit.record import Record, encode_parts  # noqa: E402
-from audit.signproc import sign_chain  # noqa: E402
-from audit.store import AuditStore, migrate  # noqa: E402
-from audit.verify import verify_store  # noqa: E402
+from kvguard.audit import fields  # noqa: E402
+from kvguard.audit.keys import SigningKey  # noqa: E402
+from kvguard.audit.log import AuditLog, LogConfig  # noqa: E402
+from kvguard.audit.record import Record, encode_parts  # noqa: E402
+from kvguard.audit.signproc import sign_chain  # noqa: E402
+from kvguard.audit.store import AuditStore, migrate  # noqa: E402
+from kvguard.audit.verify import verify_store  # noqa: E402
 
 PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 SUBJECT = {"tenant": "0f" * 16, "user": "a1" * 16, "session": "5e" * 16}

@@ -27,13 +27,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from audit.bundle.verify import verify_bundle  # noqa: E402
-from audit.checkpoint import Checkpoint  # noqa: E402
-from audit.fields import ZERO_HASH, format_time  # noqa: E402
-from audit.keys import SigningKey  # noqa: E402
-from audit.record import Record  # noqa: E402
-from audit.store import AuditStore, CheckpointEntry, migrate  # noqa: E402
-from audit.tree import HashTree  # noqa: E402
+from kvguard.audit.bundle.verify import verify_bundle  # noqa: E402
+from kvguard.audit.checkpoint import Checkpoint  # noqa: E402
+from kvguard.audit.fields import ZERO_HASH, format_time  # noqa: E402
+from kvguard.audit.keys import SigningKey  # noqa: E402
+from kvguard.audit.record import Record  # noqa: E402
+from kvguard.audit.store import AuditStore, CheckpointEntry, migrate  # noqa: E402
+from kvguard.audit.tree import HashTree  # noqa: E402
 
 PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 ORIGIN = "bench.kvguard.example/million"
@@ -110,7 +110,7 @@ def main() -> None:
             key.save(f"{tmp}/log.key")
             for label, url in urls.items():  # through the CLI, in a child process, to see its memory
                 t = time.perf_counter()
-                subprocess.run([sys.executable, "-m", "audit", "export", "--database-url", url, "--origin",
+                subprocess.run([sys.executable, "-m", "kvguard.audit", "export", "--database-url", url, "--origin",
                                 ORIGIN, "--key", f"{tmp}/log.key", "-o", bundle, "--no-progress"],
                                check=True, cwd=REPO, stdout=subprocess.DEVNULL)
                 seconds = time.perf_counter() - t

@@ -36,13 +36,13 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels import quantize as ref  # noqa: E402
-from kernels._checks import KernelArgError  # noqa: E402
-from kernels.compact import compact_pages, compact_pages_ref  # noqa: E402
-import kernels.paged_decode as paged_decode_module  # noqa: E402
-from kernels.paged_decode import paged_decode, paged_decode_ref  # noqa: E402
-from kernels.paged_prefill import paged_prefill, paged_prefill_ref  # noqa: E402
-from kernels.quantize_scatter import quantize_scatter, quantize_scatter_ref  # noqa: E402
+from kvguard.kernels import quantize as ref  # noqa: E402
+from kvguard.kernels._checks import KernelArgError  # noqa: E402
+from kvguard.kernels.compact import compact_pages, compact_pages_ref  # noqa: E402
+import kvguard.kernels.paged_decode as paged_decode_module  # noqa: E402
+from kvguard.kernels.paged_decode import paged_decode, paged_decode_ref  # noqa: E402
+from kvguard.kernels.paged_prefill import paged_prefill, paged_prefill_ref  # noqa: E402
+from kvguard.kernels.quantize_scatter import quantize_scatter, quantize_scatter_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GPU = DEV == "cuda"
@@ -429,7 +429,7 @@ def sweep(copy_bw, adopt=False) -> list[str]:
     """Time each codec under each tile config of SWEEP_TILES and under the old defaults with the old
     split rule ('old'); with adopt, make each codec's best config (geometric mean of the times over
     the shapes of one head_dim) the default for that head_dim for the rest of the run."""
-    import kernels.paged_decode as pd
+    import kvguard.kernels.paged_decode as pd
 
     def cfg(pg, w, st, pps, words=True, maxnreg=0):
         # every key set: what a config leaves out comes from the defaults (a register cap too)

@@ -298,8 +298,8 @@ def launch_cost(model: str = "smollm2-135m", context: int = 1024, codec: str = "
     """Host time of one layer's paged_decode_sets call as the cache makes it (both pools, one
     row), with kernels/_launch.py's direct launches and with Triton's own launch path, taking
     turns; the fastest round of each. The device is not the limit: its kernels take ~10 us."""
-    from kernels import _launch
-    from kernels.paged_decode import paged_decode_sets
+    from kvguard.kernels import _launch
+    from kvguard.kernels.paged_decode import paged_decode_sets
 
     m, seqs = make_cache(model, context, codec)
     c = m.cfg

@@ -48,7 +48,7 @@ def main():
     mod_name = "paged_" + a.kernel
     other = importlib.import_module(f"{name}.{mod_name}")
     import benchmarks.gpu_bench as gb
-    this = importlib.import_module(f"kernels.{mod_name}")
+    this = importlib.import_module(f"kvguard.kernels.{mod_name}")
 
     codecs = tuple(a.codecs.split(","))
     shapes = gb.parse_shapes(a.shapes)

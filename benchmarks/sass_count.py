@@ -37,10 +37,10 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import paged_decode as pd  # noqa: E402
-from kernels import paged_prefill as pp  # noqa: E402
-from kernels import quantize as ref  # noqa: E402
-from kernels._checks import KIND, field_args  # noqa: E402
+from kvguard.kernels import paged_decode as pd  # noqa: E402
+from kvguard.kernels import paged_prefill as pp  # noqa: E402
+from kvguard.kernels import quantize as ref  # noqa: E402
+from kvguard.kernels._checks import KIND, field_args  # noqa: E402
 
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
          torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}

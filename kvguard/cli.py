@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "audit":
-        from audit.cli import main as audit_main
+        from kvguard.audit.cli import main as audit_main
 
         return audit_main(argv[1:], prog="kvguard audit")
     parser = build_parser()
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
         expected: tuple[type[BaseException], ...] = (KVGuardError,)
         try:
-            from audit.errors import AuditError
+            from kvguard.audit.errors import AuditError
 
             expected += (AuditError,)
         except ImportError:

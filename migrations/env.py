@@ -13,8 +13,8 @@ import os
 
 from alembic import context
 
-from audit.models import Base
-from audit.engine import make_engine
+from kvguard.audit.models import Base
+from kvguard.audit.engine import make_engine
 
 config = context.config
 target_metadata = Base.metadata

@@ -1,5 +1,8 @@
 """The arrows of the layout: kvguard → kernels, kvguard → audit; never back.
 
+kernels/ and audit/ install as kvguard.kernels and kvguard.audit, so "never back"
+means: they import nothing of kvguard but themselves (by relative imports).
+
 Checked on the source (every import statement, also inside functions) and by
 importing the packages in a fresh interpreter that refuses forbidden modules.
 """
@@ -40,8 +43,8 @@ SIGNING = "cryptography.hazmat.primitives.asymmetric"
 RULES = [
     ("kernels", {"kvguard", "audit", "sqlalchemy", "fastapi"}),
     ("audit", {"kvguard", "kernels", "torch", "triton"}),
-    ("kvguard/cache", {"sqlalchemy", "fastapi", "audit", SIGNING, "structlog"}),
-    ("kvguard/compress", {"sqlalchemy", "fastapi", "audit", "cryptography"}),
+    ("kvguard/cache", {"sqlalchemy", "fastapi", "kvguard.audit", SIGNING, "structlog"}),
+    ("kvguard/compress", {"sqlalchemy", "fastapi", "kvguard.audit", "cryptography"}),
 ]
 
 
@@ -61,16 +64,21 @@ BLOCKER = """
 import sys
 class Block:
     def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in BLOCKED:
+        if any(name == b or name.startswith(b + '.') for b in BLOCKED):
             raise ImportError(f'{name} is forbidden here')
 sys.meta_path.insert(0, Block())
 """
 
+# Every kvguard subpackage but the one under test (kvguard/__init__.py itself is light).
+KVGUARD_REST = ["kvguard.cache", "kvguard.compress", "kvguard.eval", "kvguard.hf", "kvguard.sidecar",
+                "kvguard.policy", "kvguard.types", "kvguard.cli"]
+
 
 @pytest.mark.parametrize("module, blocked", [
-    ("kvguard.cache", ["sqlalchemy", "fastapi", "audit", "cryptography"]),
-    ("kernels.quantize", ["kvguard", "audit"]),
-    ("audit", ["torch", "triton", "kvguard", "kernels"]),
+    ("kvguard.cache", ["sqlalchemy", "fastapi", "kvguard.audit", "cryptography"]),
+    ("kvguard.kernels.quantize", KVGUARD_REST + ["kvguard.audit", "audit"]),
+    ("kvguard.audit", ["torch", "triton", "kvguard.kernels", "kernels"] + KVGUARD_REST),
+    ("kvguard.audit.bundle.verify", ["torch", "triton", "sqlalchemy", "kvguard.kernels"] + KVGUARD_REST),
 ])
 def test_packages_import_without_forbidden_modules(module, blocked):
     code = f"BLOCKED = {blocked!r}\n{BLOCKER}\nimport {module}\n"
@@ -78,14 +86,22 @@ def test_packages_import_without_forbidden_modules(module, blocked):
     assert r.returncode == 0, r.stderr
 
 
-def test_transformers_does_not_mistake_our_kernels_for_hf_kernels():
-    """Our top-level `kernels` package is not Hugging Face's `kernels`, and the
-    distribution metadata must not make transformers think it is."""
+def test_hf_kernels_and_ours_live_side_by_side():
+    """Hugging Face's `kernels` (installed by the dev extra, as transformers users have it) and
+    kvguard's kernels share one venv: each imports as itself and transformers reads HF's version."""
     code = (
-        "import transformers\n"
+        "import importlib.metadata as md\n"
+        "from kernels import get_kernel\n"
+        "import kvguard.kernels.paged_decode as pd\n"
+        "import kernels\n"
+        "assert callable(get_kernel) and 'kvguard' not in kernels.__file__, kernels.__file__\n"
+        "assert pd.__name__ == 'kvguard.kernels.paged_decode'\n"
+        "assert md.version('kernels') != md.version('kvguard'), 'kernels reads as kvguard'\n"
+        "assert not [f for f in md.files('kvguard') if str(f).split('/')[0] in ('kernels', 'audit', 'migrations')]\n"
         "from transformers.utils import import_utils as iu\n"
-        "assert not iu.is_kernels_available(), 'transformers thinks kvguard kernels is HF kernels'\n"
+        "avail, seen = iu._is_package_available('kernels', return_version=True)\n"
+        "assert avail and seen == md.version('kernels'), (avail, seen)\n"
         "print('ok')\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.quantize import INT4_GROUP
+from kvguard.kernels.quantize import INT4_GROUP
 
 from ..compress.codecs import Fp16Codec, make_codec
 from ..compress.evictors import make_evictor

@@ -30,7 +30,7 @@ def quantize_pages(hot_fields: dict[str, torch.Tensor], main_fields: dict[str, t
                    src: torch.Tensor, dst: torch.Tensor) -> None:
     """Encode 16-bit pages `src` of the hot pool into pages `dst` of the codec's pool, in place
     (both page_ids)."""
-    from kernels.quantize_scatter import quantize_scatter
+    from kvguard.kernels.quantize_scatter import quantize_scatter
 
     quantize_scatter(hot_fields["k"], hot_fields["v"], dst, main_fields, src_pages=src)
 
@@ -38,7 +38,7 @@ def quantize_pages(hot_fields: dict[str, torch.Tensor], main_fields: dict[str, t
 def encode_pages(k: torch.Tensor, v: torch.Tensor, main_fields: dict[str, torch.Tensor], dst: list[PageId]) -> None:
     """Quantize full 16-bit pages k, v [N, H, S, D] into pages `dst` of the codec's pool, in
     place (compaction's regrouped survivors)."""
-    from kernels.quantize_scatter import quantize_scatter
+    from kvguard.kernels.quantize_scatter import quantize_scatter
 
     quantize_scatter(k, v, device_index(dst, k.device, torch.int32), main_fields)
 
@@ -55,7 +55,7 @@ def decode(q: torch.Tensor, sets: list[tuple[dict[str, torch.Tensor], torch.Tens
     set (the rows' mass buffers [H, capacity], positions [B, n_i * S] of the set's tokens):
     each key's probability under that softmax, summed over its KV head's query group, is added
     into its row's buffer at its position (paged_decode_sets' mass_into)."""
-    from kernels.paged_decode import paged_decode_sets
+    from kvguard.kernels.paged_decode import paged_decode_sets
 
     args = [(fields, table, lens[i], tokens if isinstance(tokens, int) else max(tokens))
             for i, (fields, table, tokens) in enumerate(sets)]
@@ -73,7 +73,7 @@ def prefill(q: torch.Tensor, parts: list[tuple[dict[str, torch.Tensor], torch.Te
     With mass_into ([H, capacity] fp32, a layer's running totals by position), each key's
     probability under that merged softmax, summed over its query group and the last
     `mass_queries` queries, is added at its position (paged_prefill_mass, per pool)."""
-    from kernels.paged_prefill import paged_prefill_mass, paged_prefill_sets
+    from kvguard.kernels.paged_prefill import paged_prefill_mass, paged_prefill_sets
 
     sets, limits = [], []
     for fields, table, tokens, pos in parts:
@@ -93,6 +93,6 @@ def prefill_batch(q: torch.Tensor, sets: list[tuple], scale: float | None) -> to
     """A batch's chunk q [B, T, Hq, D] over the pools, every row in one launch per pool and one
     merge: sets are (fields, block table [B, n] int32, tokens of each row in the pool [B] int32,
     their maximum, limits [B, T] int32 of them each query sees). Returns [B, T, Hq, D]."""
-    from kernels.paged_prefill import paged_prefill_sets
+    from kvguard.kernels.paged_prefill import paged_prefill_sets
 
     return paged_prefill_sets(q, sets, sm_scale=scale)[0]

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from audit.errors import RecordFormatError
-from audit.pseudonym import index_of, subject_data
+from kvguard.audit.errors import RecordFormatError
+from kvguard.audit.pseudonym import index_of, subject_data
 
 from ..errors import ConfigError
 from .models import ApiToken

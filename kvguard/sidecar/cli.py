@@ -35,10 +35,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_token(args: argparse.Namespace) -> int:
-    from audit.store import migrate
+    from kvguard.audit.store import migrate
     from sqlalchemy.orm import Session
 
-    from audit.store import make_engine
+    from kvguard.audit.store import make_engine
 
     from .auth import create_token
     from .service import load_or_create_secret
@@ -61,13 +61,13 @@ def _cmd_token(args: argparse.Namespace) -> int:
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
-    from audit.keys import SigningKey
+    from kvguard.audit.keys import SigningKey
 
     args.out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     if args.secret:
         import secrets
 
-        from audit.keys import write_private_file
+        from kvguard.audit.keys import write_private_file
 
         write_private_file(args.out, secrets.token_bytes(32).hex().encode() + b"\n", overwrite=args.force)
         print(f"32-byte secret in {args.out} (mode 0600)")

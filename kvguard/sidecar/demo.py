@@ -139,8 +139,8 @@ def _drive(url: str, admin: str, ingest: str, data: Path, root: Path) -> int:
     receipt_file, key_file = root / "receipt.json", root / "log.pub"
     receipt_file.write_text(json.dumps(body["receipt"], indent=2))
     key_file.write_text(keys[0]["public_key_pem"])
-    from audit.keys import PublicKey
-    from audit.receipt import verify_receipt
+    from kvguard.audit.keys import PublicKey
+    from kvguard.audit.receipt import verify_receipt
 
     verify_receipt(json.loads(receipt_file.read_text()), PublicKey.load(key_file))
     rec = body["receipt"]["record"]

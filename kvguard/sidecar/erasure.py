@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from audit.canonical import MAX_SAFE_INTEGER, loads
-from audit.errors import AuditError
-from audit.models import RecordRow
-from audit.pseudonym import subject_data
-from audit.record import Record
+from kvguard.audit.canonical import MAX_SAFE_INTEGER, loads
+from kvguard.audit.errors import AuditError
+from kvguard.audit.models import RecordRow
+from kvguard.audit.pseudonym import subject_data
+from kvguard.audit.record import Record
 
 from ..errors import InputError
 from .logs import log
@@ -285,7 +285,7 @@ class ErasureService:
         return n
 
     def _receipt(self, seq: int) -> dict:
-        from audit.receipt import make_receipt
+        from kvguard.audit.receipt import make_receipt
 
         self.sc.log.checkpoint()
         return make_receipt(self.sc.log, seq)

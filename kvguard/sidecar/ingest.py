@@ -19,11 +19,11 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from audit import fields
-from audit.errors import RecordFormatError
-from audit.log import AuditLog
-from audit.pseudonym import Pseudonymizer, subject_data
-from audit.record import Record
+from kvguard.audit import fields
+from kvguard.audit.errors import RecordFormatError
+from kvguard.audit.log import AuditLog
+from kvguard.audit.pseudonym import Pseudonymizer, subject_data
+from kvguard.audit.record import Record
 
 from .models import SubjectLink
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from audit.pseudonym import subject_data
+from kvguard.audit.pseudonym import subject_data
 
 from .erasure import ErasureService, NewRequest
 from .logs import log

@@ -15,10 +15,10 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
-from audit.keys import SigningKey
-from audit.log import AuditLog, LogConfig
-from audit.pseudonym import Pseudonymizer, generate_index_key, load_index_key
-from audit.store import AuditStore, check_current, make_engine, migrate
+from kvguard.audit.keys import SigningKey
+from kvguard.audit.log import AuditLog, LogConfig
+from kvguard.audit.pseudonym import Pseudonymizer, generate_index_key, load_index_key
+from kvguard.audit.store import AuditStore, check_current, make_engine, migrate
 
 from .auth import any_admin_token, tenant_index
 from .ingest import Ingestor

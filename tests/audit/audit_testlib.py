@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from audit.keys import SigningKey
-from audit.log import AuditLog, LogConfig
-from audit.store import AuditStore
+from kvguard.audit.keys import SigningKey
+from kvguard.audit.log import AuditLog, LogConfig
+from kvguard.audit.store import AuditStore
 
 # PostgreSQL runs are marked `postgres`, so `-m "not postgres"` (make test-fast) leaves them out.
 BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
@@ -37,7 +37,7 @@ def write_bundle(path, members: dict[str, bytes], reseal_with: SigningKey | None
     import json
     import zipfile
 
-    from audit.bundle.dsse import sign_envelope
+    from kvguard.audit.bundle.dsse import sign_envelope
 
     if reseal_with is not None:
         envelope = json.loads(members["manifest.dsse.json"])

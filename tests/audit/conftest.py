@@ -21,9 +21,9 @@ from contextlib import contextmanager
 import pytest
 from sqlalchemy import create_engine, text
 
-from audit.keys import SigningKey
-from audit.log import AuditLog
-from audit.store import AuditStore, migrate
+from kvguard.audit.keys import SigningKey
+from kvguard.audit.log import AuditLog
+from kvguard.audit.store import AuditStore, migrate
 from .audit_testlib import BACKENDS, open_log
 
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"

@@ -8,12 +8,12 @@ import re
 
 import pytest
 
-from audit.bundle.export import export_bundle
-from audit.bundle.verify import verify_bundle
-from audit.errors import BundleError, VerificationError
-from audit.keys import SigningKey
-from audit.log import AuditLog, LogConfig
-from audit.pseudonym import Pseudonymizer
+from kvguard.audit.bundle.export import export_bundle
+from kvguard.audit.bundle.verify import verify_bundle
+from kvguard.audit.errors import BundleError, VerificationError
+from kvguard.audit.keys import SigningKey
+from kvguard.audit.log import AuditLog, LogConfig
+from kvguard.audit.pseudonym import Pseudonymizer
 from .audit_testlib import fill, open_log, read_bundle, write_bundle
 
 MEMBERS = ["records.jsonl", "checkpoints.json", "proofs.json", "keys.json", "receipts.jsonl",
@@ -271,7 +271,7 @@ def test_previous_bundle_across_a_rotation(populated, origin, keys, tmp_path, bu
 
 
 def test_previous_from_a_forked_log_is_refused(origin, keys, tmp_path):
-    from audit.store import AuditStore, migrate
+    from kvguard.audit.store import AuditStore, migrate
 
     key, paths = keys[0], []
     for i in range(2):  # the same origin and key in two databases, different content: a fork
@@ -296,7 +296,7 @@ def test_previous_from_a_forked_log_is_refused(origin, keys, tmp_path):
 
 @pytest.mark.postgres
 def test_postgres_and_sqlite_bundles_verify_alike(sqlite_url, pg_url, origin, tmp_path):
-    from audit.store import AuditStore
+    from kvguard.audit.store import AuditStore
 
     key = SigningKey.from_seed(b"\x33" * 32)
     results = []

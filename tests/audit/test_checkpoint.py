@@ -7,9 +7,9 @@ import hashlib
 
 import pytest
 
-from audit.checkpoint import Checkpoint, open_checkpoint, split_note
-from audit.errors import VerificationError
-from audit.keys import SigningKey
+from kvguard.audit.checkpoint import Checkpoint, open_checkpoint, split_note
+from kvguard.audit.errors import VerificationError
+from kvguard.audit.keys import SigningKey
 
 KEY = SigningKey.from_seed(b"\x01" * 32)
 ORIGIN = "kvguard.example/pod-1"

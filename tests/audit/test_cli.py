@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from audit.cli import main
-from audit.keys import SigningKey
+from kvguard.audit.cli import main
+from kvguard.audit.keys import SigningKey
 from .audit_testlib import fill, open_log, read_bundle, write_bundle
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,22 +114,25 @@ def test_export_refused_is_1(setup, capsys):
     assert "no log" in capsys.readouterr().err
 
 
-BLOCKED = ("torch", "triton", "sqlalchemy", "alembic", "psycopg", "tqdm", "kvguard", "numpy", "hypothesis")
+# Everything but kvguard/__init__.py and kvguard.audit: what an auditor's laptop lacks or needs not load.
+BLOCKED = ("torch", "triton", "sqlalchemy", "alembic", "psycopg", "tqdm", "numpy", "hypothesis", "kvguard.cache",
+           "kvguard.compress", "kvguard.kernels", "kvguard.sidecar", "kvguard.hf", "kvguard.eval", "kvguard.policy",
+           "kvguard.types", "kvguard.cli")
 OFFLINE = textwrap.dedent(f"""
     import sys
     import importlib.abc
 
     class Block(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in {BLOCKED!r}:
+            if any(name == b or name.startswith(b + ".") for b in {BLOCKED!r}):
                 raise ImportError(f"{{name}} is not installed here")
             return None
 
     sys.meta_path.insert(0, Block())
     sys.path.insert(0, {str(REPO)!r})
-    from audit.cli import main
+    from kvguard.audit.cli import main
     code = main(sys.argv[1:])
-    loaded = sorted(m for m in sys.modules if m.split(".")[0] in {BLOCKED!r})
+    loaded = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in {BLOCKED!r}))
     print("LOADED", loaded)
     sys.exit(code)
 """)
@@ -148,14 +151,14 @@ def test_verifier_runs_without_torch_or_sqlalchemy(setup):
                               capture_output=True, text=True, cwd=d)
         assert proc.returncode == expected, proc.stdout + proc.stderr
         assert "LOADED []" in proc.stdout
-    proc = subprocess.run([sys.executable, "-I", "-c", OFFLINE.replace("from audit.cli import main",
+    proc = subprocess.run([sys.executable, "-I", "-c", OFFLINE.replace("from kvguard.audit.cli import main",
                            "import sqlalchemy")], capture_output=True, text=True, cwd=d)
     assert "sqlalchemy is not installed here" in proc.stderr  # the blocker does block
 
 
 def test_python_dash_m_audit(setup):
     _url, _origin, d = setup
-    proc = subprocess.run([sys.executable, "-m", "audit", "verify", "--help"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "kvguard.audit", "verify", "--help"], capture_output=True, text=True,
                           cwd=REPO)
     assert proc.returncode == 0 and "--previous" in proc.stdout
 

@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from audit.keys import SigningKey
-from audit.store import AuditStore
-from audit.verify import verify_store
+from kvguard.audit.keys import SigningKey
+from kvguard.audit.store import AuditStore
+from kvguard.audit.verify import verify_store
 
 REPO = Path(__file__).resolve().parents[2]
 
 WRITER = textwrap.dedent("""
     import sys
-    from audit.keys import SigningKey
-    from audit.log import AuditLog, LogConfig
-    from audit.store import AuditStore
+    from kvguard.audit.keys import SigningKey
+    from kvguard.audit.log import AuditLog, LogConfig
+    from kvguard.audit.store import AuditStore
 
     url, origin, key_path, sign_process = sys.argv[1:5]
     log = AuditLog(AuditStore(url), origin, SigningKey.load(key_path),

@@ -15,11 +15,11 @@ import rfc8785
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from audit.bundle.dsse import pae
-from audit.checkpoint import open_checkpoint
-from audit.keys import SigningKey
-from audit.record import Record
-from audit.verify import verify_records
+from kvguard.audit.bundle.dsse import pae
+from kvguard.audit.checkpoint import open_checkpoint
+from kvguard.audit.keys import SigningKey
+from kvguard.audit.record import Record
+from kvguard.audit.verify import verify_records
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "audit-format.md"
 ORIGIN = "kvguard.example/doc"

@@ -8,8 +8,8 @@ import pickle
 
 import pytest
 
-from audit.errors import KeyFileError, VerificationError
-from audit.keys import PublicKey, SigningKey
+from kvguard.audit.errors import KeyFileError, VerificationError
+from kvguard.audit.keys import PublicKey, SigningKey
 
 
 def test_save_is_0600_and_load_round_trips(tmp_path):

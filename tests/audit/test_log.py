@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from audit.checkpoint import open_checkpoint
-from audit.errors import RecordFormatError, StoreError, VerificationError
-from audit.keys import SigningKey
-from audit.log import _slices
-from audit.merkle import leaf_hash, verify_consistency, verify_inclusion
-from audit.record import Record
-from audit.verify import verify_store
+from kvguard.audit.checkpoint import open_checkpoint
+from kvguard.audit.errors import RecordFormatError, StoreError, VerificationError
+from kvguard.audit.keys import SigningKey
+from kvguard.audit.log import _slices
+from kvguard.audit.merkle import leaf_hash, verify_consistency, verify_inclusion
+from kvguard.audit.record import Record
+from kvguard.audit.verify import verify_store
 from .audit_testlib import fill, open_log
 
 
@@ -131,7 +131,7 @@ def test_records_are_canonical_in_the_store(audit_log, store, origin):
 
 
 def test_nothing_queued_behind_close_waits_forever(audit_log):
-    from audit.pending import STOP
+    from kvguard.audit.pending import STOP
 
     audit_log._queue.put(STOP)  # a close() racing with a submit()
     try:

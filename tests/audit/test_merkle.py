@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from audit.errors import VerificationError
-from audit.merkle import CompactRange, EMPTY_ROOT, leaf_hash, node_hash, verify_consistency, verify_inclusion
-from audit.tree import HashTree
+from kvguard.audit.errors import VerificationError
+from kvguard.audit.merkle import CompactRange, EMPTY_ROOT, leaf_hash, node_hash, verify_consistency, verify_inclusion
+from kvguard.audit.tree import HashTree
 
 # RFC 6962 test vectors as published in github.com/transparency-dev/merkle (Apache-2.0):
 # testonly/constants.go (LeafInputs, RootHashes) and proof/verify_test.go (inclusionProofs,
@@ -209,7 +209,7 @@ def test_compact_range_merges_suffix_nodes():
         cr = CompactRange(a, tree.compact(0, a))
         for leaf in leaves[a:b]:
             cr.append_leaf(leaf_hash(leaf))
-        from audit.merkle import decompose
+        from kvguard.audit.merkle import decompose
         for (level, _), h in zip(decompose(b, 45), tree.compact(b, 45)):
             cr.append_node(level, h)
         assert cr.root() == ref_mth(leaves)

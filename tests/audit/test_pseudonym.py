@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import event, select
 
-from audit.errors import RecordFormatError, StoreError
-from audit.models import SubjectKey
-from audit.pseudonym import Pseudonymizer, generate_index_key, load_index_key, pseudonym_of, subject_data
-from audit.store import AuditStore, make_engine
+from kvguard.audit.errors import RecordFormatError, StoreError
+from kvguard.audit.models import SubjectKey
+from kvguard.audit.pseudonym import Pseudonymizer, generate_index_key, load_index_key, pseudonym_of, subject_data
+from kvguard.audit.store import AuditStore, make_engine
 
 INDEX_KEY = bytes(range(32))
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from audit.errors import ReceiptError, VerificationError
-from audit.keys import SigningKey
-from audit.receipt import make_receipt, verify_receipt
+from kvguard.audit.errors import ReceiptError, VerificationError
+from kvguard.audit.keys import SigningKey
+from kvguard.audit.receipt import make_receipt, verify_receipt
 from .audit_testlib import fill, open_log
 
 

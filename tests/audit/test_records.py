@@ -9,11 +9,11 @@ import rfc8785
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from audit.canonical import MAX_SAFE_INTEGER, record_bytes
-from audit.errors import RecordFormatError
-from audit.fields import check_details, check_op, check_subject, format_time, parse_time
-from audit.keys import SigningKey
-from audit.record import Record
+from kvguard.audit.canonical import MAX_SAFE_INTEGER, record_bytes
+from kvguard.audit.errors import RecordFormatError
+from kvguard.audit.fields import check_details, check_op, check_subject, format_time, parse_time
+from kvguard.audit.keys import SigningKey
+from kvguard.audit.record import Record
 
 KEY = SigningKey.from_seed(bytes(32))
 
@@ -140,7 +140,7 @@ any_values = st.recursive(any_scalars, lambda inner: st.one_of(
 @settings(max_examples=500, deadline=None)
 @given(value=st.dictionaries(any_keys, any_values, max_size=5))
 def test_fast_details_check_never_admits_what_the_full_check_refuses(value):
-    from audit import fields
+    from kvguard.audit import fields
 
     try:
         fields._check_value(value, "details", 1)

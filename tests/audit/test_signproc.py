@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from audit.keys import SigningKey
-from audit.record import Record, encode_parts
-from audit.signproc import SignerProcess
-from audit.verify import verify_store
+from kvguard.audit.keys import SigningKey
+from kvguard.audit.record import Record, encode_parts
+from kvguard.audit.signproc import SignerProcess
+from kvguard.audit.verify import verify_store
 from .audit_testlib import fill, open_log
 
 SUBJECT = {"tenant": "0f" * 16, "user": "a1" * 16}
@@ -84,7 +84,7 @@ def test_the_child_exits_when_its_parent_is_killed(tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        from audit.signproc import SignerProcess
+        from kvguard.audit.signproc import SignerProcess
         if __name__ == "__main__":
             s = SignerProcess()
             print(s.pid, flush=True)

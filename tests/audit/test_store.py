@@ -9,13 +9,13 @@ import pytest
 from sqlalchemy import insert, inspect, text
 from sqlalchemy.exc import DatabaseError, IntegrityError
 
-from audit.errors import StoreError
-from audit.keys import SigningKey
-from audit.models import SubjectKey
+from kvguard.audit.errors import StoreError
+from kvguard.audit.keys import SigningKey
+from kvguard.audit.models import SubjectKey
 from alembic.script import ScriptDirectory
 
-from audit.store import AuditStore, alembic_config, check_current, downgrade, make_engine, migrate
-from audit.verify import verify_store
+from kvguard.audit.store import AuditStore, alembic_config, check_current, downgrade, make_engine, migrate
+from kvguard.audit.verify import verify_store
 from .audit_testlib import BACKENDS, fill, open_log
 
 TABLES = {"logs", "keys", "records", "checkpoints", "subject_keys"}
@@ -196,7 +196,7 @@ def test_a_stale_writer_reloads_the_tail_and_re_signs(db_url, signing_key, origi
 
 
 def test_primary_key_is_the_last_defence(store, origin, signing_key, monkeypatch):
-    from audit.errors import ChainConflictError
+    from kvguard.audit.errors import ChainConflictError
 
     with open_log(store, origin, signing_key) as log:
         records = fill(log, 3)

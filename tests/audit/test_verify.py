@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from audit.checkpoint import Checkpoint
-from audit.errors import VerificationError
-from audit.fields import ZERO_HASH
-from audit.keys import SigningKey, rotation_details
-from audit.record import Record
-from audit.tree import HashTree
-from audit.verify import LogVerifier, verify_records
+from kvguard.audit.checkpoint import Checkpoint
+from kvguard.audit.errors import VerificationError
+from kvguard.audit.fields import ZERO_HASH
+from kvguard.audit.keys import SigningKey, rotation_details
+from kvguard.audit.record import Record
+from kvguard.audit.tree import HashTree
+from kvguard.audit.verify import LogVerifier, verify_records
 
 ORIGIN = "kvguard.example/offline"
 KEY = SigningKey.from_seed(b"\x44" * 32)

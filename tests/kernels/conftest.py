@@ -16,8 +16,9 @@ if not ON_GPU:
 import triton  # noqa: E402  (after the environment is set)
 
 if not ON_GPU:
-    for name in ("kernels._pages", "kernels.quantize_scatter", "kernels.paged_decode", "kernels.paged_prefill",
-                 "kernels.compact"):
+    for name in ("kvguard.kernels._pages", "kvguard.kernels.quantize_scatter", "kvguard.kernels.paged_decode",
+                 "kvguard.kernels.paged_prefill",
+                 "kvguard.kernels.compact"):
         if name in sys.modules:
             importlib.reload(sys.modules[name])
     # (kernels/_interpreter.py fixes the interpreter's loop bounds for NumPy >= 2.4)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels._checks import KernelArgError
-from kernels.compact import (compact_pages, compact_pages_ref, compact_tokens, compact_tokens_ref, dequantize_tokens,
+from kvguard.kernels._checks import KernelArgError
+from kvguard.kernels.compact import (compact_pages, compact_pages_ref, compact_tokens, compact_tokens_ref, dequantize_tokens,
                              dequantize_tokens_ref)
 
 from .conftest import DEVICE, ON_GPU

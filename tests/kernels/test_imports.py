@@ -3,8 +3,8 @@
 import ast
 from pathlib import Path
 
-import kernels
-import kernels.paged_decode as pd
+import kvguard.kernels as kernels
+import kvguard.kernels.paged_decode as pd
 
 from .conftest import ON_GPU
 

@@ -8,8 +8,8 @@ import triton.language as tl
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 
-from kernels._launch import _arg_class
-from kernels.paged_decode import paged_decode
+from kvguard.kernels._launch import _arg_class
+from kvguard.kernels.paged_decode import paged_decode
 
 from .conftest import DEVICE, ON_GPU
 from .util import make_pages
@@ -33,7 +33,7 @@ def test_argument_classes_are_as_fine_as_tritons():
 
 @pytest.mark.skipif(not ON_GPU, reason="the interpreter always takes Triton's own launch path")
 def test_direct_launch_matches_tritons_launch():
-    from kernels import _launch
+    from kvguard.kernels import _launch
 
     pages = make_pages("int8", 40, 2, 16, 64, torch.float16, seed=3)
     q = torch.randn(3, 8, 64, device=DEVICE, dtype=torch.float16)
@@ -70,7 +70,7 @@ def test_launch_keeps_one_compiled_kernel_per_kind(monkeypatch):
     from triton import knobs
     from triton.runtime.jit import JITFunction
 
-    from kernels import _launch
+    from kvguard.kernels import _launch
 
     kernel = JITFunction(_toy)
     through_triton = []

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from kernels._checks import KernelArgError
-from kernels.paged_decode import paged_decode, paged_decode_ref, paged_decode_sets, paged_decode_sets_ref
+from kvguard.kernels._checks import KernelArgError
+from kvguard.kernels.paged_decode import paged_decode, paged_decode_ref, paged_decode_sets, paged_decode_sets_ref
 
 from .conftest import DEVICE, ON_GPU
 from .util import CODECS, make_pages, outlier_kv
@@ -191,7 +191,7 @@ def test_errors():
 def test_checks_hold_after_a_call_of_the_same_kind():
     # the tile is chosen once per kind of call (what the checks read: dtypes, shapes, strides,
     # devices); a later call that differs in any of them is checked again, not waved through
-    from kernels import paged_decode as pd
+    from kvguard.kernels import paged_decode as pd
 
     q, pages, table, lens = _case("int8", torch.float16, 4, 64, [20, 3], seed=9)
     _check("int8", torch.float16, q, pages, table, lens)
@@ -232,7 +232,7 @@ def test_one_sequence(codec):
 
 
 def test_one_sequence_config_precedence(monkeypatch):
-    import kernels.paged_decode as pd
+    import kvguard.kernels.paged_decode as pd
     seen = []
     real = pd.num_splits
     monkeypatch.setattr(pd, "num_splits", lambda *a, **kw: seen.append(a[5]) or real(*a, **kw))

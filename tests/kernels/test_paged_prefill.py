@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels._checks import KernelArgError
-from kernels.paged_prefill import (paged_prefill, paged_prefill_batch, paged_prefill_batch_ref, paged_prefill_mass,
+from kvguard.kernels._checks import KernelArgError
+from kvguard.kernels.paged_prefill import (paged_prefill, paged_prefill_batch, paged_prefill_batch_ref, paged_prefill_mass,
                                    paged_prefill_mass_ref, paged_prefill_ref, paged_prefill_sets)
 
 from .conftest import DEVICE
@@ -167,7 +167,7 @@ def test_max_growing_along_the_keys(codec):
 
 
 def test_splits_follow_the_programs():
-    from kernels.paged_prefill import DEFAULT_CONFIG, prefill_splits
+    from kvguard.kernels.paged_prefill import DEFAULT_CONFIG, prefill_splits
 
     cpu = torch.device("cpu")  # 4 SMs as the tile rules count a CPU
     cfg = {**DEFAULT_CONFIG, "programs_per_sm": 2, "min_split": 64}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import quantize as ref
+from kvguard.kernels import quantize as ref
 
 from .conftest import DEVICE, ON_GPU
 

@@ -11,8 +11,8 @@ import uuid
 import pytest
 from sqlalchemy import select
 
-from audit.models import RecordRow
-from audit.receipt import verify_receipt
+from kvguard.audit.models import RecordRow
+from kvguard.audit.receipt import verify_receipt
 from kvguard.sidecar.erasure import ErasureService, NewRequest
 from kvguard.sidecar.models import ErasureRequest
 from kvguard.sidecar.retention import sweep

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 import torch
 
-from audit.fields import MAX_ARRAY
+from kvguard.audit.fields import MAX_ARRAY
 from kvguard.cache import CacheConfig, CacheManager
 from kvguard.cache.events import CacheEvent, SequenceFreed
 from kvguard.sidecar.client import SidecarClient

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import quantize as q
+from kvguard.kernels import quantize as q
 
 from .base import Codec
 

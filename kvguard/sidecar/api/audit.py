@@ -11,8 +11,8 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 from sqlalchemy import select
 
-from audit.canonical import loads
-from audit.models import RecordRow
+from kvguard.audit.canonical import loads
+from kvguard.audit.models import RecordRow
 
 from .deps import AuditRead, SidecarDep
 from .problems import Problem

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from audit.canonical import MAX_SAFE_INTEGER
+from kvguard.audit.canonical import MAX_SAFE_INTEGER
 
 from ..logs import log
 from .deps import Ingest, SidecarDep
