@@ -4,9 +4,12 @@ implementation that put a Llama-family model's K/V in kvguard's pages.
     from kvguard.hf import KVGuardCache, load_smollm2
     model, tok = load_smollm2()                      # attn_implementation="kvguard"
     cache = KVGuardCache(model.config, Subject("acme", "alice", "s-1"), codec="int8", fp_sink=4)
-    out = model.generate(**tok(prompt, return_tensors="pt"), past_key_values=cache, max_new_tokens=32)
+    out = model.generate(**tok(prompt, return_tensors="pt"), cache=cache, max_new_tokens=32)
     cache.events.take_events()                       # quantize / evict / ... events
     cache.free()
+
+`cache=` is the keyword of transformers >= 5.24; before, `past_key_values=` (`cache_kwarg(model)`
+says which).
 
 Importing this module registers the "kvguard" attention implementation.
 """

@@ -19,7 +19,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..errors import ConfigError
-from .cache import ATTN_IMPLEMENTATION, TAG
+from .cache import ATTN_IMPLEMENTATION, TAG, cache_kwarg
 
 
 def kvguard_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -29,8 +29,9 @@ def kvguard_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     `update` returned them. Returns (out [B, T, Hq, D], None)."""
     pending = getattr(key, TAG, None)
     if pending is None:
-        raise ConfigError(f"attn_implementation={ATTN_IMPLEMENTATION!r} needs a kvguard.hf.KVGuardCache: "
-                          "pass past_key_values=KVGuardCache(model.config, subject, ...) to the model or generate")
+        raise ConfigError(f"attn_implementation={ATTN_IMPLEMENTATION!r} needs a kvguard.hf.KVGuardCache: pass "
+                          f"{cache_kwarg(module)}=KVGuardCache(model.config, subject, ...) to the model or "
+                          "generate")
     cache, layer = pending
     padding = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
     return cache.attend(layer, query, key, value, padding, scaling), None

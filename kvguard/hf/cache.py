@@ -31,8 +31,9 @@ TAG = "_kvguard_pending"  # attribute set on the key tensor that `update` hands 
 
 
 def cache_kwarg(model) -> str:
-    """The name a model's forward takes its cache by: `cache` from transformers 5.2x,
-    `past_key_values` before (still accepted, with a deprecation warning)."""
+    """The keyword a model's forward and generate take their cache by: `cache` from
+    transformers 5.24 (`past_key_values` is still accepted there, with a FutureWarning),
+    `past_key_values` before."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 

@@ -14,7 +14,8 @@ from kvguard.eval.probe import ProbeCache
 from kvguard.hf import CacheFullError, KVGuardCache
 from kvguard.types import Subject
 
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+from .conftest import kv
+
 PEOPLE = [Subject("acme", "alice", "s-1"), Subject("globex", "bob", "s-9")]
 
 
@@ -46,10 +47,10 @@ def test_left_padded_batch_decodes_as_one_step(tiny, calls):
     mask[1, :9] = 0  # row 1 is 15 tokens, left-padded
     tiny.set_attn_implementation("sdpa")
     want = tiny.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                         past_key_values=DynamicCache(config=tiny.config))
+                         **kv(tiny, DynamicCache(config=tiny.config)))
     tiny.set_attn_implementation("kvguard")
     cache = KVGuardCache(tiny.config, PEOPLE, num_pages=16, dtype=torch.float32)
-    got = tiny.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, past_key_values=cache)
+    got = tiny.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, **kv(tiny, cache))
     assert torch.equal(got, want)
     # 11 decode steps (the prompt is the 12th token's forward pass) x 2 layers, one call each
     assert calls == {"append_step": 22, "attend_step": 22}
@@ -60,7 +61,7 @@ def test_probe_reads_rows_one_at_a_time(tiny, calls):
     ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(2))
     tiny.set_attn_implementation("kvguard")
     probe = ProbeCache(tiny.config, PEOPLE[0], num_pages=8, dtype=torch.float32)
-    tiny.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=probe)
+    tiny.generate(ids, max_new_tokens=4, do_sample=False, **kv(tiny, probe))
     assert calls == {"append_step": 0, "attend_step": 0}
 
 
@@ -84,11 +85,11 @@ def test_a_forward_refused_for_want_of_pages_leaves_the_cache_as_it_was(tiny):
     full = KVGuardCache(tiny.config, PEOPLE[0], num_pages=2, dtype=torch.float32)  # 32 tokens
     roomy = KVGuardCache(tiny.config, PEOPLE[0], num_pages=4, dtype=torch.float32)
     with torch.no_grad():
-        tiny(ids[:, :20], past_key_values=full)
-        tiny(ids[:, :20], past_key_values=roomy)
+        tiny(ids[:, :20], **kv(tiny, full))
+        tiny(ids[:, :20], **kv(tiny, roomy))
         with pytest.raises(CacheFullError):
-            tiny(ids[:, 20:45], past_key_values=full)
+            tiny(ids[:, 20:45], **kv(tiny, full))
         assert full.get_seq_length() == 20 and [layer.seen for layer in full.layers] == [20, 20]
-        got = tiny(ids[:, 20:30], past_key_values=full).logits
-        want = tiny(ids[:, 20:30], past_key_values=roomy).logits
+        got = tiny(ids[:, 20:30], **kv(tiny, full)).logits
+        want = tiny(ids[:, 20:30], **kv(tiny, roomy)).logits
     torch.testing.assert_close(got, want)

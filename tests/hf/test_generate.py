@@ -14,18 +14,17 @@ import torch
 from transformers import DynamicCache
 
 from kvguard.errors import ConfigError
-from kvguard.hf import KVGuardCache
+from kvguard.hf import KVGuardCache, cache_kwarg
 from kvguard.policy import load_policy
 from kvguard.types import Subject
 
-from .conftest import attn, stdlib_text
+from .conftest import attn, kv, stdlib_text
 
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 NEW, PROMPT = 32, 160
 
 
 def greedy(model, ids, cache=None, **kw):
-    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, past_key_values=cache, **kw)
+    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, **kv(model, cache), **kw)
     return out[:, ids.shape[1]:]
 
 
@@ -62,9 +61,9 @@ def test_batch_of_two_matches_dynamic_cache(model, prompts, reference):
 def test_prefill_logits_match_dynamic_cache(model, code_ids, alice):
     ids = code_ids[:, :300]
     with attn(model, "sdpa"), torch.no_grad():
-        ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+        ref = model(ids, **kv(model, DynamicCache(config=model.config))).logits
     with torch.no_grad():
-        got = model(ids, past_key_values=KVGuardCache(model.config, alice, num_pages=32)).logits
+        got = model(ids, **kv(model, KVGuardCache(model.config, alice, num_pages=32))).logits
     torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-3)
 
 
@@ -94,7 +93,7 @@ def test_left_padded_batch_matches_dynamic_cache(model, tok):
     real = enc.attention_mask.sum(1).tolist()
     assert real[0] > real[1] + 20
     cache = KVGuardCache(model.config, Subject("acme", "alice", "s-1"), num_pages=64)
-    got = model.generate(**enc, max_new_tokens=16, do_sample=False, past_key_values=cache)
+    got = model.generate(**enc, max_new_tokens=16, do_sample=False, **kv(model, cache))
     with attn(model, "sdpa"):
         want = model.generate(**enc, max_new_tokens=16, do_sample=False)
     assert torch.equal(got, want)
@@ -105,16 +104,16 @@ def test_left_padded_batch_matches_dynamic_cache(model, tok):
 
 def test_needs_the_kvguard_attention_implementation(model, code_ids, alice):
     with attn(model, "sdpa"), pytest.raises(ConfigError, match="attn_implementation"):
-        model(code_ids[:, :8], past_key_values=KVGuardCache(model.config, alice))
-    with pytest.raises(ConfigError, match="KVGuardCache"):
-        model(code_ids[:, :8], past_key_values=DynamicCache(config=model.config))
+        model(code_ids[:, :8], **kv(model, KVGuardCache(model.config, alice)))
+    with pytest.raises(ConfigError, match=rf"pass {cache_kwarg(model)}=KVGuardCache"):
+        model(code_ids[:, :8], **kv(model, DynamicCache(config=model.config)))
 
 
 def test_cache_from_a_policy(model, code_ids, alice):
     policy = load_policy(Path(__file__).resolve().parents[2] / "policies" / "offline-batch.yaml")
     cache = KVGuardCache.from_policy(model.config, alice, policy, num_pages=16)
     with torch.no_grad():
-        model(code_ids[:, :40], past_key_values=cache)
+        model(code_ids[:, :40], **kv(model, cache))
     cfg = cache.manager.cfg
     assert (cfg.codec, cfg.fp_sink, cfg.fp_window, cfg.evictor, cfg.page_size) == ("int4", 4, 128, "h2o", 16)
     assert cfg.evictor_options == {"budget": 1024, "sink": 4, "window": 128, "per_head": True}

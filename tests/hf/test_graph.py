@@ -24,9 +24,11 @@ GPU = torch.cuda.is_available()
 
 GENERATE = r"""
 import tests.kernels.conftest  # compiled on a GPU, else TRITON_INTERPRET (set before triton loads)
+import warnings
+warnings.filterwarnings("error", ".*is deprecated", FutureWarning)  # as the tests of kvguard.hf do
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from kvguard.hf import KVGuardCache, greedy
+from kvguard.hf import KVGuardCache, cache_kwarg, greedy
 from kvguard.types import Subject
 
 dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,7 +48,7 @@ def events(cache):
 
 eager = KVGuardCache(cfg, who, **opts)
 want = model.generate(ids, attention_mask=mask, max_new_tokens={new}, do_sample=False, pad_token_id=0,
-                      past_key_values=eager)
+                      **{cache_kwarg(model): eager})
 want_events = events(eager)
 
 class RowByRow(KVGuardCache):  # the prompt and the decode steps row by row
@@ -54,7 +56,7 @@ class RowByRow(KVGuardCache):  # the prompt and the decode steps row by row
 
 rows = RowByRow(cfg, who, **opts)
 assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens={new}, do_sample=False, pad_token_id=0,
-                                  past_key_values=rows), want)
+                                  **{cache_kwarg(model): rows}), want)
 assert events(rows) == want_events
 runs = [False] + ([True] if dev == "cuda" else [])
 for capture in runs:
@@ -112,7 +114,7 @@ def test_greedy_refuses_a_cache_that_already_holds_tokens():
     it would write them at positions those tokens hold."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvguard.hf import KVGuardCache, greedy
+    from kvguard.hf import KVGuardCache, cache_kwarg, greedy
     from kvguard.hf.cache import cache_kwarg
 
     cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -127,3 +129,4 @@ def test_greedy_refuses_a_cache_that_already_holds_tokens():
     with pytest.raises(InputError, match="holds 10 tokens"):
         greedy(model, cache, ids, max_new_tokens=4)
     assert cache.get_seq_length() == 10 and cache.manager.length(cache.seqs[0]) == 10
+
