@@ -18,8 +18,13 @@ or step by step, after the prompt's forward pass through the cache:
 
 The first step runs eagerly (it compiles the kernels and fills their caches), the second
 captures the graph and replays it, and every later step replays it. A graph serves one batch
-of rows up to `max_tokens` tokens a row; without CUDA (`capture=False`) the same steps run
-eagerly through the same fixed buffers.
+of rows up to `max_tokens` tokens a row; with `capture=False` (the default off CUDA) the same
+steps run eagerly through the same fixed buffers.
+
+Fixed buffers need the cache's kernel path (CUDA with 16-bit K/V, or Triton's interpreter).
+`greedy` over a cache off that path (on the CPU, or in float32) runs each decode step as an
+eager forward pass of the model, the batch's token in one write and one attention call per
+layer, as `model.generate` does: the tokens are those the graph would give.
 """
 
 from __future__ import annotations
@@ -121,8 +126,10 @@ def greedy(model, cache: KVGuardCache, input_ids: torch.Tensor, *, max_new_token
            attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None, pad_token_id: int = 0,
            capture: bool | None = None) -> torch.Tensor:
     """Greedy decoding, as `model.generate(do_sample=False)`: the prompt's forward pass eagerly
-    through `cache` (left padding allowed, given by attention_mask), then one DecodeGraph step
-    per new token. The cache must hold no tokens yet (a new one, or one after `free()`). Rows
+    through `cache` (left padding allowed, given by attention_mask), then one step per new
+    token: a DecodeGraph step when the cache is on the kernel path (replayed from a CUDA graph
+    on CUDA unless capture=False), else an eager forward pass of the batch's tokens (on the
+    CPU, for one). The cache must hold no tokens yet (a new one, or one after `free()`). Rows
     that produced eos_token_id get pad_token_id after it; decoding stops when every row has.
     Returns [B, prompt + new] token ids."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -145,7 +152,7 @@ def greedy(model, cache: KVGuardCache, input_ids: torch.Tensor, *, max_new_token
     at = pos[:, -1] + 1
     done = torch.zeros_like(nxt, dtype=torch.bool)
     new = []
-    graph = None
+    step = None
     for i in range(max_new_tokens):
         if eos_token_id is not None:
             nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
@@ -153,9 +160,25 @@ def greedy(model, cache: KVGuardCache, input_ids: torch.Tensor, *, max_new_token
         new.append(nxt)
         if i == max_new_tokens - 1 or (eos_token_id is not None and bool(done.all())):
             break
-        if graph is None:
-            longest = max(cache.manager.length(s) for s in cache.seqs)
-            graph = DecodeGraph(model, cache, longest + max_new_tokens, capture=capture)
-        nxt = graph.step(nxt, at).argmax(-1)
+        if step is None:
+            step = _decode_step(model, cache, max_new_tokens, capture)
+        nxt = step(nxt, at).argmax(-1)
         at = at + 1
     return torch.cat([input_ids, torch.stack(new, 1).to(input_ids.dtype)], 1)
+
+
+def _decode_step(model, cache: KVGuardCache, max_new_tokens: int, capture: bool | None):
+    """greedy's decode step, (ids [B], positions [B]) -> logits [B, vocab]: a DecodeGraph's on
+    the kernel path (or when a graph is asked for, which off it is refused), else the model's
+    eager forward pass over the batch's one new token a row, which is generate's decode step."""
+    if capture or cache.manager.cfg.use_kernels:
+        longest = max(cache.manager.length(s) for s in cache.seqs)
+        return DecodeGraph(model, cache, longest + max_new_tokens, capture=capture).step
+    kwarg = cache_kwarg(model)
+
+    def step(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            out = model(input_ids=ids[:, None], position_ids=pos[:, None], use_cache=True, **{kwarg: cache})
+        return out.logits[:, -1]
+
+    return step

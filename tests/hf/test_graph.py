@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvguard.errors import InputError
+from kvguard.errors import ConfigError, InputError
 from kvguard.types import Subject
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,3 +130,49 @@ def test_greedy_refuses_a_cache_that_already_holds_tokens():
         greedy(model, cache, ids, max_new_tokens=4)
     assert cache.get_seq_length() == 10 and cache.manager.length(cache.seqs[0]) == 10
 
+
+@pytest.mark.parametrize("eos", [False, True], ids=["max-tokens", "eos"])
+def test_greedy_off_the_kernel_path_steps_eagerly_as_generate(monkeypatch, eos):
+    """On the CPU (float32 K/V, no kernels) greedy's decode steps are the model's eager
+    forward passes, each row's token in one append_step and one attend_step per layer, and give
+    generate's tokens and events."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvguard.cache import CacheManager
+    from kvguard.hf import KVGuardCache, cache_kwarg, greedy
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)  # eos: as greedy's
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation("kvguard")
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # row 1 is left-padded
+    who = [Subject("acme", "alice", "s1"), Subject("globex", "bob", "s2")]
+    opts = {"codec": "int8", "fp_sink": 4, "num_pages": 16}
+    eager = KVGuardCache(cfg, who, **opts)
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                          **{cache_kwarg(model): eager})
+    stop = {}
+    if eos:  # row 0 stops at its 4th new token, row 1 runs on
+        stop = {"eos_token_id": int(want[0, 27])}
+        eager = KVGuardCache(cfg, who, **opts)
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                              **stop, **{cache_kwarg(model): eager})
+        assert (want[0, 28:] == 0).all() and want.shape[1] == 36
+    steps = []
+    original = CacheManager.append_step
+    monkeypatch.setattr(CacheManager, "append_step",
+                        lambda self, *a, **kw: steps.append(1) or original(self, *a, **kw))
+    cache = KVGuardCache(cfg, who, **opts)
+    got = greedy(model, cache, ids, attention_mask=mask, max_new_tokens=12, **stop)
+    assert cache.manager.cfg.device.type == "cpu" and not cache.manager.cfg.use_kernels
+    assert torch.equal(got, want)
+    assert len(steps) == 11 * 2  # every decode step of every layer: one batch write
+    assert [cache.manager.length(s) for s in cache.seqs] == [eager.manager.length(s) for s in eager.seqs]
+    assert [type(e).__name__ for e in cache.events.take_events()] == \
+        [type(e).__name__ for e in eager.events.take_events()]
+    with pytest.raises(ConfigError, match="kernel path"):  # a CUDA graph asked for off it is refused
+        greedy(model, KVGuardCache(cfg, who, **opts), ids, attention_mask=mask, max_new_tokens=2,
+               capture=True)
