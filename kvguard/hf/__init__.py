@@ -9,17 +9,20 @@ implementation that put a Llama-family model's K/V in kvguard's pages.
     cache.free()
 
 `cache=` is the keyword of transformers >= 5.24; before, `past_key_values=` (`cache_kwarg(model)`
-says which).
+says which). A call that passes no cache (a text-generation pipeline's) gets a fresh one from
+`use_default_cache` (default.py), which `load_smollm2` sets up.
 
 Importing this module registers the "kvguard" attention implementation.
 """
 
 from .attention import kvguard_attention, kvguard_mask, register
 from .cache import ATTN_IMPLEMENTATION, CacheFullError, KVGuardCache, KVGuardLayer, cache_kwarg
+from .default import DEFAULT_SUBJECT, DefaultCache, use_default_cache
 from .graph import DecodeGraph, greedy
 from .model import load_smollm2, smollm2_gguf
 
 register()
 
-__all__ = ["ATTN_IMPLEMENTATION", "CacheFullError", "DecodeGraph", "KVGuardCache", "KVGuardLayer", "cache_kwarg",
-           "greedy", "kvguard_attention", "kvguard_mask", "load_smollm2", "register", "smollm2_gguf"]
+__all__ = ["ATTN_IMPLEMENTATION", "DEFAULT_SUBJECT", "CacheFullError", "DecodeGraph", "DefaultCache",
+           "KVGuardCache", "KVGuardLayer", "cache_kwarg", "greedy", "kvguard_attention", "kvguard_mask",
+           "load_smollm2", "register", "smollm2_gguf", "use_default_cache"]

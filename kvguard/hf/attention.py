@@ -31,7 +31,8 @@ def kvguard_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if pending is None:
         raise ConfigError(f"attn_implementation={ATTN_IMPLEMENTATION!r} needs a kvguard.hf.KVGuardCache: pass "
                           f"{cache_kwarg(module)}=KVGuardCache(model.config, subject, ...) to the model or "
-                          "generate")
+                          "generate, or call kvguard.hf.use_default_cache(model, subject) once so that "
+                          "generate makes one for every call that passes none")
     cache, layer = pending
     padding = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
     return cache.attend(layer, query, key, value, padding, scaling), None

@@ -36,12 +36,16 @@ def smollm2_gguf() -> Path:
 @functools.lru_cache(maxsize=4)
 def load_model(path: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "kvguard"):
     """(model, tokenizer) of a GGUF file, loaded without touching a model hub. Cached
-    per process: callers that change the model's attention implementation restore it."""
+    per process: callers that change the model's attention implementation restore it.
+    With the "kvguard" attention, a generate call that passes no cache (a pipeline's) gets a
+    fresh KVGuardCache for kvguard.hf.DEFAULT_SUBJECT (`use_default_cache` picks another)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
     from . import register
+    from .cache import ATTN_IMPLEMENTATION
+    from .default import use_default_cache
 
     register()
     logging.disable_progress_bar()
@@ -50,6 +54,8 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, attn_implementatio
     model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=dtype,
                                                  attn_implementation=attn_implementation)
     model.eval()
+    if attn_implementation == ATTN_IMPLEMENTATION:
+        use_default_cache(model)
     return model, tokenizer
 
 
