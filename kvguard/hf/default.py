@@ -14,8 +14,9 @@ does this for the models it loads, with the default subject.
     pipeline("text-generation", model=model, tokenizer=tok)("def add(a, b):", max_new_tokens=16)
 
 Everything generated this way belongs to one subject: a process that serves several people
-passes each call its own cache (`cache=KVGuardCache(model.config, subject, ...)`), or a
-`manager=` shared with the sidecar so that their pages come from (and are erased in) one pool.
+passes each call its own cache (`cache=KVGuardCache(model.config, subject, manager=...)`).
+`manager=` here, or there, opens the rows in a pool shared with the sidecar, where an erasure
+finds them.
 """
 
 from __future__ import annotations
@@ -87,5 +88,7 @@ def _generate(model, *args, **kwargs):
     default = getattr(model, ATTR, None)
     if default is None or not _wants_default(model, kwargs):
         return generate(*args, **kwargs)
+    for k in _CACHE_KWARGS:  # `cache=None` asks for the default too
+        kwargs.pop(k, None)
     with default.new(model.config) as cache:
         return generate(*args, **kwargs, **{cache_kwarg(model): cache})

@@ -55,8 +55,8 @@ def test_each_call_gets_a_fresh_cache_whose_rows_are_freed(tiny, ids):
     manager = shared_manager(tiny)
     default = use_default_cache(tiny, ALICE, manager=manager)
     assert tiny.kvguard_default_cache is default and default.subject == ALICE
-    for _ in range(2):
-        assert torch.equal(tiny.generate(ids, max_new_tokens=6, do_sample=False), want)
+    for none in ({}, kv(tiny, None)):  # no cache, or None for it
+        assert torch.equal(tiny.generate(ids, max_new_tokens=6, do_sample=False, **none), want)
         assert manager.sequences() == [] and sum(manager.stats().pages_used.values()) == 0
         freed = [e for e in manager.events.take_events() if e.op == "free"]
         assert len(freed) == 2 and all(e.subject == ALICE for e in freed)  # one per row, this call's
