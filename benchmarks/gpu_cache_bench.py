@@ -19,8 +19,9 @@ set beside the device time of the decode kernels of the same step (captured in a
 replayed), so the host's share shows. In generation, decode steps are timed directly: a CUDA
 event at every step's boundary, the median over many steps with its notch; a ratio between two
 variants is printed only where their notches do not overlap. Needs torch, triton and (for
---generate) transformers; runs the kvguard package from the source tree. Without CUDA, --help
-and --smoke (the reference path at tiny shapes) still run.
+--generate) transformers, and kvguard installed from this tree (`pip install --no-deps -e .`:
+kernels/ imports as kvguard.kernels only once installed); PYTHONPATH=. lets it import
+benchmarks.gpu_bench. Without CUDA, --help and --smoke (the reference path at tiny shapes) still run.
 """
 
 from __future__ import annotations
@@ -353,7 +354,8 @@ def bench_cache(models, contexts, codecs, batches, steps) -> list[str]:
                     layers = m.cfg.num_layers
                     lines.append(f"{model:14} {context:7d} {rows:2d} {name:10} | {one * 1e3:8.2f} {step * 1e3:8.2f} "
                                  f"{step / layers * 1e6:8.1f} {cpu / layers * 1e6:7.1f} {kt / layers * 1e6:8.1f} "
-                                 f"{fmt_share(step - kt, step)} | {gstep * 1e3:8.2f} {gstep / layers * 1e6:8.1f} "
+                                 f"{fmt_share(step - kt, step)} | "
+                                 f"{gstep * 1e3:8.2f} {gstep / layers * 1e6:8.1f} "
                                  f"{ghost / layers * 1e6:7.1f} | "
                                  f"rel {err:.1e}" + ("" if err < 2e-2 else "  FAILED"))
                     print(lines[-1], flush=True)
@@ -519,9 +521,9 @@ def bench_generate(new_tokens: int, prompt: int, codecs, batches, rounds: int = 
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(DEV, torch.bfloat16).eval()
     lines = [f"generate: prompt {prompt}, {new_tokens} new tokens, SmolLM2-135M shape, random bf16 weights; "
-             f"ms per step (one new token for every row): the whole call over its new tokens (fastest of {rounds} "
-             f"rounds), and decode steps timed by CUDA events (median over the rounds' steps but the first "
-             f"{SKIP_STEPS} of each, ± its notch)"]
+             f"ms per step (one new token for every row): the whole call over its new tokens "
+             f"(fastest of {rounds} rounds), and decode steps timed by CUDA events (median over the rounds' "
+             f"steps but the first {SKIP_STEPS} of each, ± its notch)"]
     print(lines[0], flush=True)
     for batch in batches:
         ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device=DEV)
@@ -575,7 +577,7 @@ def bench_generate(new_tokens: int, prompt: int, codecs, batches, rounds: int = 
                                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                                  do_sample=False, stopping_criteria=_ticking_criteria(clock),
                                                  **{cache_kwarg(model): cache})
-                except Exception as e:  # noqa: BLE001 - a baseline that this transformers cannot run is reported
+                except Exception as e:  # noqa: BLE001 - a baseline this transformers cannot run is reported
                     what = "not run here" if cache is None else "FAILED"  # the baseline's, or ours
                     lines.append(f"  B = {batch:2d} {name}: {what}: {type(e).__name__}: {str(e)[:300]}")
                     print(lines[-1], flush=True)
@@ -593,7 +595,8 @@ def bench_generate(new_tokens: int, prompt: int, codecs, batches, rounds: int = 
                 continue
             agree = (tokens[name] == tokens[ref]).float().mean().item()
             against = "" if name == ref else f", {fmt_ratio(steps[name], steps[ref], 'DynamicCache')}"
-            lines.append(f"  B = {batch:2d} {name:29} {whole[name] / new_tokens * 1e3:8.2f} ms/step over the whole "
+            per_token = whole[name] / new_tokens
+            lines.append(f"  B = {batch:2d} {name:29} {per_token * 1e3:8.2f} ms/step over the whole "
                          f"call; decode steps {fmt_steps(steps[name])}{against}; greedy tokens equal to "
                          f"DynamicCache's: {agree:.0%}")
             print(lines[-1], flush=True)
@@ -626,8 +629,8 @@ def main():
     ap.add_argument("--batches", default="1,8", help="rows decoded together")
     ap.add_argument("--steps", type=int, default=10, help="timed decode steps per run")
     ap.add_argument("--generate", type=int, default=64,
-                    help="new tokens of the generation run (0: skip it); its decode steps are timed by a CUDA "
-                         "event at each step's boundary, the median of all but the first few of each round")
+                    help="new tokens of the generation run (0: skip it); its decode steps are timed by "
+                         "a CUDA event at each step's boundary: the median of all but each round's first few")
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--profile", default=None, metavar="MODEL:CONTEXT:CODEC[:ROWS][,...]",
                     help="profile the host side of batch decode steps of these caches (cProfile, top functions)")

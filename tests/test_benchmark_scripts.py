@@ -85,7 +85,7 @@ def test_decode_step_figures_are_medians_with_their_noise():
 
     assert b.notch(list(range(1, 101))) == pytest.approx(1.58 * 50.5 / 10)  # quartiles 25.25 and 75.75
     assert b.notch([1.0, 2.0, 3.0]) == float("inf")
-    steps = [3.0, 3.1, 2.9, 3.0, 3.05, 2.95, 3.0, 40.0]  # one step held up by the host: the median keeps out of it
+    steps = [3.0, 3.1, 2.9, 3.0, 3.05, 2.95, 3.0, 40.0]  # one step held up by the host: not in the median
     assert b.fmt_steps(steps).startswith("3.000 ms/step ±") and "median of 8 steps" in b.fmt_steps(steps)
     assert "too few" in b.fmt_steps([3.0, 3.0])
     assert b.fmt_steps([-1.0, -2.0, 0.0, -0.5]).startswith("no measurement")

@@ -33,7 +33,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-LANGS = {"sh": "shell", "bash": "shell", "shell": "shell", "console": "shell", "python": "python", "py": "python"}
+LANGS = {"sh": "shell", "bash": "shell", "shell": "shell", "console": "shell",
+         "python": "python", "py": "python"}
 NOT_RUN = re.compile(r"^\s*<!--\s*not run:\s*(?P<reason>.*?)\s*-->\s*$")
 FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`\s]*)")
 HEADING = re.compile(r"^#{1,6}\s+(?P<title>.+?)\s*#*\s*$")
@@ -70,15 +71,18 @@ def parse(path: Path) -> tuple[list[Block], list[str]]:
         if m:
             fence, info, indent = m["fence"], m["info"].lower(), len(m["indent"])
             j = i + 1
-            while j < len(lines) and not re.match(rf"^ {{0,3}}{re.escape(fence[0])}{{{len(fence)},}}\s*$", lines[j]):
+            close = re.compile(rf"^ {{0,3}}{re.escape(fence[0])}{{{len(fence)},}}\s*$")
+            while j < len(lines) and not close.match(lines[j]):
                 j += 1
             body = "\n".join(x[indent:] if x[:indent].strip() == "" else x for x in lines[i + 1 : j]) + "\n"
             lang = LANGS.get(info)
             if lang:
                 counts[section] = counts.get(section, 0) + 1
-                blocks.append(Block(rel, i + 1, lang, section, counts[section], body, marker[1] if marker else None))
+                reason = marker[1] if marker else None
+                blocks.append(Block(rel, i + 1, lang, section, counts[section], body, reason))
             elif marker:
-                problems.append(f"{rel}:{marker[0]}: a not-run marker before a block that is not run anyway ({info!r})")
+                problems.append(f"{rel}:{marker[0]}: a not-run marker before a block that is not run "
+                                f"anyway ({info!r})")
             marker = None
             i = j + 1
             continue
@@ -158,13 +162,15 @@ def _workdir(tmp_path: Path) -> tuple[Path, dict]:
     work = tmp_path / "work"
     bin_ = work / ".venv" / "bin"
     bin_.mkdir(parents=True)
-    for name, run in (("kvguard", f'exec "{sys.executable}" -m kvguard "$@"'), ("python", f'exec "{sys.executable}" "$@"'),
-                      ("python3", f'exec "{sys.executable}" "$@"')):
+    py = sys.executable
+    for name, run in (("kvguard", f'exec "{py}" -m kvguard "$@"'), ("python", f'exec "{py}" "$@"'),
+                      ("python3", f'exec "{py}" "$@"')):
         (bin_ / name).write_text(f"#!/usr/bin/env bash\n{run}\n")
         (bin_ / name).chmod(0o755)
     curl = shutil.which("curl")
     if curl:
-        (bin_ / "curl").write_text(f'#!/usr/bin/env bash\nexec "{curl}" --fail-with-body --silent --show-error "$@"\n')
+        fail = "--fail-with-body --silent --show-error"
+        (bin_ / "curl").write_text(f'#!/usr/bin/env bash\nexec "{curl}" {fail} "$@"\n')
         (bin_ / "curl").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD_")}
     env["PATH"] = f"{bin_}{os.pathsep}{env.get('PATH', '')}"
@@ -204,7 +210,8 @@ def _wait(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.3)
-    raise AssertionError(f"the service did not answer {url} within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+    raise AssertionError(f"the service did not answer {url} within {timeout:.0f} s:\n"
+                         f"{log.read_text()[-3000:]}")
 
 
 def _stop(proc: subprocess.Popen) -> None:
