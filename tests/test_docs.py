@@ -55,10 +55,10 @@ class Block:
         return f"{self.path}::{self.section}::{self.index}"
 
 
-def parse(path: Path) -> tuple[list[Block], list[str]]:
+def parse(path: Path, root: Path = ROOT) -> tuple[list[Block], list[str]]:
     """The runnable blocks of one Markdown file, and the problems with its markers (a marker
     without a reason, or one that stands before no runnable block)."""
-    rel = path.relative_to(ROOT).as_posix()
+    rel = path.relative_to(root).as_posix()
     lines = path.read_text(encoding="utf-8").splitlines()
     blocks: list[Block] = []
     problems: list[str] = []
@@ -267,6 +267,23 @@ def run_python(block: Block, tmp_path: Path) -> tuple[bool, str]:
     r = subprocess.run([sys.executable, str(script)], cwd=work, env=env, capture_output=True, text=True,
                        timeout=600)
     return r.returncode == 0, r.stdout + r.stderr
+
+
+def test_parse_finds_blocks_sections_and_markers(tmp_path):
+    md = tmp_path / "x.md"
+    md.write_text("# T\n\n```sh\necho a\n```\n\n## Run it\n\n<!-- not run: needs a GPU -->\n\n"
+                  "```python\nprint(1)\n```\n\n```text\n```sh inside text\n```\n\n  ```bash\n  cd x\n  ```\n"
+                  "<!-- not run:  -->\n```py\npass\n```\n<!-- not run: why -->\n```json\n{}\n```\n"
+                  "<!-- not run: why -->\nprose\n```sh\ntrue\n```\n")
+    blocks, problems = parse(md, tmp_path)
+    assert [(b.name, b.lang, b.not_run) for b in blocks] == [
+        ("x.md::T::1", "shell", None), ("x.md::Run it::1", "python", "needs a GPU"),
+        ("x.md::Run it::2", "shell", None), ("x.md::Run it::3", "python", ""),
+        ("x.md::Run it::4", "shell", None)]
+    assert blocks[2].code == "cd x\n"  # the fence's indent taken off
+    assert problems == ["x.md:22: a not-run marker must say why",
+                        "x.md:26: a not-run marker before a block that is not run anyway ('json')",
+                        "x.md:30: a not-run marker must stand on the line before a block"]
 
 
 def test_markers_and_lists_name_real_blocks():
