@@ -16,15 +16,21 @@ A decode step is what a serving process does per new token: for every layer, app
 K/V and attend over everything the row holds (CacheManager.append + attend per row, or
 append_step + attend_step for the batch). Its wall time (CUDA synchronized after the steps) is
 set beside the device time of the decode kernels of the same step (captured in a CUDA graph and
-replayed), so the host's share shows. Needs torch, triton and (for --generate) transformers;
-runs the kvguard package from the source tree.
+replayed), so the host's share shows. In generation, decode steps are timed directly: a CUDA
+event at every step's boundary, the median over many steps with its notch; a ratio between two
+variants is printed only where their notches do not overlap. Needs torch, triton and (for
+--generate) transformers, and kvguard installed from this tree (`pip install --no-deps -e .`:
+kernels/ imports as kvguard.kernels only once installed); PYTHONPATH=. lets it import
+benchmarks.gpu_bench. Without CUDA, --help and --smoke (the reference path at tiny shapes) still run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import sys
 import time
 
@@ -348,7 +354,8 @@ def bench_cache(models, contexts, codecs, batches, steps) -> list[str]:
                     layers = m.cfg.num_layers
                     lines.append(f"{model:14} {context:7d} {rows:2d} {name:10} | {one * 1e3:8.2f} {step * 1e3:8.2f} "
                                  f"{step / layers * 1e6:8.1f} {cpu / layers * 1e6:7.1f} {kt / layers * 1e6:8.1f} "
-                                 f"{1 - kt / step:5.0%} | {gstep * 1e3:8.2f} {gstep / layers * 1e6:8.1f} "
+                                 f"{fmt_share(step - kt, step)} | "
+                                 f"{gstep * 1e3:8.2f} {gstep / layers * 1e6:8.1f} "
                                  f"{ghost / layers * 1e6:7.1f} | "
                                  f"rel {err:.1e}" + ("" if err < 2e-2 else "  FAILED"))
                     print(lines[-1], flush=True)
@@ -357,7 +364,8 @@ def bench_cache(models, contexts, codecs, batches, steps) -> list[str]:
     return lines
 
 
-def static_graph_generate(model, cfg, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def static_graph_generate(model, cfg, ids: torch.Tensor, new_tokens: int,
+                          clock: "StepClock | None" = None) -> torch.Tensor:
     """Greedy decoding through transformers' StaticCache + SDPA with each decode step replayed
     from a CUDA graph (one eager warm-up step, then capture): the graphed baseline."""
     import inspect
@@ -382,6 +390,8 @@ def static_graph_generate(model, cfg, ids: torch.Tensor, new_tokens: int) -> tor
         p = torch.zeros(b, 1, dtype=torch.long, device=DEV)
         out, graph, static_out = [nxt], None, None
         for i in range(new_tokens - 1):
+            if clock is not None:
+                clock.tick()
             x.copy_(nxt.view(b, 1))
             p.fill_(t + i)
             if i == 0:  # warm-up, eagerly on a side stream
@@ -399,7 +409,94 @@ def static_graph_generate(model, cfg, ids: torch.Tensor, new_tokens: int) -> tor
                 logits = static_out
             nxt = logits.argmax(-1)
             out.append(nxt)
+        if clock is not None:
+            clock.tick()
     return torch.cat([ids, torch.stack(out, 1)], 1)
+
+
+class StepClock:
+    """Marks the boundaries of decode steps on the GPU's timeline (a CUDA event recorded on the
+    current stream at each tick; without CUDA, the host's clock) and gives the time between
+    consecutive ticks: one decode step each, whatever the host or the GPU spent on it."""
+
+    def __init__(self):
+        self.marks: list = []
+
+    def tick(self) -> None:
+        if DEV.type == "cuda":
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def steps_ms(self, skip: int = 0) -> list[float]:
+        """ms between consecutive ticks, leaving out the first `skip` steps (warm-up, capture)."""
+        sync()
+        if DEV.type == "cuda":
+            ms = [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        else:
+            ms = [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return ms[skip:]
+
+
+def _ticking_criteria(clock: StepClock):
+    """A transformers stopping criterion that never stops and ticks `clock` once per new token."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Tick(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            clock.tick()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([Tick()])
+
+
+def median(xs) -> float:
+    return statistics.median(xs)
+
+
+def notch(xs) -> float:
+    """Half-width of the median's notch (McGill, Tukey and Larsen: 1.58 IQR / sqrt(n)): two medians
+    whose notches do not overlap differ at roughly 95 % confidence. Infinite below 4 samples."""
+    if len(xs) < 4:
+        return float("inf")
+    q1, _, q3 = statistics.quantiles(xs, n=4)
+    return 1.58 * (q3 - q1) / math.sqrt(len(xs))
+
+
+def fmt_steps(xs) -> str:
+    """A variant's decode steps: their median and its notch, or why there is no figure."""
+    if len(xs) < 4:
+        return f"too few decode steps to time ({len(xs)})"
+    m = median(xs)
+    if not math.isfinite(m) or m <= 0:  # a step cannot take no time: a broken clock, not a measurement
+        return f"no measurement (median {m} ms)"
+    return f"{m:.3f} ms/step ±{notch(xs):.3f} (median of {len(xs)} steps)"
+
+
+def fmt_ratio(xs, ys, name: str) -> str:
+    """xs's median over ys's, when the two differ by more than their notches; else says so."""
+    if len(xs) < 4 or len(ys) < 4:
+        return f"not compared with {name}'s (too few steps)"
+    mx, my = median(xs), median(ys)
+    if not (mx > 0 and my > 0):
+        return f"not compared with {name}'s (no measurement)"
+    if abs(mx - my) <= notch(xs) + notch(ys):
+        return f"equal to {name}'s within the noise"
+    return f"{mx / my:.2f}x {name}'s"
+
+
+def fmt_share(part: float, whole: float) -> str:
+    """part / whole as a percentage, where it can be one (5 characters); '  -  ' where the two
+    noisy times give a share below 0 or above 1."""
+    if not (whole > 0) or not (0 <= part <= whole):
+        return "  -  "
+    return f"{part / whole:5.0%}"
+
+
+# Steps left out of a variant's decode-step times: the first replays of a graph warm up and capture it.
+SKIP_STEPS = 3
 
 
 def bench_generate(new_tokens: int, prompt: int, codecs, batches, rounds: int = 3, graphs: bool = True) -> list[str]:
@@ -407,11 +504,16 @@ def bench_generate(new_tokens: int, prompt: int, codecs, batches, rounds: int = 
     through KVGuardCache per codec beside DynamicCache + SDPA, ms per new token of the batch;
     with graphs, also each decode step replayed from a CUDA graph: KVGuardCache through
     kvguard.hf.greedy (DecodeGraph) beside StaticCache + SDPA captured the same way.
-    The variants take turns, `rounds` times, and each keeps its fastest round: the host's
-    speed drifts over a run by more than the differences measured."""
+
+    Two figures per variant: the whole call (prompt included) over its new tokens, the fastest of
+    `rounds`; and the decode steps timed directly, a CUDA event at each step's boundary
+    (transformers' stopping criteria for generate, each DecodeGraph.step or graph replay for the
+    graphed variants), the median over every round's steps but the first SKIP_STEPS of each, with
+    its notch. Variants take turns: the host's speed drifts over a run."""
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
     from kvguard.hf import KVGuardCache, cache_kwarg, greedy
+    from kvguard.hf.graph import DecodeGraph
 
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
@@ -419,8 +521,9 @@ def bench_generate(new_tokens: int, prompt: int, codecs, batches, rounds: int = 
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(DEV, torch.bfloat16).eval()
     lines = [f"generate: prompt {prompt}, {new_tokens} new tokens, SmolLM2-135M shape, random bf16 weights; "
-             f"ms per step (one new token for every row; the whole call over its new tokens, and decode steps "
-             f"alone: the difference from a run of a quarter of the tokens), fastest of {rounds} rounds"]
+             f"ms per step (one new token for every row): the whole call over its new tokens "
+             f"(fastest of {rounds} rounds), and decode steps timed by CUDA events (median over the rounds' "
+             f"steps but the first {SKIP_STEPS} of each, ± its notch)"]
     print(lines[0], flush=True)
     for batch in batches:
         ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device=DEV)
@@ -454,56 +557,68 @@ def bench_generate(new_tokens: int, prompt: int, codecs, batches, rounds: int = 
                     cache.free()
             lines.append(f"  B = {batch:2d} {name:29} prompt's forward pass {min(times) * 1e3:8.2f} ms")
             print(lines[-1], flush=True)
-        # each variant at `new_tokens` and at a quarter of them: the difference is decode steps
-        # alone, without the prompt's forward pass and the set-up
-        short = max(1, new_tokens // 4)
-        best, tokens = {}, {}
+        whole, steps, tokens = {}, {}, {}
         for _ in range(rounds):
             for name, (make, impl, graph) in list(variants.items()):
-                for n in (short, new_tokens):
-                    if name not in variants:
-                        break
-                    model.set_attn_implementation(impl)
-                    cache = make() if make else None
-                    sync()
-                    t0 = time.perf_counter()
-                    try:
-                        with torch.no_grad():
-                            if graph and cache is None:
-                                out = static_graph_generate(model, cfg, ids, n)
-                            elif graph:
-                                out = greedy(model, cache, ids, max_new_tokens=n)
-                            else:
-                                out = model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0,
-                                                     max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                                     **{cache_kwarg(model): cache})
-                    except Exception as e:  # noqa: BLE001 - a baseline that this transformers cannot run is reported
-                        what = "not run here" if cache is None else "FAILED"  # the baseline's, or ours
-                        lines.append(f"  B = {batch:2d} {name}: {what}: {type(e).__name__}: {str(e)[:300]}")
-                        print(lines[-1], flush=True)
-                        del variants[name]
-                        break
-                    sync()
-                    best[name, n] = min(best.get((name, n), float("inf")), time.perf_counter() - t0)
-                    if n == new_tokens:
-                        tokens[name] = out[:, prompt:]
-                    if hasattr(cache, "free"):
-                        cache.free()
-        ref_name = "DynamicCache + sdpa"
-        steps = max(1, new_tokens - short)
-
-        def decode(name):
-            return (best[name, new_tokens] - best[name, short]) / steps
-
+                model.set_attn_implementation(impl)
+                cache = make() if make else None
+                clock = StepClock()
+                sync()
+                t0 = time.perf_counter()
+                try:
+                    with torch.no_grad():
+                        if graph and cache is None:
+                            out = static_graph_generate(model, cfg, ids, new_tokens, clock)
+                        elif graph:
+                            out = _ticking(DecodeGraph, clock, lambda: greedy(model, cache, ids,
+                                                                               max_new_tokens=new_tokens))
+                        else:
+                            out = model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0,
+                                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                 do_sample=False, stopping_criteria=_ticking_criteria(clock),
+                                                 **{cache_kwarg(model): cache})
+                except Exception as e:  # noqa: BLE001 - a baseline this transformers cannot run is reported
+                    what = "not run here" if cache is None else "FAILED"  # the baseline's, or ours
+                    lines.append(f"  B = {batch:2d} {name}: {what}: {type(e).__name__}: {str(e)[:300]}")
+                    print(lines[-1], flush=True)
+                    del variants[name]
+                    continue
+                sync()
+                whole[name] = min(whole.get(name, float("inf")), time.perf_counter() - t0)
+                steps.setdefault(name, []).extend(clock.steps_ms(SKIP_STEPS))
+                tokens[name] = out[:, prompt:]
+                if hasattr(cache, "free"):
+                    cache.free()
+        ref = "DynamicCache + sdpa"
         for name in variants:
-            if (name, new_tokens) not in best:
+            if name not in whole:
                 continue
-            agree = (tokens[name] == tokens[ref_name]).float().mean().item()
-            lines.append(f"  B = {batch:2d} {name:29} {best[name, new_tokens] / new_tokens * 1e3:8.2f} ms/step, "
-                         f"decode alone {decode(name) * 1e3:7.2f} ms/step ({decode(name) / decode(ref_name):.2f}x "
-                         f"DynamicCache's; greedy tokens equal to its: {agree:.0%})")
+            agree = (tokens[name] == tokens[ref]).float().mean().item()
+            against = "" if name == ref else f", {fmt_ratio(steps[name], steps[ref], 'DynamicCache')}"
+            per_token = whole[name] / new_tokens
+            lines.append(f"  B = {batch:2d} {name:29} {per_token * 1e3:8.2f} ms/step over the whole "
+                         f"call; decode steps {fmt_steps(steps[name])}{against}; greedy tokens equal to "
+                         f"DynamicCache's: {agree:.0%}")
             print(lines[-1], flush=True)
     return lines
+
+
+def _ticking(cls, clock: StepClock, run):
+    """run() with clock ticking at the start of every cls.step call (kvguard.hf.DecodeGraph, which
+    kvguard.hf.greedy calls once per new token) and once after the last."""
+    step = cls.step
+
+    def ticked(self, *args, **kwargs):
+        clock.tick()
+        return step(self, *args, **kwargs)
+
+    cls.step = ticked
+    try:
+        out = run()
+    finally:
+        cls.step = step
+    clock.tick()
+    return out
 
 
 def main():
@@ -513,7 +628,9 @@ def main():
     ap.add_argument("--codecs", default="fp16,int8,int4,fp8,int8+h2o")
     ap.add_argument("--batches", default="1,8", help="rows decoded together")
     ap.add_argument("--steps", type=int, default=10, help="timed decode steps per run")
-    ap.add_argument("--generate", type=int, default=64, help="new tokens of the generation run (0: skip it)")
+    ap.add_argument("--generate", type=int, default=64,
+                    help="new tokens of the generation run (0: skip it); its decode steps are timed by "
+                         "a CUDA event at each step's boundary: the median of all but each round's first few")
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--profile", default=None, metavar="MODEL:CONTEXT:CODEC[:ROWS][,...]",
                     help="profile the host side of batch decode steps of these caches (cProfile, top functions)")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -68,3 +70,52 @@ def test_sass_count_compiles_without_a_gpu():
     interp = subprocess.run([sys.executable, "benchmarks/sass_count.py"], cwd=ROOT,
                             env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=120)
     assert interp.returncode != 0 and "unset TRITON_INTERPRET" in interp.stderr
+
+
+def test_cache_benchmark_helps_without_cuda():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, "benchmarks/gpu_cache_bench.py", "--help"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--generate" in r.stdout and "CUDA event" in r.stdout
+
+
+def test_decode_step_figures_are_medians_with_their_noise():
+    from benchmarks import gpu_cache_bench as b
+
+    assert b.notch(list(range(1, 101))) == pytest.approx(1.58 * 50.5 / 10)  # quartiles 25.25 and 75.75
+    assert b.notch([1.0, 2.0, 3.0]) == float("inf")
+    steps = [3.0, 3.1, 2.9, 3.0, 3.05, 2.95, 3.0, 40.0]  # one step held up by the host: not in the median
+    assert b.fmt_steps(steps).startswith("3.000 ms/step ±") and "median of 8 steps" in b.fmt_steps(steps)
+    assert "too few" in b.fmt_steps([3.0, 3.0])
+    assert b.fmt_steps([-1.0, -2.0, 0.0, -0.5]).startswith("no measurement")
+
+
+def test_a_ratio_within_the_noise_is_not_printed_as_a_figure():
+    from benchmarks import gpu_cache_bench as b
+
+    a = [2.0, 2.4, 1.6, 2.2, 1.8, 2.1, 1.9, 2.0]
+    c = [x + 0.05 for x in a]  # a shift far inside the spread of either
+    assert b.fmt_ratio(a, c, "DynamicCache") == "equal to DynamicCache's within the noise"
+    fast = [x / 4 for x in a]
+    assert b.fmt_ratio(fast, a, "DynamicCache") == "0.25x DynamicCache's"
+    assert "too few" in b.fmt_ratio(a[:2], a, "DynamicCache")
+    assert "no measurement" in b.fmt_ratio([-x for x in a], a, "DynamicCache")
+
+
+def test_a_share_of_two_noisy_times_is_printed_only_where_it_can_be_one():
+    from benchmarks import gpu_cache_bench as b
+
+    assert b.fmt_share(90.0, 100.0) == "  90%"
+    assert b.fmt_share(-5.0, 100.0) == "  -  "  # kernels timed longer than the whole step: noise
+    assert b.fmt_share(1.0, 0.0) == "  -  "
+
+
+def test_step_clock_times_each_step_between_ticks():
+    from benchmarks import gpu_cache_bench as b
+
+    clock = b.StepClock()
+    for _ in range(6):
+        clock.tick()
+    steps = clock.steps_ms(skip=2)
+    assert len(steps) == 3 and all(ms >= 0 for ms in steps)
