@@ -133,9 +133,6 @@ EXPECTED_FAILURES = {
     "README.md::Running the sidecar::1": (
         "the erasure request's curl sends its JSON body without a JSON content type: the API answers 422",
         r"\b422\b"),
-    "README.md::Using the cache directly::2": (
-        "the transformers snippet takes model, subject, input_ids and mask from its reader, and a CUDA model",
-        r"NameError|CUDA"),
 }
 
 SLOW = {  # blocks that take long enough to run only with the slow tests
