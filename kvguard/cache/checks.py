@@ -35,13 +35,16 @@ def check_shape(name: str, x: torch.Tensor, want: tuple[int | str, ...], *, none
 
 def check_kv(cfg: CacheConfig, k: torch.Tensor, v: torch.Tensor) -> None:
     """K and V of T >= 1 tokens, [T, H, D] in the cache's dtype, on its device."""
+    want = ("T", cfg.num_kv_heads, cfg.head_dim)
+    check_shape("k", k, want, nonempty=True)
+    if not isinstance(v, torch.Tensor) or v.shape != k.shape:  # v checked as k was, then against it
+        check_shape("v", v, want, nonempty=True)
+        check_same_shape(k, v)
     for name, x in (("k", k), ("v", v)):
-        check_shape(name, x, ("T", cfg.num_kv_heads, cfg.head_dim), nonempty=True)
         if x.dtype != cfg.dtype:
             raise InputError(f"{name} has dtype {x.dtype}; this cache holds {cfg.dtype}")
         if x.device != cfg.device and not (x.device.type == cfg.device.type == "cuda" and cfg.device.index is None):
             raise InputError(f"{name} is on {x.device}; this cache lives on {cfg.device}")
-    check_same_shape(k, v)
 
 
 def check_same_shape(k: torch.Tensor, v: torch.Tensor) -> None:

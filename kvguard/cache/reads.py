@@ -29,10 +29,7 @@ class Reader:
         self.store = store
         self.tables = tables
         self.residency = residency
-
-    @property
-    def needs_mass(self) -> bool:
-        return self.evictor is not None and self.evictor.needs_mass
+        self.needs_mass = evictor is not None and evictor.needs_mass  # reads add their keys' mass
 
     def kv(self, seq: Sequence, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V over everything the sequence holds, dequantized: [H, L, D]."""

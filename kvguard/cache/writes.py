@@ -32,8 +32,9 @@ class Writer:
         a row past the evictor's budget (first layer), take the 16-bit pages the tokens need (all
         or none), write them, and account for them. False, writing nothing, when the 16-bit pool
         has too few free pages."""
-        for seq in seqs:
-            self.compactor.auto_compact(seq, layer)
+        if layer == 0:  # a step's first layer: rows past the evictor's budget are compacted first
+            for seq in seqs:
+                self.compactor.auto_compact(seq, layer)
         if not self.reserve(seqs, layer, counts):
             return False
         if k.shape[0]:
