@@ -160,7 +160,9 @@ def kernel_time(m: CacheManager, seqs: list) -> float:
     """Device time of the decode kernels of one batch step: every layer's paged decode over the
     rows' pages as the cache hands them over, timed by gpu_bench.time_calls (a CUDA graph of the
     step replayed: no host in the way)."""
-    if not hasattr(m, "_decode_args") or DEV.type != "cuda":  # an older CacheManager; no GPU (--smoke)
+    tables = getattr(m, "block_tables", None)
+    decode_args = tables.decode_args if tables is not None else getattr(m, "_decode_args", None)
+    if decode_args is None or DEV.type != "cuda":  # an older CacheManager; no GPU (--smoke)
         return float("nan")
     from benchmarks.gpu_bench import time_calls
     from kvguard.cache import paged
@@ -171,7 +173,7 @@ def kernel_time(m: CacheManager, seqs: list) -> float:
     mass = m.evictor is not None and m.evictor.needs_mass
     # the layers' kernel arguments as the cache makes them (with an evictor, the replays add
     # their mass into the rows' totals too)
-    calls = [m._decode_args(rows, layer, mass) for layer in range(c.num_layers)]
+    calls = [decode_args(rows, layer, mass) for layer in range(c.num_layers)]
 
     def step():
         for args in calls:
@@ -311,7 +313,7 @@ def launch_cost(model: str = "smollm2-135m", context: int = 1024, codec: str = "
     c = m.cfg
     q = torch.randn(1, c.num_query_heads, c.head_dim, device=DEV, dtype=c.dtype)
     sets = [(fields, table, torch.tensor(tokens, dtype=torch.int32, device=DEV), max(tokens))
-            for fields, table, tokens in m._decode_sets([m._seq(seqs[0])], 0)[0]]
+            for fields, table, tokens in m.block_tables.decode_sets([m._seq(seqs[0])], 0)[0]]
     best = {}
     for _ in range(rounds):
         for direct in (True, False):

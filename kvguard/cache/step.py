@@ -30,7 +30,8 @@ import torch
 from ..errors import ConfigError, InputError, OutOfPages
 from ..types import SeqId
 from . import paged
-from .manager import HOT, CacheManager, PageRef, Sequence
+from .manager import CacheManager
+from .sequence import Sequence
 
 
 class StaticStep:
@@ -53,7 +54,7 @@ class StaticStep:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise InputError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         with manager.lock:
-            seqs = manager._batch(seq_ids)
+            seqs = manager.seqs.batch(seq_ids)
             for seq in seqs:
                 self._check_between_steps(seq)
                 if seq.lengths[0] >= max_tokens:
@@ -97,23 +98,20 @@ class StaticStep:
         s = c.page_size
         m.lock.acquire()
         try:
-            seqs = m._batch(self.seq_ids)
+            seqs = m.seqs.batch(self.seq_ids)
             for seq in seqs:
                 self._check_between_steps(seq)
                 if seq.lengths[0] + 1 > self.max_tokens:
                     raise InputError(f"sequence {seq.id} would hold {seq.lengths[0] + 1} tokens; this step "
                                      f"was made for at most {self.max_tokens}")
             for seq in seqs:
-                m._auto_compact(seq, 0)
-            starting = [seq for seq in seqs if seq.lengths[0] // s >= len(seq.pages)]
-            hot = m.pools[HOT]
-            if hot.free_count < len(starting):
-                raise OutOfPages(f"no free 16-bit page for the next token of {len(starting)} rows: raise "
+                m.compactor.auto_compact(seq, 0)
+            if not m.writer.reserve(seqs, 0, [1] * len(seqs)):
+                starting = sum(seq.lengths[0] // s >= len(seq.pages) for seq in seqs)
+                raise OutOfPages(f"no free 16-bit page for the next token of {starting} rows: raise "
                                  "num_hot_pages or configure an evictor with a budget")
-            for seq in starting:
-                seq.pages.append(PageRef(HOT, hot.allocate(1, seq.subject)[0], HOT))
             for seq in seqs:
-                m._fetch_all(seq)
+                m.residency.fetch_all(seq)
                 if self.with_mass:
                     seq.grow_mass(self.pages * s)
             self._fill(seqs)
@@ -124,20 +122,20 @@ class StaticStep:
         self._open = True
 
     def _fill(self, seqs: list[Sequence]) -> None:
-        m = self.manager
-        self.rows.copy_(m._token_rows(seqs, 0, [1] * len(seqs)))
-        lays = [m._layout(seq) for seq in seqs]
+        bt = self.manager.block_tables
+        self.rows.copy_(bt.token_rows(seqs, 0, [1] * len(seqs)))
+        lays = [bt.layout(seq) for seq in seqs]
         n = [seq.lengths[0] + 1 for seq in seqs]  # every layer's tokens once this step has written
-        tokens = [[m._held(lay, name, k) for k, lay in zip(n, lays)] for name in self.names]
+        tokens = [[bt.held(lay, name, k) for k, lay in zip(n, lays)] for name in self.names]
         self.lens.copy_(torch.tensor(tokens, dtype=torch.int32), non_blocking=True)
         versions = tuple(lay.version for lay in lays)
         if versions != self._versions:
             for name in self.names:
-                table = m._batch_table(seqs, lays, name)  # [B, most pages of a row]
+                table = bt.batch_table(seqs, lays, name)  # [B, most pages of a row]
                 self.tables[name].zero_()
                 self.tables[name][:, : table.shape[1]].copy_(table)
                 if self.with_mass:
-                    pos = m._batch_positions(seqs, name)  # [B, most pages * S], -1 past a row's
+                    pos = bt.batch_positions(seqs, name)  # [B, most pages * S], -1 past a row's
                     self.positions[name].fill_(-1)
                     self.positions[name][:, : pos.shape[1]].copy_(pos)
             self._versions = versions
@@ -157,10 +155,10 @@ class StaticStep:
             raise InputError("end() without begin()")
         m = self.manager
         try:
-            for seq in self._seqs:  # what _written does once every layer has the token
+            for seq in self._seqs:  # what Sequence.written does once every layer has the token
                 seq.lengths = [n + 1 for n in seq.lengths]
                 seq.grow_mass(seq.lengths[0])
-            m._quantize_ready(self._seqs)
+            m.quantizer.quantize_ready(self._seqs)
         finally:
             self._open = False
             self._seqs = []
@@ -187,7 +185,7 @@ class StaticStep:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Every row's new token of one layer, k, v [B, H, D] in the cache's dtype."""
-        self.manager._write_tokens(layer, self.rows, k, v)
+        self.manager.writer.write_tokens(layer, self.rows, k, v)
 
     def attend(self, layer: int, q: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """Decode attention of q [B, Hq, D] over what every row holds (this step's token included)."""

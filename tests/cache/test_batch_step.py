@@ -102,16 +102,16 @@ def test_layout_rebuilt_only_when_pages_change():
     m = make()
     seq = opened(m, (40,))[0]
     s = m._seq(seq)
-    lay = m._layout(s)
+    lay = m.block_tables.layout(s)
     assert lay.idx[HOT] == [i for i, r in enumerate(s.pages) if r.where == HOT]
     one = torch.zeros(1, 2, 64, dtype=torch.float16)
     for layer in range(2):
         m.append(seq, layer, one, one)  # token 41: same page
-    assert m._layout(s) is lay
+    assert m.block_tables.layout(s) is lay
     for _ in range(8):  # past token 48: a new page, and page 1 leaves the 16-bit window
         for layer in range(2):
             m.append(seq, layer, one, one)
-    new = m._layout(s)
+    new = m.block_tables.layout(s)
     assert new is not lay
     assert new.idx[HOT] == [i for i, r in enumerate(s.pages) if r.where == HOT]
     assert new.idx[MAIN] == [i for i, r in enumerate(s.pages) if r.where == MAIN] == [1]

@@ -1,0 +1,129 @@
+"""Compaction: the evictor picks the surviving tokens, which move into fewer pages; the rest are freed.
+
+Evicting really frees pages (unlike masking). Pages before the first position that moves stay
+as they are; from there the survivors of each layer and KV head are gathered and written into
+fresh pages, 16-bit where the sinks and the window are and in the codec's pool elsewhere
+(requantized on the kernel path by the quantize-on-write kernel), and the old pages released.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from ..compress.codecs import Codec
+from ..compress.evictors import Evictor
+from ..errors import InputError, OutOfPages
+from . import events as ev
+from . import paged
+from .config import CacheConfig
+from .pages import PageStore
+from .quantize import Quantizer
+from .residency import Residency
+from .sequence import HOT, MAIN, PageRef, Sequence
+
+
+class Compactor:
+    def __init__(self, cfg: CacheConfig, codec: Codec, evictor: Evictor | None, store: PageStore,
+                 residency: Residency, quantizer: Quantizer, emit: Callable[[ev.CacheEvent], None]):
+        self.cfg = cfg
+        self.codec = codec
+        self.evictor = evictor
+        self.store = store
+        self.residency = residency
+        self.quantizer = quantizer
+        self.emit = emit
+
+    def auto_compact(self, seq: Sequence, layer: int) -> None:
+        """Before a step's first layer: compact a sequence that outgrew the evictor's budget.
+        Best effort: a sequence whose offloaded pages have no room to come back stays as it
+        is (the append then takes pages as it would without an evictor)."""
+        c = self.cfg
+        if layer == 0 and self.evictor and c.auto_compact and len(set(seq.lengths)) == 1:
+            if seq.lengths[0] >= self.evictor.budget + c.page_size:
+                try:
+                    self.compact(seq)
+                except OutOfPages:
+                    return  # no room to fetch its offloaded pages: left over budget for now
+
+    def compact(self, seq: Sequence) -> ev.TokensEvicted | None:
+        """Run the evictor (the cache has one) and move the survivors into fewer pages, freeing
+        the rest. Returns the event, or None when nothing was evicted (within budget, or no free
+        page to compact into). Raises OutOfPages, changing nothing, when the sequence's
+        offloaded pages have no room to come back to the device."""
+        if len(set(seq.lengths)) != 1:
+            raise InputError("compact between steps: every layer must hold the same number of tokens")
+        length, s = seq.lengths[0], self.cfg.page_size
+        keep = self.evictor.select(length, seq.mass[..., :length].cpu())
+        if keep is None:
+            return None
+        c = self.cfg
+        if keep.dim() == 1:  # one set for the sequence: the same positions in every layer and head
+            keep = keep.expand(c.num_layers, c.num_kv_heads, keep.shape[0])
+        new_len = keep.shape[-1]
+        ident = (keep == torch.arange(new_len)).flatten(0, -2).all(0).int()
+        same = int(ident.cumprod(0).sum())  # leading positions that move in no layer or head
+        first = same // s  # pages before this one stay as they are
+        self.residency.fetch_all(seq)
+        old_refs = seq.pages[first:]
+        # per layer and head, the surviving positions from page `first` on (rows are sorted
+        # and their first `same` >= first * s entries are 0, 1, 2, ...)
+        rel = (keep[..., first * s:] - first * s).to(c.device)  # [layers, H, new_len - first * s]
+        n_new = math.ceil((new_len - first * s) / s)
+        main_slots = [j for j in range(n_new) if self.codec.quantized and self.quantizer.quantizable(first + j, new_len)
+                      and (first + j + 1) * s <= new_len]
+        hot_slots = [j for j in range(n_new) if j not in main_slots]
+        pools = self.store.pools
+        got_hot = pools[HOT].allocate(len(hot_slots), seq.subject)
+        got_main = pools[MAIN].allocate(len(main_slots), seq.subject) if main_slots else []
+        if got_hot is None or got_main is None:
+            if got_hot:
+                self.store.release(HOT, got_hot, seq.subject)
+            if got_main:
+                self.store.release(MAIN, got_main, seq.subject)
+            return None
+        new_refs = [None] * n_new
+        for j, p in zip(hot_slots, got_hot):
+            new_refs[j] = PageRef(HOT, p, HOT)
+        for j, p in zip(main_slots, got_main):
+            new_refs[j] = PageRef(MAIN, p, MAIN)
+        for layer in range(c.num_layers):
+            k, v = self.store.gather(old_refs, layer, c.dtype)  # [H, n_old*S, D]
+            idx = rel[layer].unsqueeze(-1).expand(-1, -1, c.head_dim)
+            k, v = k.gather(1, idx), v.gather(1, idx)
+            pad = n_new * s - k.shape[1]
+            if pad:
+                z = torch.zeros(c.num_kv_heads, pad, c.head_dim, dtype=c.dtype, device=c.device)
+                k, v = torch.cat([k, z], 1), torch.cat([v, z], 1)
+            # [H, N*S, D] -> [N, H, S, D]
+            k = k.reshape(c.num_kv_heads, n_new, s, c.head_dim).transpose(0, 1)
+            v = v.reshape(c.num_kv_heads, n_new, s, c.head_dim).transpose(0, 1)
+            for name, slots, got in ((HOT, hot_slots, got_hot), (MAIN, main_slots, got_main)):
+                if not slots:
+                    continue
+                pool = pools[name]
+                if name == MAIN and c.use_kernels:  # requantized by the kernel that quantizes on write
+                    paged.encode_pages(k[slots].contiguous(), v[slots].contiguous(), pool.fields[layer], got)
+                else:
+                    pool.write(layer, got, pool.codec.encode(k[slots], v[slots]))
+        freed, _ = self.store.release_refs(old_refs, seq.subject)
+        seq.pages = seq.pages[:first] + new_refs
+        seq.lengths = [new_len] * c.num_layers
+        # H2O's mass accumulates for good; SnapKV's votes are those of the queries since the
+        # last compaction (its observation window in decode), so they start again from zero
+        old_mass = seq.mass_buf
+        seq.mass = (torch.zeros_like(seq.mass_buf[..., :new_len]) if self.evictor.fresh_votes
+                    else seq.mass_buf.gather(-1, keep.to(seq.mass_buf.device)))
+        old_mass.zero_()
+        seq.evicted += length - new_len
+        seq.positional = False
+        if got_main:  # the survivors written into codec pages were (re)quantized
+            self.emit(self.quantizer.event(seq, got_main))
+        event = ev.TokensEvicted(
+            seq=seq.id, subject=seq.subject, pages=tuple(freed), n_tokens=length - new_len,
+            bytes=self.store.bytes_of(freed),
+            evictor=self.evictor.name, kept=new_len)
+        self.emit(event)
+        return event

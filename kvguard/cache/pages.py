@@ -1,0 +1,83 @@
+"""The device pages of a cache: its pools, the prefix index over them, and their release.
+
+Two pools: `hot` holds 16-bit pages (tails, sinks, windows), `main` the codec's (only when the
+codec quantizes). Every page leaves a sequence through `release`: a page nobody holds any more
+is overwritten, returned to its pool's free list and forgotten by the prefix index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+
+import torch
+
+from ..compress.codecs import Codec, Fp16Codec
+from ..types import PageId, Subject
+from .config import CacheConfig
+from .pool import PagePool, device_index
+from .prefix import PrefixIndex
+from .sequence import HOT, MAIN, PageRef, page_name
+
+
+class PageStore:
+    def __init__(self, cfg: CacheConfig, codec: Codec):
+        self.cfg = c = cfg
+        self.codec = codec
+        shape = dict(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                     page_size=c.page_size, dtype=c.dtype, device=c.device)
+        self.pools = {HOT: PagePool(Fp16Codec(), num_pages=c.num_hot_pages, **shape)}
+        if codec.quantized:
+            self.pools[MAIN] = PagePool(codec, num_pages=c.num_pages, **shape)
+        self.prefix = PrefixIndex()
+
+    def release(self, pool_name: str, pages: list[PageId], subject: Subject) -> list[PageId]:
+        """Drop one reference of `subject` to each page of a pool; returns the pages freed
+        (overwritten, and out of the prefix index)."""
+        freed = self.pools[pool_name].release(pages, subject)
+        for p in freed:
+            self.prefix.drop_page((pool_name, int(p)))
+        return freed
+
+    def release_refs(self, refs: Iterable[PageRef], subject: Subject) -> tuple[list[str], int]:
+        """Release the device pages among `refs` (pages in a tier are skipped), one pool at a
+        time. Returns the pages freed as events name them, in the order of `refs`, and how many
+        references were dropped without freeing (pages other sequences still share)."""
+        on_device = [r for r in refs if r.where in self.pools]
+        freed: dict[str, set[int]] = {}
+        for name in self.pools:
+            pages = [PageId(int(r.page)) for r in on_device if r.where == name]
+            if pages:
+                freed[name] = {int(p) for p in self.release(name, pages, subject)}
+        names = []
+        for r in on_device:
+            if int(r.page) in freed[r.where]:
+                freed[r.where].discard(int(r.page))  # a page held twice is freed once
+                names.append(page_name(r.where, r.page))
+        return names, len(on_device) - len(names)
+
+    def forget(self, refs: Iterable[PageRef]) -> int:
+        """Remove the device pages among `refs` from the prefix index; returns the lookup
+        entries removed."""
+        return sum(self.prefix.drop_page((r.where, int(r.page))) for r in refs if r.where in self.pools)
+
+    def bytes_of(self, pages: Seq[str]) -> int:
+        """Bytes of pages named "<pool>:<page>", as events name them."""
+        return sum(self.pools[p.split(":")[0]].page_bytes for p in pages)
+
+    def gather(self, refs: list[PageRef], layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode pages (all on the device) in order: k, v [H, len(refs) * S, D]."""
+        c = self.cfg
+        if not refs:
+            empty = torch.zeros(c.num_kv_heads, 0, c.head_dim, dtype=dtype, device=c.device)
+            return empty, empty.clone()
+        k = torch.empty(len(refs), c.num_kv_heads, c.page_size, c.head_dim, dtype=dtype, device=c.device)
+        v = torch.empty_like(k)
+        for name in self.pools:
+            slots = [i for i, r in enumerate(refs) if r.where == name]
+            if slots:
+                pk, pv = self.pools[name].decode(layer, [PageId(int(refs[i].page)) for i in slots], dtype)
+                idx = device_index(slots, c.device)
+                k[idx], v[idx] = pk, pv
+        # [N, H, S, D] -> [H, N*S, D]
+        return k.transpose(0, 1).flatten(1, 2), v.transpose(0, 1).flatten(1, 2)

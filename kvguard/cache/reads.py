@@ -1,0 +1,122 @@
+"""The read path: attention over what a sequence holds, and its K/V dequantized.
+
+On the kernel path a decode step reads the pages in place, every pool of every row of a batch
+in one pass of the decode kernels; a causal chunk takes the prefill kernel once per pool, merged
+by log-sum-exp. Elsewhere the pages are dequantized and attended densely in fp32. Offloaded
+pages come back first. When the evictor scores by attention mass, each read adds its keys' mass
+into the sequence's totals.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..compress.evictors import Evictor
+from . import paged
+from .attention import dense_attention
+from .block_tables import BlockTables
+from .config import CacheConfig
+from .pages import PageStore
+from .residency import Residency
+from .sequence import Sequence
+
+
+class Reader:
+    def __init__(self, cfg: CacheConfig, evictor: Evictor | None, store: PageStore, tables: BlockTables,
+                 residency: Residency):
+        self.cfg = cfg
+        self.evictor = evictor
+        self.store = store
+        self.tables = tables
+        self.residency = residency
+        self.needs_mass = evictor is not None and evictor.needs_mass  # reads add their keys' mass
+
+    def kv(self, seq: Sequence, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V over everything the sequence holds, dequantized: [H, L, D]."""
+        self.residency.fetch_all(seq)
+        k, v = self.store.gather(seq.pages, layer, dtype)
+        n = seq.lengths[layer]
+        return k[:, :n], v[:, :n]
+
+    def attend(self, seq: Sequence, layer: int, q: torch.Tensor, causal: bool, scale: float | None) -> torch.Tensor:
+        """Attention of q [T, Hq, D], the sequence's last T positions: [T, Hq, D]."""
+        c = self.cfg
+        mass_q = 0
+        if self.needs_mass:
+            observe = getattr(self.evictor, "observe", None)  # SnapKV: the last `observe` queries vote
+            mass_q = q.shape[0] if observe is None else min(observe, q.shape[0])
+        if c.use_kernels and q.shape[0] == 1:
+            return self.attend_paged([seq], layer, q.contiguous(), scale, mass_q > 0)
+        if c.use_kernels and causal:
+            return self._prefill_paged(seq, layer, q.contiguous(), scale, mass_q)
+        k, v = self.kv(seq, layer, torch.float32)
+        out, mass = dense_attention(q, k, v, causal=causal, mass_queries=mass_q, scale=scale)
+        if mass is not None:
+            seq.mass_buf[layer, :, : mass.shape[-1]] += mass
+        return out
+
+    def attend_step(self, seqs: list[Sequence], layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """Decode attention of a batch, q [B, Hq, D] (16-bit on the kernel path): [B, Hq, D]."""
+        if not self.cfg.use_kernels:
+            return torch.cat([self.attend(seq, layer, q[i : i + 1], True, scale) for i, seq in enumerate(seqs)])
+        return self.attend_paged(seqs, layer, q.contiguous(), scale, self.needs_mass)
+
+    def attend_chunk(self, seqs: list[Sequence], layer: int, q: torch.Tensor, counts: list[int],
+                     scale: float | None) -> torch.Tensor:
+        """Causal attention of a batch's chunk q [B, T, Hq, D], row i's last counts[i] queries
+        real and the rest padding (zeros out): [B, T, Hq, D]."""
+        t = q.shape[1]
+        if not self.cfg.use_kernels or self.needs_mass or q.dtype not in (torch.float16, torch.bfloat16):
+            out = q.new_zeros(q.shape)  # each row its own
+            for i, (seq, n) in enumerate(zip(seqs, counts)):
+                if n:
+                    out[i, t - n:] = self.attend(seq, layer, q[i, t - n:], True, scale).to(q.dtype)
+            return out
+        for seq in seqs:
+            self.residency.fetch_all(seq)
+        return self._prefill_batch(seqs, layer, q.contiguous(), counts, scale)
+
+    def attend_paged(self, seqs: list[Sequence], layer: int, q: torch.Tensor, scale: float | None,
+                     with_mass: bool) -> torch.Tensor:
+        """Decode of q [B, Hq, D] (one token per sequence) through the Triton kernels: every
+        pool's pages of every row in one pass (paged_decode_sets), the block tables from each
+        sequence's layout, no walk over the pages and no host sync."""
+        for seq in seqs:
+            self.residency.fetch_all(seq)
+        return paged.decode(q, *self.tables.decode_args(seqs, layer, with_mass), scale=scale)
+
+    def _prefill_paged(self, seq: Sequence, layer: int, q: torch.Tensor, scale: float | None,
+                       mass_q: int = 0) -> torch.Tensor:
+        """Causal attention of a chunk q [T, Hq, D] (the last T positions) through the prefill
+        kernel, once per pool, merged by log-sum-exp. A pool's tokens may be older or newer
+        than a query (the chunk's own pages may already be quantized), so each query sees, in
+        each pool, the tokens at or before its position: a count per query (`limits`). With
+        mass_q, the last mass_q queries' attention mass is added into the sequence's totals."""
+        self.residency.fetch_all(seq)
+        sets, used = self.tables.decode_sets([seq], layer)
+        n, t = seq.lengths[layer], q.shape[0]
+        at = torch.arange(n - t, n, device=q.device)  # the queries' positions
+        parts = [(fields, table[0], tokens[0], self.tables.positions(seq, name)[: tokens[0]])
+                 for (fields, table, tokens), (name, _) in zip(sets, used)]
+        return paged.prefill(q, parts, at, scale, seq.mass_buf[layer] if mass_q else None, mass_q)
+
+    def _prefill_batch(self, seqs: list[Sequence], layer: int, q: torch.Tensor, counts: list[int],
+                       scale: float | None) -> torch.Tensor:
+        """attend_chunk on the kernel path: per pool, each query sees the pool's tokens at or
+        before its position (`limits`, as _prefill_paged), every row in one launch; the pools'
+        partials merged by log-sum-exp in one pass."""
+        tables = self.tables
+        sets, used = tables.decode_sets(seqs, layer)
+        t = q.shape[1]
+        lengths = tuple(seq.lengths[layer] for seq in seqs)
+        # the queries' positions, -1 for padding (which then sees no key)
+        at = tables.device_ints(("queries", lengths, tuple(counts), t), lambda: [
+            [n - t + j if j >= t - k else -1 for j in range(t)] for n, k in zip(lengths, counts)])
+        parts = []
+        lays = [tables.layout(seq) for seq in seqs]
+        for (fields, table, tokens), (name, _) in zip(sets, used):
+            # the same for every layer of the chunk: kept while the rows' pages hold
+            limits = tables.query_limits(seqs, lays, name, at, (lengths, tuple(counts), t))
+            lens = tables.device_ints(("lens", tuple(tokens)), lambda tokens=tokens: tokens, torch.int32)
+            parts.append((fields, table, lens, max(tokens), limits))
+        return paged.prefill_batch(q, parts, scale)
