@@ -20,6 +20,8 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+import kvguard.audit.ops as ops
+
 from .cache.config import CacheConfig
 from .cache.events import CacheEvent, EventQueue
 from .compress.codecs import make_codec
@@ -323,7 +325,7 @@ class PolicyDecision(CacheEvent):
     """The outcome of calibrating a policy: accept, downgrade or refuse, with the
     numbers it was decided on. An event like the cache's, so the sidecar records it."""
 
-    op = "policy"
+    op = ops.POLICY
     policy: str = ""
     outcome: str = ""  # "accept" | "downgrade" | "refuse"
     step: int = -1  # index into Policy.steps() in force; -1 when refused
