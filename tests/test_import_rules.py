@@ -84,10 +84,12 @@ sys.meta_path.insert(0, Block())
 
 # Every kvguard subpackage but the one under test (kvguard/__init__.py itself is light).
 KVGUARD_REST = ["kvguard.cache", "kvguard.compress", "kvguard.eval", "kvguard.hf", "kvguard.sidecar",
-                "kvguard.policy", "kvguard.types", "kvguard.cli"]
+                "kvguard.policy", "kvguard.types", "kvguard.cli", "kvguard.client"]
 
 
 @pytest.mark.parametrize("module, blocked", [
+    # the inference process's side of the sidecar: never the daemon's app or store
+    ("kvguard.client", ["fastapi", "sqlalchemy", "uvicorn", "kvguard.sidecar"]),
     ("kvguard.audit.ops", ["sqlalchemy", "cryptography", "rfc8785", "torch", "kvguard.kernels", *KVGUARD_REST]),
     ("kvguard.kernels.quantize", KVGUARD_REST + ["kvguard.audit", "audit"]),
     ("kvguard.audit", ["torch", "triton", "kvguard.kernels", "kernels"] + KVGUARD_REST),

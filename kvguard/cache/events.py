@@ -1,6 +1,6 @@
 """Frozen events the cache emits for every operation that changes what it holds.
 
-The cache appends them to an `EventQueue`; a consumer (the sidecar client) drains
+The cache appends them to an `EventQueue`; a consumer (kvguard.client's SidecarClient) drains
 it with `take_events()` and turns each into one signed audit record. Events carry
 the raw `Subject` because they never leave the serving process except to the
 sidecar, which pseudonymizes at ingest; they hold no K/V values or token ids.
