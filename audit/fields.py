@@ -69,8 +69,7 @@ def check_op(op: Any) -> str:
 
 def check_known_op(op: Any) -> str:
     """An op kvguard may write: one of the registry's (audit.ops), which a new one joins first."""
-    if op not in KNOWN_OPS:
-        check_op(op)
+    if check_op(op) not in KNOWN_OPS:
         raise RecordFormatError(f"op {op!r} is not one of kvguard's operations {sorted(KNOWN_OPS)}; "
                                 "register a new one in kvguard.audit.ops")
     return op
