@@ -3,6 +3,7 @@ line and field; calibration accepts, downgrades or refuses, as an event."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from kvguard.compress.evictors import EVICTORS, make_evictor
 from kvguard.errors import ConfigError
 from kvguard.policy import (SCENARIOS, Measurement, ModelShape, PolicyError, calibrate, load_policies, load_policy,
                             parse_policy)
+from kvguard.policy.schema import CODEC_OPTIONS
 from kvguard.policy.schema import Codec as SchemaCodec
 from kvguard.policy.schema import Evictor as SchemaEvictor
 from tests.test_import_rules import BLOCKER, ROOT
@@ -243,6 +245,7 @@ CODEC_CASES = [{}, {"group": 32}, {"group": 16}, {"group": 1}, {"group": 0}, {"g
 @pytest.mark.parametrize("name", sorted(CODECS))
 def test_the_schema_checks_codec_options_as_the_codecs_do(name):
     assert set(get_args(SchemaCodec.model_fields["name"].annotation)) == set(CODECS)
+    assert set(CODEC_OPTIONS[name]) == {f.name for f in dataclasses.fields(CODECS[name])}  # a new option: add it
     for options in CODEC_CASES:
         try:
             make_codec(name, **options)

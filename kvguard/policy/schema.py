@@ -15,6 +15,7 @@ answers). Putting a policy to work on a cache is policy.runtime's.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -71,7 +72,7 @@ def _positive_int(value: Any) -> bool:
 
 
 # The options each codec takes, with the check its class makes (kvguard/compress/codecs).
-CODEC_OPTIONS: dict[str, dict[str, tuple[Any, str]]] = {
+CODEC_OPTIONS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
     "fp16": {}, "int8": {}, "fp8": {},
     "int4": {"group": (_positive_int, "group must be a positive integer")},
 }
