@@ -20,16 +20,15 @@ from datetime import datetime, timezone
 from functools import lru_cache
 from typing import Any
 
+from . import ops
 from .canonical import MAX_SAFE_INTEGER
 from .errors import RecordFormatError
 
 FORMAT_VERSION = 1
 ZERO_HASH = "0" * 64
 SUBJECT_KINDS = ("tenant", "user", "session")
-# The operations kvguard writes; the set is open, any `[a-z_]+` name is accepted.
-KNOWN_OPS = frozenset(
-    {"quantize", "evict", "offload", "fetch", "erase", "key_rotation", "retention_erase", "policy"}
-)
+# The operations kvguard writes (audit.ops); a record read may name any `[a-z_]{1,32}`.
+KNOWN_OPS = ops.OPS
 FORBIDDEN_KEYS = frozenset(
     {
         "prompt", "prompts", "text", "texts", "content", "contents", "completion", "completions",
@@ -65,6 +64,14 @@ def check_origin(origin: Any) -> str:
 def check_op(op: Any) -> str:
     if not isinstance(op, str) or not _OP.fullmatch(op):
         raise RecordFormatError(f"op {op!r} must match [a-z_]{{1,32}}")
+    return op
+
+
+def check_known_op(op: Any) -> str:
+    """An op kvguard may write: one of the registry's (audit.ops), which a new one joins first."""
+    if check_op(op) not in KNOWN_OPS:
+        raise RecordFormatError(f"op {op!r} is not one of kvguard's operations {sorted(KNOWN_OPS)}; "
+                                "register a new one in kvguard.audit.ops")
     return op
 
 

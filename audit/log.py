@@ -27,7 +27,7 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import fields
+from . import fields, ops
 from .checkpointer import Checkpointer
 from .errors import AuditError, ChainConflictError, StoreError
 from .keys import SigningKey, rotation_details
@@ -62,7 +62,7 @@ def _item(op: str, subject: dict | None, details: dict | None, future: Future | 
     Its chain-independent parts are encoded there too (`_encode`), so the signer only
     assembles and signs."""
     subject, details = fields.check_subject(subject), fields.check_details(details)
-    return Item(fields.check_op(op), subject, details, future)
+    return Item(fields.check_known_op(op), subject, details, future)
 
 
 def _encode(items: list[Item]) -> list[Item]:
@@ -165,7 +165,7 @@ class AuditLog:
 
     def rotate_key(self, new_key: SigningKey) -> Record:
         """The current key signs a key_rotation record naming `new_key`, which signs onward."""
-        item = Item("key_rotation", {}, rotation_details(new_key.public_key), Future(), new_key=new_key)
+        item = Item(ops.KEY_ROTATION, {}, rotation_details(new_key.public_key), Future(), new_key=new_key)
         self._enqueue([item])
         return item.future.result()
 

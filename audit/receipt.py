@@ -16,10 +16,10 @@ from .checkpoint import open_checkpoint
 from .errors import ReceiptError, RecordFormatError, VerificationError
 from .keys import PublicKey
 from .merkle import verify_inclusion
+from .ops import ERASE_OPS
 from .record import Record
 
 RECEIPT_FORMAT = "kvguard-erasure-receipt/v1"
-ERASE_OPS = frozenset({"erase", "retention_erase"})
 
 
 def build_receipt(record: Record, checkpoint_note: str, tree_size: int, proof: list[bytes],

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from .checkpoint import Checkpoint, open_checkpoint
 from .errors import RecordFormatError, VerificationError
 from .fields import ZERO_HASH
+from .ops import KEY_ROTATION
 from .keys import PublicKey
 from .merkle import CompactRange, verify_consistency
 from .record import Record
@@ -55,7 +56,7 @@ class KeySchedule:
 
     def observe(self, record: Record) -> None:
         """Apply a verified key_rotation record."""
-        if record.op != "key_rotation":
+        if record.op != KEY_ROTATION:
             return
         try:
             new_key = PublicKey.from_raw(base64.b64decode(record.details["new_public_key"], validate=True))

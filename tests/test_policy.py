@@ -3,14 +3,26 @@ line and field; calibration accepts, downgrades or refuses, as an event."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import subprocess
+import sys
 from pathlib import Path
+from typing import get_args
 
 import pytest
+from pydantic import ValidationError
 
 from kvguard.cache import CacheManager, EventQueue
+from kvguard.compress.codecs import CODECS, make_codec
+from kvguard.compress.evictors import EVICTORS, make_evictor
 from kvguard.errors import ConfigError
 from kvguard.policy import (SCENARIOS, Measurement, ModelShape, PolicyError, calibrate, load_policies, load_policy,
                             parse_policy)
+from kvguard.policy.schema import CODEC_OPTIONS
+from kvguard.policy.schema import Codec as SchemaCodec
+from kvguard.policy.schema import Evictor as SchemaEvictor
+from tests.test_import_rules import BLOCKER, ROOT
 
 POLICIES = Path(__file__).resolve().parents[1] / "policies"
 SHIPPED = sorted(POLICIES.glob("*.yaml"))
@@ -197,3 +209,69 @@ def test_per_head_is_an_evictor_option_and_named_in_the_key():
         Evictor(name="streamingllm", budget=256, per_head=False)
     with pytest.raises(ValueError):
         Evictor(name="h2o", budget=256, per_head="yes")
+
+
+def test_the_schema_loads_every_policy_without_torch_and_the_sidecar_reads_its_retention(tmp_path):
+    """The daemon reads one retention number from a policy: the schema imports no torch,
+    triton, numpy or cache, and neither does the sidecar's settings through it."""
+    blocked = ["torch", "triton", "numpy", "kvguard.cache", "kvguard.compress", "kvguard.kernels"]
+    chat = str(POLICIES / "chat.yaml")
+    code = (f"BLOCKED = {blocked!r}\n{BLOCKER}\n"
+            "import kvguard.policy.schema as schema\n"
+            "from kvguard.policy import load_policies, load_policy\n"
+            "from kvguard.sidecar.settings import load_settings\n"
+            f"policies = load_policies({str(POLICIES)!r})\n"
+            "assert len(policies) == 6 and all(p.retention.seconds > 0 for p in policies.values())\n"
+            f"s = load_settings(data_dir={str(tmp_path)!r}, policy_file={chat!r})\n"
+            f"assert s.retention_max_age_s == load_policy({chat!r}).retention.seconds\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_the_runtime_names_still_come_from_kvguard_policy():
+    import kvguard.policy as policy
+    from kvguard.policy import runtime
+
+    assert policy.calibrate is runtime.calibrate and policy.PolicyDecision is runtime.PolicyDecision
+    with pytest.raises(AttributeError):
+        policy.no_such_name
+
+
+CODEC_CASES = [{}, {"group": 32}, {"group": 16}, {"group": 1}, {"group": 0}, {"group": -4}, {"group": True},
+               {"group": "32"}, {"group": 8.0}, {"grup": 64}, {"code_dtype": "int8"}, {"group": 32, "x": 1}]
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_the_schema_checks_codec_options_as_the_codecs_do(name):
+    assert set(get_args(SchemaCodec.model_fields["name"].annotation)) == set(CODECS)
+    assert set(CODEC_OPTIONS[name]) == {f.name for f in dataclasses.fields(CODECS[name])}  # a new option: add it
+    for options in CODEC_CASES:
+        try:
+            make_codec(name, **options)
+            cache_ok = True
+        except ConfigError:
+            cache_ok = False
+        try:
+            SchemaCodec(name=name, options=options)
+            schema_ok = True
+        except ValidationError as e:
+            schema_ok = False
+            assert f"bad options for codec {name!r}" in str(e)
+        assert schema_ok == cache_ok, (name, options)
+
+
+def test_an_evictor_the_schema_accepts_is_one_the_cache_accepts():
+    assert set(get_args(SchemaEvictor.model_fields["name"].annotation)) == set(EVICTORS)
+    refused = 0
+    for name, budget, sink, window, observe, pool, per_head in itertools.product(
+            sorted(EVICTORS), (1, 8, 64), (0, 4), (0, 4, 60), (None, 1, 16), (None, 1, 2, 7), (True, False)):
+        fields = {"name": name, "budget": budget, "sink": sink, "window": window, "per_head": per_head,
+                  "observe": observe, "pool": pool}
+        try:
+            e = SchemaEvictor(**{k: v for k, v in fields.items() if v is not None})
+        except ValidationError:
+            refused += 1
+            continue
+        make_evictor(e.name, **e.options())  # raises ConfigError when the schema let a bad one through
+    assert refused  # the grid holds evictors the schema refuses

@@ -16,6 +16,7 @@ from ..checkpoint import Checkpoint, split_note
 from ..errors import KeyFileError, RecordFormatError, VerificationError
 from ..keys import PublicKey
 from ..merkle import decompose, verify_inclusion
+from ..ops import KEY_ROTATION
 from ..record import Record
 from .layout import CHECKPOINTS, KEYS, PROOFS
 
@@ -119,7 +120,7 @@ class KeyPlan:
         except (KeyError, TypeError, ValueError, RecordFormatError) as exc:
             raise _fail(KEYS, "format", f"malformed rotation: {exc}", origin, start - 1) from None
         previous = self.keys[-1][0]
-        if (record.origin, record.seq, record.op, record.key_id) != (origin, start - 1, "key_rotation",
+        if (record.origin, record.seq, record.op, record.key_id) != (origin, start - 1, KEY_ROTATION,
                                                                      previous.key_id):
             raise _fail(KEYS, "key", "rotation record is not the previous key's key_rotation at the "
                         "seq before the new key", origin, record.seq)

@@ -32,6 +32,7 @@ from ..errors import VerificationError
 from ..fields import ZERO_HASH
 from ..keys import PublicKey
 from ..merkle import decompose, verify_consistency
+from ..ops import KEY_ROTATION
 from ..receipt import ERASE_OPS, verify_receipt
 from ..verify import KeySchedule, LogVerifier
 from .dsse import open_envelope
@@ -165,7 +166,7 @@ def _records(zf, manifest: _Manifest, plan: KeyPlan, proofs, listed: list[Listed
                 if not line.endswith(b"\n"):
                     raise verifier.fail("format", "the last line has no newline")
                 record = verifier.add_bytes(line[:-1])
-                if record.op == "key_rotation" and schedule.active != plan.key_at(record.seq + 1):
+                if record.op == KEY_ROTATION and schedule.active != plan.key_at(record.seq + 1):
                     raise verifier.fail("key", "rotation names a key keys.json does not list next",
                                         record.seq)
                 if record.op in ERASE_OPS:

@@ -1,9 +1,11 @@
 """Frozen events the cache emits for every operation that changes what it holds.
 
-The cache appends them to an `EventQueue`; a consumer (the sidecar client) drains
+The cache appends them to an `EventQueue`; a consumer (kvguard.client's SidecarClient) drains
 it with `take_events()` and turns each into one signed audit record. Events carry
 the raw `Subject` because they never leave the serving process except to the
 sidecar, which pseudonymizes at ingest; they hold no K/V values or token ids.
+Their ops are names of the audit format's registry (kvguard.audit.ops, a module
+that imports nothing), so the sidecar records every one.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
+
+import kvguard.audit.ops as ops
 
 from ..types import SeqId, Subject
 
@@ -37,7 +41,7 @@ class CacheEvent:
 class PagesQuantized(CacheEvent):
     """Full 16-bit pages re-encoded into the codec (bytes: after; bytes_before: before)."""
 
-    op = "quantize"
+    op = ops.QUANTIZE
     codec: str = ""
     bytes_before: int = 0
 
@@ -48,7 +52,7 @@ class TokensEvicted(CacheEvent):
     other sequences still share are not freed), `kept` tokens left. The survivors written into
     codec pages are reported by a `PagesQuantized` just before."""
 
-    op = "evict"
+    op = ops.EVICT
     evictor: str = ""
     kept: int = 0
 
@@ -58,7 +62,7 @@ class PagesOffloaded(CacheEvent):
     """Device pages moved to a lower tier (bytes: the device pages', as `fetch` counts them;
     stored_bytes: what the tier holds for them, sealed and serialized)."""
 
-    op = "offload"
+    op = ops.OFFLOAD
     src: str = ""
     dst: str = ""
     stored_bytes: int = 0
@@ -66,7 +70,7 @@ class PagesOffloaded(CacheEvent):
 
 @dataclass(frozen=True, slots=True)
 class PagesFetched(CacheEvent):
-    op = "fetch"
+    op = ops.FETCH
     src: str = ""
     dst: str = ""
 
@@ -76,7 +80,7 @@ class SequenceFreed(CacheEvent):
     """A sequence ended; its unshared pages were overwritten and returned to the pool, and
     its lower-tier copies erased (`tier_copies`)."""
 
-    op = "free"
+    op = ops.FREE
     tier_copies: int = 0
 
 
@@ -84,7 +88,7 @@ class SequenceFreed(CacheEvent):
 class SubjectErased(CacheEvent):
     """An erasure of a user or a session: every sequence, page and tier copy of it."""
 
-    op = "erase"
+    op = ops.ERASE
     scope: str = ""  # "user" or "session"
     sequences: int = 0
     shared_pages: int = 0  # pages kept for other owners, the subject removed from them

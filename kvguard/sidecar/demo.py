@@ -25,8 +25,8 @@ import torch
 
 from ..cache import CacheConfig, CacheManager
 from ..cache.tiers import DiskTier
+from ..client import SidecarClient
 from ..types import Subject
-from .client import SidecarClient
 
 
 def _port() -> int:

@@ -19,7 +19,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from kvguard.audit import fields
+from kvguard.audit import fields, ops
 from kvguard.audit.errors import RecordFormatError
 from kvguard.audit.log import AuditLog
 from kvguard.audit.pseudonym import Pseudonymizer, subject_data
@@ -27,7 +27,6 @@ from kvguard.audit.record import Record
 
 from .models import SubjectLink
 
-OPS = {"quantize", "evict", "offload", "fetch", "free", "erase", "policy"}
 WILDCARD = "*"  # an erasure event names only the scope it erased
 # What an operation touched, divided among the parts of a split event so that each sums to
 # the operation's total; every other member of the details is repeated in each part.
@@ -116,7 +115,7 @@ class Ingestor:
         for e in events:
             details = {**(e.get("details") or {}), "process": process}
             planned.append((e, self.subject(e.get("subject") or {}, cache), split_pages(details)))
-        if all(e["op"] in OPS for e, _, _ in planned):
+        if all(e["op"] in ops.EVENT_OPS for e, _, _ in planned):
             try:  # the usual case: every record valid, checked once, by the log
                 return self.log.append_many([(e["op"], subject, d) for e, subject, parts in planned
                                              for d in parts]), []
@@ -130,14 +129,14 @@ class Ingestor:
                 continue
             # the operation happened: say so, without the details the format refuses
             refused.append({"n": e["n"], "op": e["op"], "reason": reason})
-            items.append(("ingest_error", subject, {"process": process, "event": e["n"], "event_op": e["op"],
-                                                    "reason": reason}))
+            items.append((ops.INGEST_ERROR, subject, {"process": process, "event": e["n"],
+                                                      "event_op": e["op"], "reason": reason}))
         return self.log.append_many(items), refused
 
 
 def _unrecordable(op: str, parts: list[dict[str, Any]]) -> str | None:
     """Why an event cannot be recorded as sent, or None."""
-    if op not in OPS:
+    if op not in ops.EVENT_OPS:  # what an inference process may send (audit.ops)
         return "unknown_op"
     try:
         for d in parts:

@@ -41,7 +41,7 @@ class Settings(BaseSettings):
     # An inference process counts as live this long after its last contact; after a start,
     # erasures wait this long for the processes to reconnect.
     inference_live_s: float = Field(default=30.0, gt=0)
-    # The deployment's policy (kvguard/policy.py): its retention.max_age is the retention limit.
+    # The deployment's policy (kvguard/policy/schema.py): its retention.max_age is the retention limit.
     policy_file: Path | None = None
     retention_max_age_s: float | None = Field(default=None, gt=0)  # default: the policy's; None = no limit
     retention_check_s: float = Field(default=60.0, gt=0)
@@ -63,7 +63,7 @@ class Settings(BaseSettings):
     def _policy(self) -> "Settings":
         if self.policy_file is None:
             return self
-        from ..policy import load_policy
+        from ..policy.schema import load_policy  # no torch: the daemon only reads the retention
 
         limit = load_policy(self.policy_file).retention.seconds  # PolicyError: file, line and field
         if self.retention_max_age_s is None:

@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from kvguard.audit.bundle.dsse import pae
+from kvguard.audit import ops
 from kvguard.audit.checkpoint import open_checkpoint
 from kvguard.audit.keys import SigningKey
 from kvguard.audit.record import Record
@@ -30,6 +31,13 @@ def ex() -> dict[str, str]:
     blocks = re.findall(r"<!-- example: ([\w-]+) -->\n```[a-z]*\n(.*?)\n```", DOC.read_text(), re.S)
     assert len(blocks) == 17
     return dict(blocks)
+
+
+def test_the_ops_listed_are_the_registry():
+    text = DOC.read_text()
+    listed = re.search(r"Operations kvguard writes \(its\nregistry, `kvguard.audit.ops`\):\n(.*?) \(\[", text, re.S)
+    assert listed, "docs/audit-format.md §1 lists the ops kvguard writes"
+    assert set(re.findall(r"`([a-z_]+)`", listed.group(1))) == ops.OPS
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,8 @@ def test_bad_records_fail_at_the_call(audit_log):
         audit_log.submit("Evict!")
     with pytest.raises(RecordFormatError):
         audit_log.append("evict", {"user": "alice"})
+    with pytest.raises(RecordFormatError, match="register a new one in kvguard.audit.ops"):
+        audit_log.append("evicted", {}, {"pages": [1]})  # well formed, but not an op kvguard writes
     assert audit_log.size == 0
 
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from kvguard.audit.canonical import MAX_SAFE_INTEGER, record_bytes
 from kvguard.audit.errors import RecordFormatError
-from kvguard.audit.fields import check_details, check_op, check_subject, format_time, parse_time
+from kvguard.audit.fields import (check_details, check_known_op, check_op, check_subject, format_time,
+                                  parse_time)
 from kvguard.audit.keys import SigningKey
 from kvguard.audit.record import Record
 
@@ -87,10 +88,19 @@ def test_details_accepts_digests_counts_codec():
     assert check_details(d) is d
 
 
-@pytest.mark.parametrize("op", ["", "Evict", "evict-1", "a" * 33, None, "évict"])
+@pytest.mark.parametrize("op", ["", "Evict", "evict-1", "a" * 33, None, "évict", ["evict"]])
 def test_op_must_be_lowercase_word(op):
     with pytest.raises(RecordFormatError):
         check_op(op)
+    with pytest.raises(RecordFormatError):
+        check_known_op(op)
+
+
+def test_kvguard_writes_only_the_registered_ops_and_reads_any():
+    assert check_known_op("evict") == "evict"
+    assert check_op("evicted") == "evicted"  # the format's set is open to readers
+    with pytest.raises(RecordFormatError, match="register a new one in kvguard.audit.ops"):
+        check_known_op("evicted")
 
 
 @pytest.mark.parametrize("subject", [{"user": "alice"}, {"user": "AB" * 16}, {"email": "a" * 32}, ["x"]])

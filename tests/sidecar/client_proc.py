@@ -18,7 +18,7 @@ import torch
 
 from kvguard.cache import CacheConfig, CacheManager
 from kvguard.cache.tiers import DiskTier, RedisTier
-from kvguard.sidecar.client import SidecarClient
+from kvguard.client import SidecarClient
 from kvguard.errors import UnknownSequence
 from kvguard.types import Subject
 

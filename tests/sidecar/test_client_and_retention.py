@@ -9,7 +9,7 @@ import torch
 
 from kvguard.cache import CacheConfig, CacheManager
 from kvguard.cache.events import EventQueue
-from kvguard.sidecar.client import SidecarClient, SidecarUnavailable
+from kvguard.client import SidecarClient, SidecarUnavailable
 from kvguard.types import Subject
 from tests.sidecar.conftest import free_port, start_server
 

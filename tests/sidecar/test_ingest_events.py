@@ -19,7 +19,7 @@ import torch
 from kvguard.audit.fields import MAX_ARRAY
 from kvguard.cache import CacheConfig, CacheManager
 from kvguard.cache.events import CacheEvent, SequenceFreed
-from kvguard.sidecar.client import SidecarClient
+from kvguard.client import SidecarClient
 from kvguard.sidecar.ingest import split_pages
 from kvguard.types import Subject
 from tests.sidecar.conftest import ROOT, kvguard, start_server
@@ -107,7 +107,7 @@ def test_an_event_the_format_refuses_is_recorded_as_an_ingest_error_and_stops_no
         cache.events.emit(SequenceFreed(1, subject, ("hot:0",), 4, 0))
         cache.events.emit(BadEvent(2, subject, ("hot:1",), 4, 0, email="raw-user-4411@example.com"))
         cache.events.emit(SequenceFreed(3, subject, ("hot:2",), 4, 0))
-        with caplog.at_level(logging.INFO, logger="kvguard.sidecar.client"):
+        with caplog.at_level(logging.INFO, logger="kvguard.client"):
             client.start()
             assert client.flush(30), client.last_error
         assert client.pending == 0 and client.refused == 1
@@ -135,7 +135,7 @@ def test_a_refused_batch_is_kept_logged_once_and_sent_again(tmp_path, caplog):
     cache = CacheManager(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=32, num_pages=16, page_size=4))
     client = SidecarClient(cache, socket=server.socket, token="kvg_" + "x" * 43, interval_s=0.01)
     try:
-        with caplog.at_level(logging.INFO, logger="kvguard.sidecar.client"):
+        with caplog.at_level(logging.INFO, logger="kvguard.client"):
             cache.events.emit(SequenceFreed(1, Subject("acme", "raw-user-4411", "s"), ("hot:0",), 4, 0))
             client.start()
             assert not client.flush(1.5)  # a few retries, each answered 401

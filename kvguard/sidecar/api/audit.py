@@ -11,6 +11,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 from sqlalchemy import select
 
+from kvguard.audit import ops
 from kvguard.audit.canonical import loads
 from kvguard.audit.models import RecordRow
 
@@ -19,7 +20,7 @@ from .problems import Problem
 
 router = APIRouter(prefix="/v1/audit", tags=["audit"])
 
-Op = Literal["quantize", "evict", "offload", "fetch", "free", "erase", "policy", "key_rotation"]
+Op = Literal[tuple(sorted(ops.OPS))]  # every op kvguard writes, no other
 Pseudonym = Annotated[str, Query(pattern=r"^[0-9a-f]{32}$", description="a tenant, user or session pseudonym")]
 
 

@@ -1,31 +1,32 @@
-"""Cache policies: one YAML file per serving scenario (policies/*.yaml).
+"""The policy schema: one YAML file per serving scenario (policies/*.yaml).
 
 A policy chooses the compression layers (codec with its 16-bit sinks and window,
 evictor and budget), the tiers a sequence may be offloaded to, the prefix-sharing
 scope, the retention of subject data, and the fidelity bound the choice must
 keep. `load_policy` validates a file and names file, line and field on every
-error; `Policy.cache_config` sizes a CacheConfig for a model; `calibrate` checks
-measured fidelity against the bound and accepts, downgrades or refuses the
-policy, as an auditable `PolicyDecision` event.
+error.
+
+This module imports neither torch nor the cache, so the sidecar reads a policy's
+retention without them: the codec and evictor options are checked here as the
+cache's classes check them (tests/test_policy.py holds the two to the same
+answers). Putting a policy to work on a cache is policy.runtime's.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .cache.config import CacheConfig
-from .cache.events import CacheEvent, EventQueue
-from .compress.codecs import make_codec
-from .compress.evictors import make_evictor
-from .errors import ConfigError
-from .types import Subject
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..cache.config import CacheConfig
 
 SCENARIOS = ("chat", "long-document", "code", "rag", "reasoning", "offline-batch")
 NO_H2O = ("rag", "reasoning")  # the seeds' matrix: evicting by past attention breaks retrieval and chains of thought
@@ -44,7 +45,7 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config) -> ModelShape:
-        from .hf.cache import shape_fields
+        from ..hf.cache import shape_fields
 
         return cls(**shape_fields(config))
 
@@ -66,6 +67,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+# The options each codec takes, with the check its class makes (kvguard/compress/codecs).
+CODEC_OPTIONS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
+    "fp16": {}, "int8": {}, "fp8": {},
+    "int4": {"group": (_positive_int, "group must be a positive integer")},
+}
+
+
 class Codec(_Strict):
     name: Literal["fp16", "int8", "int4", "fp8"]
     fp_sink: Count = 0  # first tokens kept 16-bit (whole pages)
@@ -74,10 +86,15 @@ class Codec(_Strict):
 
     @model_validator(mode="after")
     def _options(self):
-        try:  # the cache's own checks, on load rather than when a cache is made
-            make_codec(self.name, **self.options)
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
+        # on load rather than when a cache is made, in the words make_codec would use
+        takes = CODEC_OPTIONS[self.name]
+        for key, value in self.options.items():
+            if key not in takes:
+                raise ValueError(f"bad options for codec {self.name!r}: it takes "
+                                 f"{', '.join(sorted(takes)) or 'no options'}, not {key!r}")
+            ok, rule = takes[key]
+            if not ok(value):
+                raise ValueError(f"bad options for codec {self.name!r}: {self.name}: {rule}, got {value!r}")
         return self
 
 
@@ -100,10 +117,8 @@ class Evictor(_Strict):
             raise ValueError("observe and pool are snapkv's options")
         if self.name == "streamingllm" and not self.per_head:
             raise ValueError("per_head is h2o's and snapkv's option (streamingllm keeps one set)")
-        try:  # the cache's own checks, on load rather than when a cache is made
-            make_evictor(self.name, **self.options())
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
+        if self.name == "snapkv" and self.pool is not None and self.pool % 2 == 0:  # as SnapKV checks it
+            raise ValueError("snapkv: observe must be >= 1 and pool an odd number >= 1")
         return self
 
     def options(self) -> dict:
@@ -207,8 +222,11 @@ class Policy(Layers):
                                           "prefix_sharing": self.prefix_sharing == "tenant"}
 
     def cache_config(self, shape: ModelShape, **overrides) -> CacheConfig:
-        """A CacheConfig for a model of this shape (overrides: dtype, device, num_pages, ...)."""
-        return CacheConfig(**shape.as_config_fields(), **(self.cache_options() | overrides))
+        """A CacheConfig for a model of this shape (overrides: dtype, device, num_pages, ...).
+        Imports the cache (torch), as the schema itself never does."""
+        from .runtime import cache_config
+
+        return cache_config(self, shape, **overrides)
 
 
 # --- loading ------------------------------------------------------------------------------------
@@ -304,7 +322,7 @@ def load_policies(folder: str | Path) -> dict[str, Policy]:
     return out
 
 
-# --- calibration --------------------------------------------------------------------------------
+# --- measurement (calibrated in policy.runtime) ------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -316,69 +334,3 @@ class Measurement:
 
     def within(self, bound: Fidelity) -> bool:
         return self.deviation < bound.max_attention_deviation and self.ppl_delta < bound.max_ppl_increase
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyDecision(CacheEvent):
-    """The outcome of calibrating a policy: accept, downgrade or refuse, with the
-    numbers it was decided on. An event like the cache's, so the sidecar records it."""
-
-    op = "policy"
-    policy: str = ""
-    outcome: str = ""  # "accept" | "downgrade" | "refuse"
-    step: int = -1  # index into Policy.steps() in force; -1 when refused
-    config: str = ""  # Layers.key of the configuration in force ("" when refused)
-    deviation: float = 0.0  # measured for the configuration as written
-    ppl_delta: float = 0.0
-    max_attention_deviation: float = 0.0
-    max_ppl_increase: float = 0.0
-
-    @property
-    def refused(self) -> bool:
-        return self.outcome == "refuse"
-
-
-Measure = Measurement | Mapping[str, Measurement] | Callable[[Layers], Measurement]
-
-
-def calibrate(policy: Policy, measured: Measure, *, tenant: str = "*",
-              events: EventQueue | None = None) -> PolicyDecision:
-    """Decide on a policy from measured fidelity.
-
-    `measured` is the measurement of the configuration as written, or a mapping
-    (by `Layers.key`) or function giving one per configuration, so downgrade steps
-    are checked too. Within the bound: accept. Beyond it: refuse, or (on_violation:
-    downgrade) take the first downgrade step that is within the bound, or the first
-    step at all when only the written configuration was measured; refuse when no
-    measured step is within it. The decision is emitted into `events` when given."""
-    def measure(step: Layers) -> Measurement | None:
-        if isinstance(measured, Measurement):
-            return measured if step.key == policy.steps()[0].key else None
-        if isinstance(measured, Mapping):
-            return measured.get(step.key)
-        return measured(step)
-
-    steps = policy.steps()
-    first = measure(steps[0])
-    if first is None:
-        raise ConfigError(f"no measurement for policy {policy.name!r} as written ({steps[0].key})")
-    outcome, step = "refuse", -1
-    if first.within(policy.fidelity):
-        outcome, step = "accept", 0
-    elif policy.on_violation == "downgrade":
-        for i, s in enumerate(steps[1:], start=1):
-            m = measure(s)
-            if m is None and isinstance(measured, Measurement):
-                outcome, step = "downgrade", i  # unmeasured: trust the policy's own order of safety
-                break
-            if m is not None and m.within(policy.fidelity):
-                outcome, step = "downgrade", i
-                break
-    decision = PolicyDecision(
-        seq=None, subject=Subject(tenant, "*", "*"), pages=(), n_tokens=0, bytes=0, policy=policy.name,
-        outcome=outcome, step=step, config=steps[step].key if step >= 0 else "", deviation=first.deviation,
-        ppl_delta=first.ppl_delta, max_attention_deviation=policy.fidelity.max_attention_deviation,
-        max_ppl_increase=policy.fidelity.max_ppl_increase)
-    if events is not None:
-        events.emit(decision)
-    return decision

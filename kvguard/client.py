@@ -1,5 +1,6 @@
 """The inference side: streams a cache's events to the sidecar and carries out its
-erase commands.
+erase commands. It runs in the serving process, so it imports the cache and httpx,
+never the daemon (kvguard.sidecar: its FastAPI app, its SQL store).
 
 Events leave the decode loop through the cache's queue; a sender thread moves them
 into a pending buffer and posts them in batches, removing each only once the
@@ -10,7 +11,7 @@ open sequences keep decoding. A command thread long-polls for erase commands,
 erases under the cache's lock, waits until its own erase event is durable, and
 acknowledges with what was overwritten.
 
-Failures are logged (`logging`, logger `kvguard.sidecar.client`) when they begin
+Failures are logged (`logging`, logger `kvguard.client`) when they begin
 and end, never with a subject id. An event the sidecar could not record as sent
 comes back as `refused` in its answer (it recorded an `ingest_error` in its
 place): it is logged as an error and counted in `refused`. A batch answered with
@@ -31,9 +32,9 @@ from typing import Literal
 
 import httpx
 
-from ..cache import CacheManager
-from ..errors import KVGuardError
-from ..types import SeqId, Subject
+from .cache import CacheManager
+from .errors import KVGuardError
+from .types import SeqId, Subject
 
 _log = logging.getLogger(__name__)
 
