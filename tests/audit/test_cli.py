@@ -175,3 +175,30 @@ def test_export_shows_progress_on_stderr(setup, capsys):
     captured = capsys.readouterr()
     assert f"export {origin}" in captured.err and "100%" in captured.err  # tqdm's bar
     assert "wrote" in captured.out and "export" not in captured.out.split("wrote")[0]
+
+
+def test_verify_shows_numbered_progress_on_stderr(setup, capsys, monkeypatch):
+    url, origin, d = setup
+    assert main(["export", "--database-url", url, "--origin", origin, "--key", str(d / "log.key"),
+                 "-o", str(d / "b.zip"), "--no-progress"]) == 0
+    verify = ["verify", str(d / "b.zip"), "--public-key", str(d / "log.pub")]
+    capsys.readouterr()
+    assert main(verify + ["--progress"]) == 0
+    out, err = capsys.readouterr()
+    steps = [line.split(")")[0] for line in err.splitlines()]
+    assert steps[0] == "verify (1/8" and steps[-1] == "verify (8/8", err
+    assert "verify (5/8) records  26/26 records  100%" in err  # fill(25) + the erase record
+    assert out.startswith("VERIFIED") and "verify (" not in out
+    assert main(verify + ["--previous", str(d / "b.zip"), "--progress"]) == 0
+    assert "verify (9/9) previous bundle" in capsys.readouterr().err
+    # by default: only on a terminal, and never under --json or --no-progress
+    assert main(verify) == 0
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(verify) == 0
+    err = capsys.readouterr().err
+    assert "\rverify (5/8) records" in err and err.endswith("\n")
+    for quiet in (["--json"], ["--no-progress"]):
+        assert main(verify + quiet) == 0
+        assert capsys.readouterr().err == ""
+    assert main(verify + ["--progress", "--no-progress"]) == 2
