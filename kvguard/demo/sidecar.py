@@ -26,7 +26,7 @@ import torch
 from ..cache import CacheConfig, CacheManager
 from ..cache.tiers import DiskTier
 from ..types import Subject
-from .client import SidecarClient
+from ..sidecar.client import SidecarClient
 
 
 def _port() -> int:
