@@ -71,6 +71,17 @@ def show_fidelity(policies: dict[str, Policy], *, prefix: int, score: int, threa
     (and the perplexity change, ΔPPL) with the policy's bound. The worst layer is shown for
     transparency: a single layer may move more than the mean and still be harmless.
   ({time.perf_counter() - t0:.0f} s with the model load; 'kvguard eval' measures longer texts and every method.)""")
+    for d in report.decisions:
+        if d.outcome == "accept":
+            continue
+        over = ([f"moved attention {pct(d.deviation)}, over its bound of {pct(d.max_attention_deviation)}"]
+                if d.deviation >= d.max_attention_deviation else [])
+        if d.ppl_delta >= d.max_ppl_increase:
+            over.append(f"changed perplexity by {d.ppl_delta:+.3f}, over its bound of {d.max_ppl_increase:g}")
+        then = ("so the gate refused it: no configuration of it may run" if d.outcome == "refuse" else
+                f"so the gate stepped down to its first step within the bound: {d.config}")
+        print(f"\n  {d.policy}: as written ({policies[d.policy].steps()[0].key}) it "
+              + " and ".join(over) + f";\n    {then}.")
     if idle:
         _explain_eviction(idle, prefix + score)
 
@@ -79,8 +90,8 @@ def _explain_eviction(idle: list[Policy], length: int) -> None:
     names = ", ".join(p.name for p in idle)
     least = min(p.evictor.budget for p in idle)
     print(f"""
-  Eviction at this length: {names} keep(s) every token, because {length} tokens are below the
-  smallest budget ({least:,}); an evictor costs nothing until a sequence passes its budget.""")
+  Eviction at this length: {length} tokens are below the smallest budget ({least:,}), so the evictors
+  keep every token ({names}); an evictor costs nothing until a sequence passes its budget.""")
     try:
         data = json.loads(REPORT.read_text(encoding="utf-8"))
     except (OSError, ValueError):
