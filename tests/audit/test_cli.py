@@ -202,3 +202,17 @@ def test_verify_shows_numbered_progress_on_stderr(setup, capsys, monkeypatch):
         assert main(verify + quiet) == 0
         assert capsys.readouterr().err == ""
     assert main(verify + ["--progress", "--no-progress"]) == 2
+
+
+def test_verify_bundle_reports_each_step_and_the_records_as_they_stream(setup, monkeypatch):
+    from kvguard.audit.bundle import verify as bundle_verify
+
+    url, origin, d = setup
+    assert main(["export", "--database-url", url, "--origin", origin, "--key", str(d / "log.key"),
+                 "-o", str(d / "b.zip"), "--no-progress"]) == 0
+    monkeypatch.setattr(bundle_verify, "PROGRESS_EVERY", 10)
+    calls = []
+    bundle_verify.verify_bundle(d / "b.zip", [SigningKey.load(d / "log.key").public_key],
+                                progress=lambda *call: calls.append(call))
+    assert [c[0] for c in calls if c[2] == 0] == list(range(1, 9))  # steps (1)..(8) in order
+    assert [c[2] for c in calls if c[0] == 5] == [0, 10, 20, 26] and {c[3] for c in calls if c[0] == 5} == {26}
