@@ -68,7 +68,7 @@ def test_fidelity_part_explains_what_looks_alarming(smollm2, one_thread, policie
     show_fidelity({k: policies[k] for k in ("code", "offline-batch")}, prefix=48, score=32)
     out = capsys.readouterr().out
     assert "code " in out and "offline-batch " in out and "(evictor idle)" in out
-    assert "Eviction at this length: 80 tokens are below the smallest budget (1,024)" in out
+    assert "Eviction at this length: 80 tokens are below the smallest budget (1,024)" in " ".join(out.split())
     # the shipped report's numbers for the evictors, and why they are large, and what the gate does
     assert "code           deviation (worst text)" in out and "downgraded to" in out
     assert "Why an evictor's deviation is large" in out and "fidelity gate" in out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -89,9 +90,10 @@ def show_fidelity(policies: dict[str, Policy], *, prefix: int, score: int, threa
 def _explain_eviction(idle: list[Policy], length: int) -> None:
     names = ", ".join(p.name for p in idle)
     least = min(p.evictor.budget for p in idle)
-    print(f"""
-  Eviction at this length: {length} tokens are below the smallest budget ({least:,}), so the evictors
-  keep every token ({names}); an evictor costs nothing until a sequence passes its budget.""")
+    print("\n" + textwrap.fill(
+        f"Eviction at this length: {length} tokens are below the smallest budget ({least:,}), so the evictors "
+        f"of {names} keep every token; an evictor costs nothing until a sequence passes its budget.",
+        width=98, initial_indent="  ", subsequent_indent="  "))
     try:
         data = json.loads(REPORT.read_text(encoding="utf-8"))
     except (OSError, ValueError):
