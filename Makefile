@@ -1,5 +1,6 @@
 # Two entry points for a fresh machine:
-#   make demo   create .venv, install, start the sidecar on SQLite and drive a workload through it
+#   make demo   create .venv, install, show what each scenario policy saves and costs on SmolLM2-135M,
+#               then erase a user through the sidecar (SQLite) and verify the receipt and an audit bundle
 #   make test   create .venv, install, make sure PostgreSQL and Redis run, run the tests
 PYTHON ?= python3
 VENV   ?= .venv

@@ -1,7 +1,7 @@
 """kvguard-audit: export a sealed audit bundle, or verify one offline.
 
     kvguard-audit export --database-url URL --origin LOG --key KEY -o FILE [range]
-    kvguard-audit verify BUNDLE --public-key KEY [--previous OLD_BUNDLE] [--json]
+    kvguard-audit verify BUNDLE --public-key KEY [--previous OLD_BUNDLE] [--json] [--[no-]progress]
 
 Exit status: 0 exported / verified; 1 not verified (or export refused), naming the
 first failure; 2 usage error or unreadable file. `main(argv)` returns the status
@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from datetime import datetime
 from typing import Any
 
@@ -61,6 +62,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                    "started with, not a later one; repeatable")
     v.add_argument("--previous", metavar="OLD_BUNDLE", help="an earlier bundle this one must extend")
     v.add_argument("--json", action="store_true", help="print the result as JSON")
+    shown = v.add_mutually_exclusive_group()
+    shown.add_argument("--progress", action="store_true", default=None,
+                       help="show each step's progress on stderr (default: when stderr is a terminal and "
+                       "not --json)")
+    shown.add_argument("--no-progress", action="store_false", dest="progress", help="no progress on stderr")
     return p
 
 
@@ -118,13 +124,64 @@ def _verify(args: argparse.Namespace) -> int:
             open(path, "rb").close()
         except OSError as exc:
             raise _UsageError(f"cannot read {path}: {exc.strerror}") from None
+    show = args.progress if args.progress is not None else sys.stderr.isatty() and not args.json
+    progress = _Progress(sys.stderr, steps=9 if args.previous else 8) if show else None
     try:
-        summary = verify_bundle(args.bundle, keys, previous=args.previous)
+        summary = verify_bundle(args.bundle, keys, previous=args.previous, progress=progress)
     except VerificationError as exc:
         _report(args, False, error=exc)
         return EXIT_FAILED
+    finally:
+        if progress:
+            progress.close()
     _report(args, True, summary=summary)
     return EXIT_OK
+
+
+class _Progress:
+    """Verification's steps on stderr, numbered as in kvguard.audit.bundle.verify, with the
+    records step's count, share and rate. On a terminal one line is redrawn in place; in a file
+    each update is a line of its own, at most one a second. (No tqdm: the auditor's install
+    has only cryptography and rfc8785.)"""
+
+    def __init__(self, stream, steps: int) -> None:
+        self.stream, self.steps = stream, steps
+        self.tty = stream.isatty()
+        self.interval = 0.2 if self.tty else 1.0
+        self.step, self.started, self.shown, self.width = 0, 0.0, 0.0, 0
+
+    def __call__(self, step: int, name: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if step != self.step:
+            self._end_line()
+            self.step, self.started, self.shown = step, now, 0.0
+        elif now - self.shown < self.interval and done != total:
+            return
+        self.shown = now
+        text = f"verify ({step}/{self.steps}) {name}"
+        if step == 5 and total:
+            rate = done / max(now - self.started, 1e-9)
+            text += f"  {done:,}/{total:,} records  {done / total:.0%}"
+            if done:
+                text += f"  {rate:,.0f} rec/s" + (f", {(total - done) / rate:.0f}s left" if done < total else "")
+        self._write(text)
+
+    def _write(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r" + text.ljust(self.width))
+            self.width = len(text)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def _end_line(self) -> None:
+        if self.tty and self.width:
+            self.stream.write("\n")
+            self.width = 0
+
+    def close(self) -> None:
+        self._end_line()
+        self.stream.flush()
 
 
 def _report(args, ok: bool, summary: Any = None, error: VerificationError | None = None) -> None:

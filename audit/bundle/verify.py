@@ -15,6 +15,9 @@ first failure, naming the member, the record (origin#seq) and the check.
   (7) consistency: every other listed checkpoint is a prefix of the covering one
   (8) receipts: one per erasure record in range, each verifies and cites a listed checkpoint
   (9) previous: an older bundle's checkpoint is consistent with this one
+
+`progress(step, name, done, total)`, if given, is called as each step starts (done 0) and,
+during (5), every PROGRESS_EVERY records, so a caller can show how far a large bundle is.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +44,17 @@ from .layout import (
     open_zip, read_small,
 )
 from .members import KeyPlan, Listed, last_listed_key, parse_checkpoints, parse_proofs
+
+
+STEPS = ("container", "envelope", "digests", "checkpoints, proofs, keys", "records", "merkle root",
+         "consistency", "receipts", "previous bundle")
+PROGRESS_EVERY = 4096  # records between two progress calls in (5): cheap against their signatures
+
+Progress = Callable[[int, str, int, int], None]  # (step 1-9, its name, done, total)
+
+
+def _quiet(step: int, name: str, done: int, total: int) -> None:
+    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,25 +83,41 @@ class _Manifest:
 
 
 def verify_bundle(path: str | os.PathLike[str], public_keys: Iterable[PublicKey], *,
-                  previous: str | os.PathLike[str] | None = None) -> BundleSummary:
+                  previous: str | os.PathLike[str] | None = None,
+                  progress: Progress | None = None) -> BundleSummary:
     """`public_keys`: the trusted keys; the log's first key (keys.json's first) must be one."""
     trusted = list(public_keys)
+    report = progress or _quiet
+
+    def step(n: int, total: int = 0) -> None:
+        report(n, STEPS[n - 1], 0, total)
+
+    step(1)
     with open_zip(os.fspath(path)) as zf:  # (1)
         # (2) before keys.json is checked, its last key is only a candidate; (4) ties the signer
         # to the key chain that a trusted key starts
+        step(2)
         manifest = _manifest(zf, trusted + last_listed_key(read_small(zf, KEYS)),
                              "a trusted key or the key keys.json lists last")
         origin, first, end, size = manifest.origin, manifest.first, manifest.end, manifest.size
+        step(3)
         docs = {name: _member_json(zf, name, manifest) for name in (CHECKPOINTS, PROOFS, KEYS)}  # (3)
+        step(4)
         listed = parse_checkpoints(docs[CHECKPOINTS], origin, first, size)  # (4)
         cover = listed[-1]
         proofs = parse_proofs(docs[PROOFS], origin, first, end, size)
         plan = KeyPlan(docs[KEYS], origin, cover.checkpoint)
         signer = _anchor(plan, trusted, manifest)
-        verifier, erasures = _records(zf, manifest, plan, proofs, listed)  # (5)
+        step(5, end - first)
+        verifier, erasures = _records(zf, manifest, plan, proofs, listed, report)  # (5)
+        step(6)
         _cover(verifier, proofs, cover, plan)  # (6)
+        step(7, len(listed) - 1)
         _consistency(listed, proofs, plan, origin)  # (7)
+        step(8)
         receipts = _receipts(zf, manifest, plan, erasures, listed)  # (8)
+    if previous is not None:
+        step(9)
     prev_size = None if previous is None else _previous(previous, plan, proofs, cover)  # (9)
     return BundleSummary(origin, first, end - 1, end - first, size, cover.checkpoint.root.hex(),
                          len(listed), len(plan.keys), receipts, signer.key_id, prev_size)
@@ -148,7 +178,7 @@ def _member_json(zf, name: str, manifest: _Manifest) -> Any:
         raise VerificationError("format", f"not JSON: {exc}", member=name) from None
 
 
-def _records(zf, manifest: _Manifest, plan: KeyPlan, proofs, listed: list[Listed]):
+def _records(zf, manifest: _Manifest, plan: KeyPlan, proofs, listed: list[Listed], report: Progress = _quiet):
     origin, first, end = manifest.origin, manifest.first, manifest.end
     schedule = KeySchedule(plan.all(), active=plan.key_at(first))
     verifier = LogVerifier(origin, schedule, start=first, prefix=proofs.prefix,
@@ -173,7 +203,10 @@ def _records(zf, manifest: _Manifest, plan: KeyPlan, proofs, listed: list[Listed
                     erasures[record.seq] = record
                 if verifier.size in at_size:
                     verifier.check_checkpoint(at_size[verifier.size])
+                if (verifier.size - first) % PROGRESS_EVERY == 0:
+                    report(5, STEPS[4], verifier.size - first, end - first)
         verifier.finish()
+        report(5, STEPS[4], verifier.size - first, end - first)
     except VerificationError as exc:
         raise verifier.earliest(exc).with_member(RECORDS) from None
     except (OSError, zipfile.BadZipFile) as exc:  # e.g. a CRC mismatch while streaming

@@ -151,14 +151,16 @@ def to_html(r: Report) -> str:
 
     def table(head, rows):
         th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
-        tr = "".join("<tr>" + "".join(f"<td>{html.escape(c.strip('`'))}</td>" for c in row) + "</tr>" for row in rows)
+        tr = "".join("<tr>" + "".join(f"<td>{html.escape(c.replace('`', ''))}</td>" for c in row) + "</tr>" for row in rows)
         return f"<table><thead><tr>{th}</tr></thead><tbody>{tr}</tbody></table>"
 
     imgs = "".join(f'<figure><img alt="{html.escape(t)}" src="data:image/png;base64,{b64}">'
                    f"<figcaption>{html.escape(t)}</figcaption></figure>" for t, b64 in figures(r))
     style = ("body{font:14px system-ui,sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;"
-             "margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child,"
-             "th:first-child{text-align:left}figure{display:inline-block;margin:0 1em 1em 0}img{width:640px}")
+             "margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right;white-space:nowrap}"
+             "td:first-child,th:first-child{text-align:left}td:nth-child(2){white-space:normal}"
+             # figures at their own size (labels stay legible), one under the other on a narrow screen
+             "figure{display:inline-block;margin:0 1em 1em 0;max-width:100%}img{max-width:100%}")
     body = [f"<h1>kvguard fidelity</h1><p>{html.escape(settings_line(r))}</p>", table(*summary_table(r)), imgs,
             "<h2>Against the seeds' table</h2>", table(*seeds_table(r))]
     if r.decisions:

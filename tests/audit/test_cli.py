@@ -175,3 +175,44 @@ def test_export_shows_progress_on_stderr(setup, capsys):
     captured = capsys.readouterr()
     assert f"export {origin}" in captured.err and "100%" in captured.err  # tqdm's bar
     assert "wrote" in captured.out and "export" not in captured.out.split("wrote")[0]
+
+
+def test_verify_shows_numbered_progress_on_stderr(setup, capsys, monkeypatch):
+    url, origin, d = setup
+    assert main(["export", "--database-url", url, "--origin", origin, "--key", str(d / "log.key"),
+                 "-o", str(d / "b.zip"), "--no-progress"]) == 0
+    verify = ["verify", str(d / "b.zip"), "--public-key", str(d / "log.pub")]
+    capsys.readouterr()
+    assert main(verify + ["--progress"]) == 0
+    out, err = capsys.readouterr()
+    steps = [line.split(")")[0] for line in err.splitlines()]
+    assert steps[0] == "verify (1/8" and steps[-1] == "verify (8/8", err
+    assert "verify (5/8) records  26/26 records  100%" in err  # fill(25) + the erase record
+    assert out.startswith("VERIFIED") and "verify (" not in out
+    assert main(verify + ["--previous", str(d / "b.zip"), "--progress"]) == 0
+    assert "verify (9/9) previous bundle" in capsys.readouterr().err
+    # by default: only on a terminal, and never under --json or --no-progress
+    assert main(verify) == 0
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(verify) == 0
+    err = capsys.readouterr().err
+    assert "\rverify (5/8) records" in err and err.endswith("\n")
+    for quiet in (["--json"], ["--no-progress"]):
+        assert main(verify + quiet) == 0
+        assert capsys.readouterr().err == ""
+    assert main(verify + ["--progress", "--no-progress"]) == 2
+
+
+def test_verify_bundle_reports_each_step_and_the_records_as_they_stream(setup, monkeypatch):
+    from kvguard.audit.bundle import verify as bundle_verify
+
+    url, origin, d = setup
+    assert main(["export", "--database-url", url, "--origin", origin, "--key", str(d / "log.key"),
+                 "-o", str(d / "b.zip"), "--no-progress"]) == 0
+    monkeypatch.setattr(bundle_verify, "PROGRESS_EVERY", 10)
+    calls = []
+    bundle_verify.verify_bundle(d / "b.zip", [SigningKey.load(d / "log.key").public_key],
+                                progress=lambda *call: calls.append(call))
+    assert [c[0] for c in calls if c[2] == 0] == list(range(1, 9))  # steps (1)..(8) in order
+    assert [c[2] for c in calls if c[0] == 5] == [0, 10, 20, 26] and {c[3] for c in calls if c[0] == 5} == {26}
