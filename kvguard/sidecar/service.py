@@ -37,7 +37,8 @@ class Sidecar:
     def __init__(self, settings: Settings, *, migrate_db: bool = True) -> None:
         self.settings = s = settings
         s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.engine = make_engine(s.db_url)
+        # pre-ping: connections left dead by a database outage are replaced, not handed out
+        self.engine = make_engine(s.db_url, pool_pre_ping=True)
         if migrate_db:
             migrate(s.db_url)
         check_current(s.db_url)
