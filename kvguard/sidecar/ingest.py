@@ -119,7 +119,7 @@ class Ingestor:
             # the event's number in every record of it: what `recorded_up_to` reads back
             details = {**(e.get("details") or {}), "process": process, "event": e["n"]}
             planned.append((e, self.subject(e.get("subject") or {}, cache), split_pages(details)))
-        if all(e["op"] in OPS for e, _, _ in planned):
+        if all(e["op"] in OPS and _nesting(e.get("details")) <= fields.MAX_DEPTH for e, _, _ in planned):
             try:  # the usual case: every record valid, checked once, by the log
                 return self.log.append_many([(e["op"], subject, d) for e, subject, parts in planned
                                              for d in parts]), []
@@ -182,10 +182,25 @@ class Ingestor:
             db.commit()
 
 
+def _nesting(value: Any) -> int:
+    """How deep arrays and objects nest in `value` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            deepest = max(deepest, depth)
+            stack.extend((item, depth + 1) for item in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
 def _unrecordable(op: str, parts: list[dict[str, Any]]) -> str | None:
     """Why an event cannot be recorded as sent, or None."""
     if op not in OPS:
         return "unknown_op"
+    # arrays nest as deep as objects may (the format bounds objects only): a record nested
+    # hundreds deep is signed, but no reader of the log can serialize it back
+    if any(_nesting(d) > fields.MAX_DEPTH for d in parts):
+        return "details"
     try:
         for d in parts:
             fields.check_details(d)

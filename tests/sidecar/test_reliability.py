@@ -286,3 +286,13 @@ def test_a_database_outage_is_503_and_recovers_by_itself(tmp_path, pg_database):
     log = (tmp_path / "serve.log").read_text()
     assert "Traceback" not in log
     assert 1 <= log.count('"database unavailable"') <= 6  # one line per place and 10 s, not one per failure
+
+
+def test_deeply_nested_details_become_an_ingest_error_and_the_log_stays_readable(small):
+    inst = uuid.uuid4().hex[:16]
+    deep = event(0)
+    deep["details"]["extra"] = json.loads("[" * 300 + "]" * 300)
+    with ingest(small) as c:
+        ack = c.post("/internal/v1/events", json=batch(inst, [deep, event(1)])).json()
+    assert ack["refused"] == [0] and ack["up_to"] == 1
+    assert count_records(small, f"proc/{inst}") == {0: 1, 1: 1}  # the records API answers (no 500)
