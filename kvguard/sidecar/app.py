@@ -14,6 +14,7 @@ from .api import audit as audit_routes
 from .api import erasure as erasure_routes
 from .api import health, ingest, problems
 from .erasure import ErasureService
+from .limits import BodyLimit
 from .logs import log
 from .retention import retention_loop
 from .service import Sidecar
@@ -41,6 +42,8 @@ def create_app(sidecar: Sidecar) -> FastAPI:
     problems.install(app)
     for r in (health.router, erasure_routes.router, audit_routes.router, ingest.router):
         app.include_router(r)
+
+    app.add_middleware(BodyLimit, sidecar=sidecar)  # inside request_id below: its answers carry the id
 
     @app.middleware("http")
     async def request_id(request: Request, call_next):

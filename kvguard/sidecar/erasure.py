@@ -32,6 +32,7 @@ from kvguard.audit.pseudonym import subject_data
 from kvguard.audit.record import Record
 
 from ..errors import InputError
+from . import outage
 from .logs import log
 from .models import ErasureRequest
 from .service import Sidecar
@@ -133,8 +134,11 @@ class ErasureService:
         while True:
             try:
                 await self.run_pending()
-            except Exception:  # noqa: BLE001 - keep the loop alive; the request records its error
-                log.exception("erasure loop error")
+            except Exception as exc:  # noqa: BLE001 - keep the loop alive; the request records its error
+                if outage.is_outage(exc):  # the database is away: try again, no traceback each second
+                    outage.note("erasure loop", exc)
+                else:
+                    log.exception("erasure loop error")
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), 1.0)

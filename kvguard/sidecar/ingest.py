@@ -13,9 +13,11 @@ bad event neither fails its batch nor goes unrecorded.
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -25,7 +27,7 @@ from kvguard.audit.log import AuditLog
 from kvguard.audit.pseudonym import Pseudonymizer, subject_data
 from kvguard.audit.record import Record
 
-from .models import SubjectLink
+from .models import IngestProgress, SubjectLink
 
 WILDCARD = "*"  # an erasure event names only the scope it erased
 # What an operation touched, divided among the parts of a split event so that each sums to
@@ -113,9 +115,10 @@ class Ingestor:
         cache: dict = {}
         planned = []  # per event: the event, its subject's pseudonyms, its records' details
         for e in events:
-            details = {**(e.get("details") or {}), "process": process}
+            # the event's number in every record of it: what `recorded_up_to` reads back
+            details = {**(e.get("details") or {}), "process": process, "event": e["n"]}
             planned.append((e, self.subject(e.get("subject") or {}, cache), split_pages(details)))
-        if all(e["op"] in ops.EVENT_OPS for e, _, _ in planned):
+        if all(e["op"] in ops.EVENT_OPS and _nesting(e.get("details")) <= fields.MAX_DEPTH for e, _, _ in planned):
             try:  # the usual case: every record valid, checked once, by the log
                 return self.log.append_many([(e["op"], subject, d) for e, subject, parts in planned
                                              for d in parts]), []
@@ -134,10 +137,69 @@ class Ingestor:
         return self.log.append_many(items), refused
 
 
+    # --- durable event numbers ------------------------------------------------------------------
+
+    def recorded_up_to(self, process: str) -> int:
+        """The highest event number n of the process start such that every event up to n is
+        in the log (-1: none). The progress row says where its last known batch ended; records
+        of the process after that belong to a batch whose acknowledgement was lost (a crash, a
+        commit whose answer the database outage swallowed) and are read back here. An event
+        counts only with every part of it stored."""
+        origin = self.log.origin
+        with self.sessions() as db:
+            row = db.get(IngestProgress, (origin, process))
+        if row is None:  # a new process start: the row first, so that none of its records precede it
+            self.save_progress(process, -1, self.log.size)
+            return -1
+        last, start = row.last_event, row.log_size
+        needle = f'"process":"{process}"'
+        parts: dict[int, int] = {}  # event -> parts stored
+        whole: set[int] = set()
+        for _seq, body, _sig, _leaf in self.log.store.iter_bodies(origin, start):
+            if needle not in body:
+                continue
+            details = json.loads(body)["details"]
+            n = details.get("event")
+            if details.get("process") != process or type(n) is not int:
+                continue
+            parts[n] = parts.get(n, 0) + 1
+            if parts[n] >= details.get("parts", 1):
+                whole.add(n)
+        while last + 1 in whole:
+            last += 1
+        return last
+
+    def save_progress(self, process: str, last_event: int, log_size: int) -> None:
+        """Every event of the process up to `last_event` is stored, the last of them before `log_size`."""
+        origin, now = self.log.origin, int(time.time() * 1000)
+        values = {"last_event": last_event, "log_size": log_size, "updated_ms": now}
+        with self.sessions() as db:
+            done = db.execute(update(IngestProgress).where(IngestProgress.origin == origin,
+                                                            IngestProgress.client == process).values(**values))
+            if done.rowcount == 0:
+                db.add(IngestProgress(origin=origin, client=process, **values))
+            db.commit()
+
+
+def _nesting(value: Any) -> int:
+    """How deep arrays and objects nest in `value` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            deepest = max(deepest, depth)
+            stack.extend((item, depth + 1) for item in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
 def _unrecordable(op: str, parts: list[dict[str, Any]]) -> str | None:
     """Why an event cannot be recorded as sent, or None."""
     if op not in ops.EVENT_OPS:  # what an inference process may send (audit.ops)
         return "unknown_op"
+    # arrays nest as deep as objects may (the format bounds objects only): a record nested
+    # hundreds deep is signed, but no reader of the log can serialize it back
+    if any(_nesting(d) > fields.MAX_DEPTH for d in parts):
+        return "details"
     try:
         for d in parts:
             fields.check_details(d)

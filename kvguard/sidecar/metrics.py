@@ -64,11 +64,23 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+TIERS = ("device", "cpu", "disk", "redis")
+CODECS = ("fp16", "bf16", "int8", "int4", "fp8", "unknown")
+
+
 def _pages(stats: dict) -> dict[tuple[str, str], int]:
-    out = {}
-    codec = str(stats.get("codec", "unknown"))
+    """Pages per (tier, codec) of one process's stats, as validated on ingest (api/ingest.py);
+    anything else is left out, so the label sets stay those above whatever a process sent."""
+    out: dict[tuple[str, str], int] = {}
+    codec = stats.get("codec") or "unknown"
+    codec = codec if codec in CODECS else "unknown"
+
+    def add(tier, pool_codec, n) -> None:
+        if tier in TIERS and type(n) is int and n >= 0:
+            out[(tier, pool_codec)] = out.get((tier, pool_codec), 0) + n
+
     for pool, n in (stats.get("pages_used") or {}).items():
-        out[("device", "fp16" if pool == "hot" else codec)] = int(n)
+        add("device", "fp16" if pool == "hot" else codec, n)
     for tier, n in (stats.get("pages_offloaded") or {}).items():
-        out[(str(tier), codec)] = int(n)
+        add(tier, codec, n)
     return out

@@ -60,3 +60,18 @@ class SubjectLink(Base):
 
     user_idx: Mapped[bytes] = mapped_column(LargeBinary(32), primary_key=True)
     session_idx: Mapped[bytes] = mapped_column(LargeBinary(32), primary_key=True)
+
+
+class IngestProgress(Base):
+    """How far each inference process start's events are recorded, so that events resent
+    after a sidecar restart are recorded once. `log_size` is the log's size just after the
+    client's last batch known to be stored: any record of the client at or after it belongs
+    to a batch whose outcome this row does not know yet (ingest.py reads them back)."""
+
+    __tablename__ = "ingest_progress"
+
+    origin: Mapped[str] = mapped_column(String(255), primary_key=True)
+    client: Mapped[str] = mapped_column(String(100), primary_key=True)  # name/instance
+    last_event: Mapped[int] = mapped_column(BigInteger)
+    log_size: Mapped[int] = mapped_column(BigInteger)
+    updated_ms: Mapped[int] = mapped_column(BigInteger)

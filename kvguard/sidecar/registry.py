@@ -60,7 +60,10 @@ class Client:
     sessions: dict[tuple[str, str, str], int] = field(default_factory=dict)
     pending: list[Command] = field(default_factory=list)
     wake: asyncio.Event | None = None
-    last_event_no: int = -1  # highest event number recorded, to drop resent duplicates
+    last_event_no: int = -1  # every event numbered up to this is recorded; resent ones are dropped
+    # last_event_no was read back from the store in this run, and no batch failed since
+    numbered: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one batch of a client at a time
 
 
 class Registry:

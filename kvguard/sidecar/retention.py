@@ -9,6 +9,7 @@ import time
 
 from kvguard.audit.pseudonym import subject_data
 
+from . import outage
 from .erasure import ErasureService, NewRequest
 from .logs import log
 from .service import Sidecar
@@ -49,5 +50,8 @@ async def retention_loop(sidecar: Sidecar, service: ErasureService) -> None:
         await asyncio.sleep(sidecar.settings.retention_check_s)
         try:
             await asyncio.to_thread(sweep, sidecar, service)
-        except Exception:  # noqa: BLE001 - log and try again next round
-            log.exception("retention sweep failed")
+        except Exception as exc:  # noqa: BLE001 - log and try again next round
+            if outage.is_outage(exc):
+                outage.note("retention sweep", exc)
+            else:
+                log.exception("retention sweep failed")

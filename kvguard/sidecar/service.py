@@ -37,7 +37,8 @@ class Sidecar:
     def __init__(self, settings: Settings, *, migrate_db: bool = True) -> None:
         self.settings = s = settings
         s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.engine = make_engine(s.db_url)
+        # pre-ping: connections left dead by a database outage are replaced, not handed out
+        self.engine = make_engine(s.db_url, pool_pre_ping=True)
         if migrate_db:
             migrate(s.db_url)
         check_current(s.db_url)
@@ -59,6 +60,7 @@ class Sidecar:
         self.ingest = Ingestor(self.log, self.pseudonyms, self.sessions)
         self.registry = Registry(s.inference_live_s)
         self.metrics = Metrics(self.db, self.registry, s.origin)
+        self._socket: tuple[Path, tuple[int, int] | None] | None = None
         log.info("sidecar ready", origin=s.origin, key_id=self.key.key_id, database=self.engine.url.get_backend_name())
 
     def db(self) -> Session:
@@ -79,6 +81,10 @@ class Sidecar:
 
     # --- health ---------------------------------------------------------------------------------
 
+    def socket_bound(self, path: Path, identity: tuple[int, int] | None) -> None:
+        """The ingest socket this process listens on: (device, inode) of the file it bound."""
+        self._socket = (path, identity)
+
     def readiness(self) -> dict[str, str]:
         """What /readyz reports; a value other than 'ok' makes it fail."""
         out = {}
@@ -94,6 +100,14 @@ class Sidecar:
         except Exception as e:  # noqa: BLE001
             out["migrations"] = str(e)[:200]
         out["signing_key"] = "ok" if self.key is not None else "missing"
+        if self._socket is not None:  # another process may have replaced or removed it
+            path, identity = self._socket
+            try:
+                st = path.stat()
+                same = identity == (st.st_dev, st.st_ino)
+            except OSError:
+                same = False
+            out["ingest_socket"] = "ok" if same else "not the socket this server bound"
         return out
 
     def close(self) -> None:

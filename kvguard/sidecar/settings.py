@@ -45,6 +45,13 @@ class Settings(BaseSettings):
     policy_file: Path | None = None
     retention_max_age_s: float | None = Field(default=None, gt=0)  # default: the policy's; None = no limit
     retention_check_s: float = Field(default=60.0, gt=0)
+    # Bounds of what a client may make the server hold: request bodies (event batches, and
+    # every other route), the time to send a whole request, connections per listener.
+    max_body_bytes: int = Field(default=64 * 1024, ge=1024)
+    max_ingest_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    request_read_timeout_s: float = Field(default=10.0, gt=0)
+    keep_alive_s: int = Field(default=5, ge=1)
+    max_connections: int = Field(default=256, ge=1)
     log_format: Literal["json", "console", "auto"] = "auto"
     log_level: str = "info"
 

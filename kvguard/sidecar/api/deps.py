@@ -21,17 +21,30 @@ def get_sidecar(request: Request) -> Sidecar:
 SidecarDep = Annotated[Sidecar, Depends(get_sidecar)]
 
 
+def authenticate_header(sidecar: Sidecar, authorization: str | None) -> Principal:
+    """The principal of an Authorization header, or Problem 401."""
+    scheme, _, token = (authorization or "").partition(" ")
+    if not token or scheme.lower() != "bearer":
+        raise Problem(401, "Unauthorized", "send 'Authorization: Bearer <token>'",
+                      headers={"WWW-Authenticate": "Bearer"})
+    with sidecar.db() as db:
+        principal = authenticate(db, token.strip())
+    if principal is None:
+        raise Problem(401, "Unauthorized", "the token is unknown or revoked",
+                      headers={"WWW-Authenticate": "Bearer"})
+    return principal
+
+
 def require(scope: str):
-    def check(sidecar: SidecarDep,
+    def check(request: Request, sidecar: SidecarDep,
               creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
-        if creds is None or creds.scheme.lower() != "bearer":
-            raise Problem(401, "Unauthorized", "send 'Authorization: Bearer <token>'",
-                          headers={"WWW-Authenticate": "Bearer"})
-        with sidecar.db() as db:
-            principal = authenticate(db, creds.credentials)
+        # a request with a body was authenticated before its body was read (limits.py)
+        principal = getattr(request.state, "principal", None)
         if principal is None:
-            raise Problem(401, "Unauthorized", "the token is unknown or revoked",
-                          headers={"WWW-Authenticate": "Bearer"})
+            if creds is None or creds.scheme.lower() != "bearer":
+                raise Problem(401, "Unauthorized", "send 'Authorization: Bearer <token>'",
+                              headers={"WWW-Authenticate": "Bearer"})
+            principal = authenticate_header(sidecar, f"Bearer {creds.credentials}")
         if not principal.allows(scope):
             raise Problem(403, "Forbidden", f"this token lacks the '{scope}' scope")
         return principal

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.exc import SQLAlchemyError
 
 from kvguard.audit.canonical import MAX_SAFE_INTEGER
 
@@ -49,12 +50,26 @@ class OpenSession(BaseModel):
     opened_ms: Annotated[int, Field(ge=0)]
 
 
+Count = Annotated[int, Field(ge=0, le=MAX_SAFE_INTEGER)]
+
+
+class CacheStats(BaseModel):
+    """What a process reports of its cache: known pool, tier and codec names only, so the
+    metrics' label sets stay small and fixed (metrics.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    codec: Literal["fp16", "bf16", "int8", "int4", "fp8"] | None = None
+    pages_used: dict[Literal["hot", "main"], Count] = Field(default_factory=dict)
+    pages_offloaded: dict[Literal["cpu", "disk", "redis"], Count] = Field(default_factory=dict)
+    tokens_held: Count = 0
+
+
 class EventBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
     client: ClientId
     instance: Instance
     events: Annotated[list[WireEvent], Field(max_length=4096)] = Field(default_factory=list)
-    stats: dict[str, Any] = Field(default_factory=dict)
+    stats: CacheStats | None = None
     sessions: Annotated[list[OpenSession], Field(max_length=100_000)] | None = None
 
 
@@ -74,16 +89,40 @@ async def events(batch: EventBatch, sidecar: SidecarDep, principal: Ingest) -> B
             raise Problem(403, "Forbidden", f"{len(others)} tenant(s) named in the batch are not among this "
                                             "ingest token's tenants; nothing was recorded")
     client = sidecar.registry.touch(batch.client, batch.instance, principal.token_id, principal.tenants)
-    client.stats = batch.stats or client.stats
+    if batch.stats is not None:
+        client.stats = batch.stats.model_dump()
     if batch.sessions is not None:
         client.sessions = {(s.subject.tenant, s.subject.user, s.subject.session): s.opened_ms
                            for s in batch.sessions}
-    fresh = [e for e in sorted(batch.events, key=lambda e: e.n) if e.n > client.last_event_no]
-    if not fresh:
-        return BatchAck(recorded=0, up_to=client.last_event_no, seqs=[])
-    t0 = time.perf_counter()
-    records, refused = await asyncio.to_thread(sidecar.ingest.record_batch, client.id,
-                                               [e.model_dump() for e in fresh])
+    numbers = sorted(e.n for e in batch.events)
+    if len(set(numbers)) != len(numbers):
+        raise Problem(422, "Unprocessable Content", "an event number repeats within the batch; nothing was recorded")
+    async with client.lock:  # a client's batches one at a time: numbers are checked against the store's
+        if not client.numbered:  # first batch of this run, or the last one failed: ask the store
+            client.last_event_no = await asyncio.to_thread(sidecar.ingest.recorded_up_to, client.id)
+            client.numbered = True
+        last = client.last_event_no
+        fresh = [e for e in sorted(batch.events, key=lambda e: e.n) if e.n > last]
+        if not fresh:
+            return BatchAck(recorded=0, up_to=last, seqs=[])
+        if fresh[0].n != last + 1 or fresh[-1].n != last + len(fresh):
+            # a gap would acknowledge events never sent (up_to covers every number below it)
+            raise Problem(422, "Unprocessable Content", f"event numbers must follow on without a gap: the next "
+                                                        f"event is {last + 1}; nothing was recorded",
+                          next_event=last + 1)
+        t0 = time.perf_counter()
+        try:
+            records, refused = await asyncio.to_thread(sidecar.ingest.record_batch, client.id,
+                                                       [e.model_dump() for e in fresh])
+        except BaseException:
+            client.numbered = False  # stored in part, or whole with the answer lost: the store knows
+            raise
+        client.last_event_no = fresh[-1].n
+        try:
+            await asyncio.to_thread(sidecar.ingest.save_progress, client.id, client.last_event_no,
+                                    records[-1].seq + 1)
+        except SQLAlchemyError:
+            client.numbered = False  # stored all the same: the next batch reads the records back
     sidecar.metrics.sign_latency.observe(time.perf_counter() - t0)
     for record in records:
         sidecar.metrics.records.labels(record.op).inc()
@@ -91,8 +130,7 @@ async def events(batch: EventBatch, sidecar: SidecarDep, principal: Ingest) -> B
         sidecar.metrics.events_refused.labels(e["reason"]).inc()
         log.error("event not recordable as sent", process=client.id, event_no=e["n"], op=e["op"],
                   reason=e["reason"])
-    client.last_event_no = fresh[-1].n
-    return BatchAck(recorded=len(records), up_to=client.last_event_no, seqs=[r.seq for r in records],
+    return BatchAck(recorded=len(records), up_to=fresh[-1].n, seqs=[r.seq for r in records],
                     refused=[e["n"] for e in refused])
 
 

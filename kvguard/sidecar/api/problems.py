@@ -5,9 +5,11 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...errors import InputError, KVGuardError, UnknownSequence
+from .. import outage
 from ..logs import log
 from ..registry import ClientIdTaken
 
@@ -26,6 +28,13 @@ def problem_response(status: int, title: str, detail: str, request: Request, hea
     if rid:
         body["request_id"] = rid
     return JSONResponse(body, status_code=status, media_type=MEDIA, headers=headers)
+
+
+def outage_response(request: Request) -> JSONResponse:
+    """503: the database is unreachable; nothing of the request was stored."""
+    return problem_response(503, "Service Unavailable", "the audit database is unreachable; nothing of this "
+                            "request was stored: retry later", request,
+                            {"Retry-After": str(outage.RETRY_AFTER_S)})
 
 
 def install(app: FastAPI) -> None:
@@ -59,8 +68,15 @@ def install(app: FastAPI) -> None:
     async def _kvguard(request: Request, exc: KVGuardError):
         return problem_response(400, "Bad Request", str(exc), request)
 
+    @app.exception_handler(SQLAlchemyError)  # here, not as a crash below, which uvicorn logs again
+    async def _database(request: Request, exc: SQLAlchemyError):
+        return await _crash(request, exc)
+
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):
+        if outage.is_outage(exc):  # a passing state of the database, not a bug: no traceback
+            outage.note(request.url.path, exc)
+            return outage_response(request)
         log.exception("unhandled error")
         return problem_response(500, "Internal Server Error", "see the sidecar's log for this request id", request)
 
