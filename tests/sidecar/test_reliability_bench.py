@@ -1,6 +1,6 @@
 """The reliability benchmark's small run (benchmarks/sidecar_reliability.py): every figure of
 its table as it must be. On PostgreSQL only: it is the store with the outage check, and each
-fix the table measures has its own test on both stores (test_reliability.py)."""
+fix the table measures has its own test (test_reliability.py), on both stores where both apply."""
 
 from __future__ import annotations
 
