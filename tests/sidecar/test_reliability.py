@@ -191,6 +191,12 @@ def test_readyz_fails_when_its_socket_is_no_longer_the_one_it_bound(tmp_path):
 
 # --- event numbers -------------------------------------------------------------------------------
 
+def restart(server, tmp_path):
+    server.stop()
+    return start_server(tmp_path, server.db_url, tokens=server.tokens,
+                        extra_env={"KVGUARD_ORIGIN": server.env["KVGUARD_ORIGIN"]})
+
+
 def count_records(server, process: str) -> dict[int, int]:
     """How many records each event of `process` has in the log."""
     out, after = {}, -1
@@ -216,8 +222,7 @@ def test_event_numbers_cannot_skip_ahead_and_survive_a_restart(tmp_path, db_url)
             assert r.status_code == 422  # a number twice in one batch
             ack = c.post("/internal/v1/events", json=batch(inst, [event(1), event(2), event(3)])).json()
             assert (ack["recorded"], ack["up_to"]) == (2, 3)  # 1 was resent: dropped
-        server.stop()
-        server = start_server(tmp_path, db_url, tokens=server.tokens, extra_env={"KVGUARD_ORIGIN": server.env["KVGUARD_ORIGIN"]})
+        server = restart(server, tmp_path)
         with ingest(server) as c:  # the process resends what it has not seen acknowledged, and more
             ack = c.post("/internal/v1/events", json=batch(inst, [event(2), event(3), event(4)])).json()
             assert (ack["recorded"], ack["up_to"]) == (1, 4)
@@ -240,7 +245,7 @@ def test_events_of_a_batch_whose_answer_was_lost_are_recorded_once(tmp_path, db_
             conn.execute(sa.text("UPDATE ingest_progress SET last_event = 0, log_size = 1 WHERE client = :c"),
                          {"c": f"proc/{inst}"})
         engine.dispose()
-        server = start_server(tmp_path, db_url, tokens=server.tokens, extra_env={"KVGUARD_ORIGIN": server.env["KVGUARD_ORIGIN"]})
+        server = restart(server, tmp_path)
         with ingest(server) as c:
             ack = c.post("/internal/v1/events", json=batch(inst, [event(1), event(2), event(3)])).json()
             assert (ack["recorded"], ack["up_to"]) == (1, 3)
