@@ -32,7 +32,7 @@ async def _serve(settings: Settings) -> None:
     if sock:
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()
-        servers.append(_Server(uvicorn.Config(app, uds=str(sock), lifespan="off", log_config=None,
+        servers.append(_Server(uvicorn.Config(app.state.ingest_app, uds=str(sock), lifespan="off", log_config=None,
                                               access_log=False, server_header=False)))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
