@@ -4,6 +4,7 @@ once completed, the receipt that verifies offline."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, Path, Request, Response
@@ -76,14 +77,15 @@ def create(body: ErasureIn, principal: ErasureWrite, request: Request, response:
     return _out(row)
 
 
-RequestId = Annotated[str, Path(pattern=r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$",
-                                description="the request's id, a UUID")]
+RequestId = Annotated[str, Path(max_length=36, description="the request's id, a UUID")]
+UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 @router.get("/{request_id}", response_model=ErasureOut, summary="An erasure request's state and receipt",
             responses=documented(404))
 def read(request_id: RequestId, _: ErasureRead, request: Request) -> ErasureOut:
-    row = request.app.state.erasure.get(request_id)
+    # what is no request id names no request: never sent to the database (PostgreSQL refuses NUL)
+    row = request.app.state.erasure.get(request_id) if UUID.fullmatch(request_id) else None
     if row is None:
-        raise Problem(404, "Not Found", f"no erasure request {request_id}")
+        raise Problem(404, "Not Found", "no erasure request with this id")
     return _out(row)
