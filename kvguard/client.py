@@ -84,6 +84,13 @@ class SidecarClient:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=45)
+        # say goodbye, so the sidecar stops counting this process as live: an erasure would
+        # otherwise wait for an acknowledgement that never comes, and fail
+        try:
+            self._http.post("/internal/v1/goodbye", json={"client": self.client_id, "instance": self.instance},
+                            timeout=5.0)
+        except httpx.HTTPError:
+            pass  # unreachable: it stops counting this process as live after its liveness window
         self._http.close()
 
     def __enter__(self) -> "SidecarClient":

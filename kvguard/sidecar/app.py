@@ -1,4 +1,10 @@
-"""The FastAPI application: routes, problem+json errors, request ids, background loops."""
+"""The FastAPI applications: routes, problem+json errors, request ids, background loops.
+
+Two applications share one sidecar: the admin API (health, erasure, audit, metrics),
+served on TCP, and the ingest API of the inference processes, served on the Unix
+socket only. Neither serves the other's routes. The OpenAPI schema is served at
+/openapi.json to a token with the admin scope; there are no /docs or /redoc pages.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +19,18 @@ from .. import __version__
 from .api import audit as audit_routes
 from .api import erasure as erasure_routes
 from .api import health, ingest, problems
+from .api.deps import Admin
 from .erasure import ErasureService
 from .limits import BodyLimit
 from .logs import log
 from .retention import retention_loop
 from .service import Sidecar
 
+AUTH = "Authenticate with 'Authorization: Bearer <token>' (kvguard token create)."
+
 
 def create_app(sidecar: Sidecar) -> FastAPI:
+    """The admin API; its `state.ingest_app` is the ingest API, for the Unix socket."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         sidecar.registry.start(asyncio.get_running_loop())
@@ -34,21 +44,34 @@ def create_app(sidecar: Sidecar) -> FastAPI:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    app = FastAPI(title="kvguard sidecar", version=__version__, lifespan=lifespan,
-                  description="Admin API of kvguard: erasure requests with signed receipts, audit records, "
-                              "checkpoints and proofs. Authenticate with 'Authorization: Bearer <token>'.")
-    app.state.sidecar = sidecar
-    app.state.erasure = ErasureService(sidecar)
-    problems.install(app)
-    for r in (health.router, erasure_routes.router, audit_routes.router, ingest.router):
+    app = _app(sidecar, "kvguard sidecar", "Admin API of kvguard: erasure requests with signed receipts, "
+               "audit records, checkpoints and proofs. " + AUTH, lifespan=lifespan)
+    for r in (health.router, erasure_routes.router, audit_routes.router):
         app.include_router(r)
+    app.state.erasure = ErasureService(sidecar)
+    app.state.ingest_app = _app(sidecar, "kvguard sidecar ingest", "The inference processes' API, on the "
+                                "sidecar's Unix socket: event batches in, erase commands out. " + AUTH)
+    app.state.ingest_app.include_router(ingest.router)
+    return app
+
+
+def _app(sidecar: Sidecar, title: str, description: str, lifespan=None) -> FastAPI:
+    app = FastAPI(title=title, version=__version__, description=description, lifespan=lifespan,
+                  openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.sidecar = sidecar
+    problems.install(app)
+    problems.with_problem_schema(app)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    def openapi(_: Admin) -> dict:
+        return app.openapi()
 
     app.add_middleware(BodyLimit, sidecar=sidecar)  # inside request_id below: its answers carry the id
 
     @app.middleware("http")
     async def request_id(request: Request, call_next):
         rid = request.headers.get("x-request-id", "")
-        if not (0 < len(rid) <= 64 and rid.replace("-", "").isalnum()):
+        if not (0 < len(rid) <= 64 and rid.replace("-", "").isalnum() and rid.isascii()):
             rid = uuid.uuid4().hex
         request.state.request_id = rid
         structlog.contextvars.bind_contextvars(request_id=rid)

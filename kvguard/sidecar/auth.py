@@ -2,6 +2,8 @@
 
 A token is 256 random bits, so a plain SHA-256 is enough to store it: there is
 nothing to brute-force. It is printed once, at creation, and never logged.
+A token may expire (`expires_ms`) and may be revoked; either way it no longer
+authenticates, and it no longer counts as the admin token production needs.
 
 An `ingest` token may be bound to tenants: its processes may then send events of
 those tenants only, and receive only their erase commands (which carry raw ids).
@@ -29,6 +31,7 @@ from .models import ApiToken
 
 SCOPES = ("erasure:write", "erasure:read", "audit:read", "admin", "ingest")
 PREFIX = "kvg_"
+MAX_LIFETIME_S = 10 * 365 * 86_400
 
 
 @dataclass(frozen=True)
@@ -51,13 +54,19 @@ def tenant_index(index_key: bytes, tenant: str) -> str:
     return index_of(index_key, subject_data("tenant", tenant)).hex()
 
 
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
 def create_token(session: Session, name: str, scopes: list[str], *, tenants: list[str] | None = None,
-                 index_key: bytes | None = None) -> str:
+                 index_key: bytes | None = None, expires_in_s: float | None = None) -> str:
     bad = [s for s in scopes if s not in SCOPES]
     if not scopes or bad:
         raise ConfigError(f"unknown scope(s) {bad}; choose from {', '.join(SCOPES)}" if bad else "give --scope")
     if not name or len(name) > 100:
         raise ConfigError("a token needs a name of 1 to 100 characters")
+    if expires_in_s is not None and not 0 < expires_in_s <= MAX_LIFETIME_S:
+        raise ConfigError("--expires-in must be more than 0 s and at most 10 years")
     bound = None
     if tenants is not None:
         if set(scopes) != {"ingest"}:
@@ -69,8 +78,10 @@ def create_token(session: Session, name: str, scopes: list[str], *, tenants: lis
         except RecordFormatError:
             raise ConfigError("a tenant id must be a non-empty string without NUL") from None
     token = PREFIX + secrets.token_urlsafe(32)
+    now = _now_ms()
+    expires = None if expires_in_s is None else now + int(expires_in_s * 1000)
     session.add(ApiToken(id=uuid.uuid4().hex, name=name, token_sha256=digest(token),
-                         scopes=" ".join(sorted(set(scopes))), tenants=bound, created_ms=int(time.time() * 1000)))
+                         scopes=" ".join(sorted(set(scopes))), tenants=bound, created_ms=now, expires_ms=expires))
     session.commit()
     return token
 
@@ -80,11 +91,46 @@ def authenticate(session: Session, token: str) -> Principal | None:
         return None
     d = digest(token)
     row = session.scalar(select(ApiToken).where(ApiToken.token_sha256 == d))
-    if row is None or row.revoked or not hmac.compare_digest(row.token_sha256, d):
+    if row is None or not _usable(row, _now_ms()) or not hmac.compare_digest(row.token_sha256, d):
         return None
     return Principal(row.id, row.name, frozenset(row.scopes.split()),
                      None if row.tenants is None else frozenset(row.tenants.split()))
 
 
+def _usable(row: ApiToken, now_ms: int) -> bool:
+    return not row.revoked and (row.expires_ms is None or now_ms < row.expires_ms)
+
+
 def any_admin_token(session: Session) -> bool:
-    return session.scalar(select(ApiToken.id).where(ApiToken.revoked.is_(False)).limit(1)) is not None
+    """Whether a usable (neither revoked nor expired) token with the admin scope exists; an
+    ingest or read-only token does not let anyone run erasures or read the log."""
+    now = _now_ms()
+    rows = session.scalars(select(ApiToken).where(ApiToken.revoked.is_(False), ApiToken.scopes.contains("admin")))
+    return any("admin" in row.scopes.split() and _usable(row, now) for row in rows)
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """What `kvguard token list` shows: never the token nor its digest, nor the tenants' indexes."""
+    id: str
+    name: str
+    scopes: str
+    tenants: int | None  # how many tenants an ingest token is bound to; None: every tenant
+    created_ms: int
+    expires_ms: int | None
+    revoked: bool
+
+
+def list_tokens(session: Session) -> list[TokenInfo]:
+    rows = session.scalars(select(ApiToken).order_by(ApiToken.created_ms, ApiToken.id))
+    return [TokenInfo(r.id, r.name, r.scopes, None if r.tenants is None else len(r.tenants.split()),
+                      r.created_ms, r.expires_ms, r.revoked) for r in rows]
+
+
+def revoke_token(session: Session, token_id: str) -> None:
+    """Revoke a token by its id (as `kvguard token list` shows it); it gets 401 from the next request."""
+    row = session.get(ApiToken, token_id) if 0 < len(token_id) <= 32 else None
+    if row is None:
+        raise ConfigError(f"no token with id {token_id!r}: see 'kvguard token list'")
+    row.revoked = True
+    session.commit()

@@ -1,4 +1,4 @@
-"""`kvguard serve`, `kvguard token create`, `kvguard keygen`."""
+"""`kvguard serve`, `kvguard token create|list|revoke`, `kvguard keygen`."""
 
 from __future__ import annotations
 
@@ -34,30 +34,77 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(_settings(args))
 
 
-def _cmd_token(args: argparse.Namespace) -> int:
-    from kvguard.audit.store import migrate
-    from sqlalchemy.orm import Session
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
 
-    from kvguard.audit.store import make_engine
 
-    from .auth import create_token
-    from .service import load_or_create_secret
+def duration(text: str) -> float:
+    """'90s', '15m', '12h', '30d' or a number of seconds."""
+    unit = _UNITS.get(text[-1:].lower())
+    try:
+        value = float(text[:-1] if unit else text) * (unit or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: give e.g. 90s, 15m, 12h or 30d") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError("a duration must be positive")
+    return value
+
+
+def _token_db(args: argparse.Namespace, *, index_key: bool = False):
+    """The settings' database, migrated, as a session factory; and the index key if asked."""
+    from kvguard.audit.store import make_engine, migrate
+    from sqlalchemy.orm import sessionmaker
+
+    from .service import load_or_create_secret, private_files, secure_data_dir, secure_sqlite_files
 
     settings = _settings(args)
-    settings.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    # the index key first: a token bound to tenants keeps their indexes under it
-    index_key = load_or_create_secret(settings.index_key_path) if args.tenant else None
-    migrate(settings.db_url)
-    engine = make_engine(settings.db_url)
+    secure_data_dir(settings.data_dir)
+    with private_files():
+        # the index key first: a token bound to tenants keeps their indexes under it
+        key = load_or_create_secret(settings.index_key_path) if index_key else None
+        migrate(settings.db_url)
+    secure_sqlite_files(settings.db_url)
+    return make_engine(settings.db_url), sessionmaker(), key
+
+
+def _cmd_token(args: argparse.Namespace) -> int:
+    from .auth import create_token, list_tokens, revoke_token
+
+    engine, sessions, index_key = _token_db(args, index_key=bool(getattr(args, "tenant", None)))
     try:
-        with Session(engine) as db:
-            token = create_token(db, args.name, args.scope, tenants=args.tenant, index_key=index_key)
+        with sessions(bind=engine) as db:
+            if args.token_command == "list":
+                _print_tokens(list_tokens(db))
+                return 0
+            if args.token_command == "revoke":
+                revoke_token(db, args.id)
+                print(f"token {args.id} revoked", file=sys.stderr)
+                return 0
+            token = create_token(db, args.name, args.scope, tenants=args.tenant, index_key=index_key,
+                                 expires_in_s=args.expires_in)
     finally:
         engine.dispose()
     print(token)
     bound = f"; bound to {len(set(args.tenant))} tenant(s)" if args.tenant else ""
-    print(f"(scopes: {' '.join(args.scope)}{bound}; shown once, stored only as a hash)", file=sys.stderr)
+    expires = f"; expires in {args.expires_in:g} s" if args.expires_in else ""
+    print(f"(scopes: {' '.join(args.scope)}{bound}{expires}; shown once, stored only as a hash)", file=sys.stderr)
     return 0
+
+
+def _print_tokens(tokens) -> None:
+    import time
+
+    def when(ms: int | None) -> str:
+        return "-" if ms is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms / 1000))
+
+    now = time.time_ns() // 1_000_000
+    rows = [("ID", "NAME", "SCOPES", "TENANTS", "CREATED", "EXPIRES", "STATE")]
+    for t in tokens:
+        state = "revoked" if t.revoked else "expired" if t.expires_ms is not None and t.expires_ms <= now else "active"
+        rows.append((t.id, t.name, ",".join(t.scopes.split()), "all" if t.tenants is None else str(t.tenants),
+                     when(t.created_ms), when(t.expires_ms), state))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
@@ -108,7 +155,22 @@ def register(sub) -> None:
                    help="bind an ingest token to this tenant (repeat for several): its processes may send "
                         "events of these tenants only and receive only their erase commands; stored as keyed "
                         "indexes under the index key, so give the sidecar's index key (--data-dir)")
+    c.add_argument("--expires-in", type=duration, metavar="DURATION",
+                   help="the token stops working after this long: 90s, 15m, 12h, 30d (default: never)")
     c.set_defaults(func=_cmd_token)
+
+    ls = tsub.add_parser("list", help="list tokens (never their secrets)",
+                         description="List the tokens: id, name, scopes, how many tenants an ingest token is "
+                                     "bound to, when it was created and expires, and whether it is active, "
+                                     "expired or revoked. Tokens are stored as hashes; none can be shown again.")
+    _common(ls)
+    ls.set_defaults(func=_cmd_token)
+    rv = tsub.add_parser("revoke", help="revoke a token by its id",
+                         description="Revoke a token by the id 'kvguard token list' shows: from the next "
+                                     "request on it gets 401. A revoked token stays listed.")
+    _common(rv)
+    rv.add_argument("id", help="the token's id (kvguard token list)")
+    rv.set_defaults(func=_cmd_token)
 
     k = sub.add_parser("keygen", help="create an Ed25519 signing key file (mode 0600)",
                        description="Create the sidecar's Ed25519 signing key, or with --secret a 32-byte secret "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import time
 import uuid
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from kvguard.audit.canonical import MAX_SAFE_INTEGER, loads
+from kvguard.audit.canonical import MAX_SAFE_INTEGER, canonical, loads
 from kvguard.audit.errors import AuditError
 from kvguard.audit.models import RecordRow
 from kvguard.audit.pseudonym import subject_data
@@ -67,6 +68,17 @@ class NewRequest:
     def target(self) -> str:
         return self.user if self.user is not None else self.session  # type: ignore[return-value]
 
+    def body_hmac(self, key: bytes) -> str:
+        """A keyed digest of the request's canonical body (RFC 8785), to tell a retry from
+        another request under the same Idempotency-Key without keeping the ids."""
+        body = {"tenant": self.tenant, "user": self.user, "session": self.session,
+                "legal_basis": self.legal_basis, "reason": self.reason}
+        return hmac.new(key, b"kvguard-idempotency\x00" + canonical(body), hashlib.sha256).hexdigest()
+
+
+class IdempotencyKeyReused(InputError):
+    """The Idempotency-Key names an earlier request with another body (answered 422)."""
+
 
 class ErasureService:
     def __init__(self, sidecar: Sidecar) -> None:
@@ -81,16 +93,19 @@ class ErasureService:
         """Store the request durably and return it (and whether it is new). The same
         Idempotency-Key from the same principal returns the first request, unless that one
         failed and `renew_failed` is set: then the failed one gives up the key (it stays,
-        failed, for the record) and a new request takes it."""
+        failed, for the record) and a new request takes it. The same key with another body
+        raises IdempotencyKeyReused: the second subject would otherwise never be erased."""
         if (req.user is None) == (req.session is None):
             raise InputError("give exactly one of user or session")
         if req.legal_basis not in BASES:
             raise InputError(f"legal_basis must be one of {sorted(BASES)}")
         idem = hashlib.sha256(f"{principal_id}\x00{idempotency_key}".encode()).hexdigest()
+        body_hmac = req.body_hmac(self.sc.idempotency_key)
         retired = None
         with self.sc.db() as db:
             existing = db.scalar(select(ErasureRequest).where(ErasureRequest.idempotency_sha256 == idem))
             if existing is not None:
+                _same_body(existing, body_hmac)
                 if not (renew_failed and existing.state == "failed"):
                     return existing, False
                 retired = existing.id
@@ -101,7 +116,7 @@ class ErasureService:
         tenant_p = self.sc.pseudonyms.pseudonym("tenant", req.tenant)
         subject_p = self.sc.pseudonyms.pseudonym(req.scope, req.target, tenant=req.tenant)
         row = ErasureRequest(
-            id=str(uuid.uuid4()), origin=s.origin, idempotency_sha256=idem, scope=req.scope,
+            id=str(uuid.uuid4()), origin=s.origin, idempotency_sha256=idem, body_hmac=body_hmac, scope=req.scope,
             legal_basis=req.legal_basis,
             reason_sha256=hashlib.sha256(req.reason.encode()).hexdigest() if req.reason else None,
             tenant_pseudonym=tenant_p, subject_pseudonym=subject_p,
@@ -117,9 +132,11 @@ class ErasureService:
                 db.commit()  # durable before the 202
             except IntegrityError:  # the same key raced in: answer with the winner
                 db.rollback()
-                return db.scalar(select(ErasureRequest).where(ErasureRequest.idempotency_sha256 == idem)), False
+                winner = db.scalar(select(ErasureRequest).where(ErasureRequest.idempotency_sha256 == idem))
+                _same_body(winner, body_hmac)
+                return winner, False
         self.sc.metrics.erasures_received.inc()
-        log.info("erasure request stored", request_id=row.id, scope=row.scope, basis=row.legal_basis)
+        log.info("erasure request stored", erasure_id=row.id, scope=row.scope, basis=row.legal_basis)
         self._wake.set()
         return row, True
 
@@ -164,11 +181,11 @@ class ErasureService:
                 # the error's type (and the audit package's own message), never an exception's
                 # text from elsewhere: it could carry a subject's ids
                 error = f"{type(exc).__name__}: {exc}" if isinstance(exc, AuditError) else type(exc).__name__
-                log.error("erasure attempt raised", request_id=rid, error=error)
+                log.error("erasure attempt raised", erasure_id=rid, error=error)
                 try:
                     self._fail(rid, f"the attempt raised {error}")
                 except Exception as again:  # noqa: BLE001 - e.g. the database is down: retried later
-                    log.error("could not record a failed erasure attempt", request_id=rid,
+                    log.error("could not record a failed erasure attempt", erasure_id=rid,
                               error=type(again).__name__)
             finally:
                 self._running.discard(rid)
@@ -218,9 +235,9 @@ class ErasureService:
             db.commit()
         self.sc.metrics.erasures_completed.inc()
         if acks:
-            log.info("erasure completed", request_id=request_id, record_seq=record.seq, processes=len(acks))
+            log.info("erasure completed", erasure_id=request_id, record_seq=record.seq, processes=len(acks))
         else:
-            log.warning("erasure completed without any inference process", request_id=request_id,
+            log.warning("erasure completed without any inference process", erasure_id=request_id,
                         record_seq=record.seq)
 
     def _save_progress(self, request_id: str, progress: dict) -> None:
@@ -302,7 +319,14 @@ class ErasureService:
             else:
                 row.state, row.error = "received", error  # retried by the loop
             db.commit()
-        log.warning("erasure attempt failed", request_id=request_id, error=error)
+        log.warning("erasure attempt failed", erasure_id=request_id, error=error)
+
+
+def _same_body(existing: ErasureRequest, body_hmac: str) -> None:
+    # a request stored before bodies were digested has none: it is taken as the same
+    if existing.body_hmac is not None and not hmac.compare_digest(existing.body_hmac, body_hmac):
+        raise IdempotencyKeyReused("this Idempotency-Key was already used for a request with another body; "
+                                   "send a new key for a new request (the earlier request is unchanged)")
 
 
 def _merge_acks(processes: dict[str, dict], acks: dict[str, dict], request_id: str) -> set[str]:
@@ -315,7 +339,7 @@ def _merge_acks(processes: dict[str, dict], acks: dict[str, dict], request_id: s
         if not isinstance(ack, dict) or not all(
                 type(ack.get(f)) is int and 0 <= ack[f] and before[f] + ack[f] <= MAX_SAFE_INTEGER
                 for f in ACK_FIELDS):
-            log.warning("invalid erasure acknowledgement", request_id=request_id, process=pid)
+            log.warning("invalid erasure acknowledgement", erasure_id=request_id, process=pid)
             continue
         processes[pid] = {f: before[f] + ack[f] for f in ACK_FIELDS}
         answered.add(pid)

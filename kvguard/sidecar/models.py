@@ -26,6 +26,7 @@ class ApiToken(Base):
     # raw ids), space separated; None: every tenant
     tenants: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_ms: Mapped[int] = mapped_column(BigInteger)
+    expires_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # None: never
     revoked: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
@@ -35,6 +36,9 @@ class ErasureRequest(Base):
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     origin: Mapped[str] = mapped_column(String(255), index=True)
     idempotency_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    # HMAC-SHA256 under the index key of the canonical body: a reused key with another body
+    # is refused, and a guess of the ids cannot be checked against it without the key
+    body_hmac: Mapped[str | None] = mapped_column(String(64), nullable=True)
     scope: Mapped[str] = mapped_column(String(16))  # user | session | retention
     legal_basis: Mapped[str] = mapped_column(String(32))
     reason_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)

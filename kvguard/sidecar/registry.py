@@ -104,6 +104,11 @@ class Registry:
                                     "give each token's processes client ids of their own")
         return key
 
+    def leave(self, name: str, instance: str, token_id: str) -> bool:
+        """A process that closed cleanly said goodbye: it is no longer live, so erasures
+        neither send it commands nor wait for its acknowledgement."""
+        return self.clients.pop(self._check(name, instance, token_id), None) is not None
+
     def live(self) -> list[Client]:
         """Processes seen within the liveness window, or waiting for commands right now."""
         now = time.monotonic()
@@ -128,7 +133,8 @@ class Registry:
 
     async def wait_acks(self, cmd: Command, targets: list[str], timeout: float) -> dict[str, dict]:
         deadline = time.monotonic() + timeout
-        while set(targets) - set(cmd.acks) and time.monotonic() < deadline:
+        # a target that left (goodbye) will not answer: stop waiting; the attempt is retried without it
+        while any(t not in cmd.acks and t in self.clients for t in targets) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         return dict(cmd.acks)
 

@@ -138,7 +138,7 @@ async def _serve(settings: Settings) -> None:
     if sock:
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()
-        servers.append(_Server(_config(settings, app, uds=str(sock), lifespan="off")))
+        servers.append(_Server(_config(settings, app.state.ingest_app, uds=str(sock), lifespan="off")))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: [setattr(s, "should_exit", True) for s in servers])

@@ -7,12 +7,15 @@ erasure request. None of them is ever logged.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
 from pathlib import Path
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from sqlalchemy import text
+from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from kvguard.audit.keys import SigningKey
@@ -20,6 +23,7 @@ from kvguard.audit.log import AuditLog, LogConfig
 from kvguard.audit.pseudonym import Pseudonymizer, generate_index_key, load_index_key
 from kvguard.audit.store import AuditStore, check_current, make_engine, migrate
 
+from ..errors import ConfigError
 from .auth import any_admin_token, tenant_index
 from .ingest import Ingestor
 from .logs import log
@@ -33,15 +37,56 @@ def load_or_create_secret(path: Path) -> bytes:
     return load_index_key(path) if path.exists() else generate_index_key(path)
 
 
+def secure_data_dir(path: Path) -> None:
+    """The data directory holds keys, the SQLite database and the socket: mode 0700. One made
+    earlier with a looser mode is tightened; one that another user owns is refused, since
+    whoever owns it can loosen it again."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = path.stat()
+    if st.st_uid != os.geteuid():
+        raise ConfigError(f"the data directory {path} belongs to uid {st.st_uid}, not to this user "
+                          f"(uid {os.geteuid()}): use a directory of your own (KVGUARD_DATA_DIR)")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        path.chmod(0o700)
+
+
+@contextlib.contextmanager
+def private_files():
+    """Files created inside are readable by their owner only (umask 077): the SQLite database
+    holds the subjects' pseudonym secrets. The umask is the process's; it is restored after."""
+    old = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def secure_sqlite_files(url: str) -> None:
+    """Mode 0600 for a SQLite database and its -wal and -shm files, also when an earlier
+    version created them world-readable. Nothing to do for another database."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            f = Path(parsed.database + suffix)
+            if stat.S_IMODE(f.stat().st_mode) != 0o600:
+                f.chmod(0o600)
+
+
 class Sidecar:
     def __init__(self, settings: Settings, *, migrate_db: bool = True) -> None:
         self.settings = s = settings
-        s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        secure_data_dir(s.data_dir)
         # pre-ping: connections left dead by a database outage are replaced, not handed out
         self.engine = make_engine(s.db_url, pool_pre_ping=True)
-        if migrate_db:
-            migrate(s.db_url)
-        check_current(s.db_url)
+        with private_files():  # the database and the files SQLite makes beside it
+            if migrate_db:
+                migrate(s.db_url)
+            check_current(s.db_url)
+            with self.engine.connect() as conn:
+                conn.execute(text("SELECT 1"))  # SQLite opens its -wal and -shm files here
+        secure_sqlite_files(s.db_url)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
         with self.sessions() as db:
             check_secure(s, tokens_exist=any_admin_token(db))
@@ -65,6 +110,12 @@ class Sidecar:
 
     def db(self) -> Session:
         return self.sessions()
+
+    @property
+    def idempotency_key(self) -> bytes:
+        """The key of erasure requests' body digests: the index key, which every sidecar of a
+        database shares, so a retry sent to another sidecar is recognized."""
+        return self._index_key
 
     def tenant_index(self, tenant: str) -> str:
         """The tenant's keyed index, as tenant-bound ingest tokens name their tenants."""

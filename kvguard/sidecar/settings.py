@@ -5,6 +5,7 @@ Outside development, insecure configurations are refused at start: see `check_se
 
 from __future__ import annotations
 
+import difflib
 import os
 import socket
 from pathlib import Path
@@ -29,6 +30,8 @@ class Settings(BaseSettings):
     seal_key_file: Path | None = None  # default: data_dir/seal.key
     origin: str = Field(default_factory=lambda: f"kvguard.local/{socket.gethostname()}")
     host: str = "127.0.0.1"
+    # a TLS-terminating proxy is in front: the admin API may then listen beyond loopback
+    behind_tls_proxy: bool = False
     port: int = Field(default=8470, ge=0, le=65535)
     ingest_socket: Path | None = None  # Unix socket for inference clients; default data_dir/ingest.sock
     checkpoint_every: int = Field(default=256, ge=1)
@@ -114,9 +117,31 @@ class Settings(BaseSettings):
         return self.environment == "development"
 
 
+# KVGUARD_* variables that are not settings of the daemon: the YAML file's path, and what the
+# inference container and the demo read
+OTHER_VARIABLES = frozenset({"KVGUARD_CONFIG", "KVGUARD_SOCKET", "KVGUARD_INGEST_TOKEN", "KVGUARD_DEMO_KEEP"})
+
+
+def check_variables(environ=os.environ) -> None:
+    """A misspelt KVGUARD_* variable would be ignored and its setting left at its default:
+    refuse it, naming the setting it was probably meant to be."""
+    known = {f"KVGUARD_{name.upper()}" for name in Settings.model_fields} | OTHER_VARIABLES
+    unknown = sorted(n for n in environ if n.upper().startswith("KVGUARD_") and n.upper() not in known)
+    if not unknown:
+        return
+    problems = []
+    for name in unknown:
+        near = difflib.get_close_matches(name.upper(), sorted(known), n=1, cutoff=0.6)
+        problems.append(f"{name}" + (f" (did you mean {near[0]}?)" if near else ""))
+    raise ConfigError("unknown variable(s) " + "; ".join(problems) + ": kvguard reads no such setting "
+                      "(the settings are listed in docs/sidecar.md)")
+
+
 def load_settings(**overrides) -> Settings:
     """Settings from the environment, the YAML file and `overrides`; what is wrong with them is
-    a ConfigError naming each setting, without its value (a URL may hold a secret)."""
+    a ConfigError naming each setting, without its value (a URL may hold a secret). A KVGUARD_*
+    variable that names no setting is an error too."""
+    check_variables()
     try:
         return Settings(**overrides)
     except ValidationError as e:
@@ -136,7 +161,7 @@ def check_secure(settings: Settings, *, tokens_exist: bool) -> None:
     problems = []
     if not tokens_exist:
         problems.append("no admin API token exists: create one with 'kvguard token create --scope admin'")
-    if settings.host not in ("127.0.0.1", "::1", "localhost") and not os.environ.get("KVGUARD_BEHIND_TLS_PROXY"):
+    if settings.host not in ("127.0.0.1", "::1", "localhost") and not settings.behind_tls_proxy:
         problems.append(f"the admin API would listen on {settings.host} without TLS: bind to loopback behind a "
                         "TLS-terminating proxy and set KVGUARD_BEHIND_TLS_PROXY=1")
     shared_db = bool(settings.database_url and settings.database_url.startswith("postgresql"))

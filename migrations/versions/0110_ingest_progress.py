@@ -1,7 +1,7 @@
 """The event numbers recorded per inference process start, durable across sidecar restarts.
 
 Revision ID: 0110
-Revises: 0101
+Revises: 0102
 Create Date: 2026-12-01
 """
 
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0110"
-down_revision = "0101"
+down_revision = "0102"
 branch_labels = None
 depends_on = None
 

@@ -49,8 +49,17 @@ class Server:
     env: dict
 
     def client(self, scope: str | None = "admin") -> httpx.Client:
+        """A client of the admin API (TCP), or with the ingest scope of the ingest API (the socket)."""
+        if scope == "ingest":
+            return self.ingest(self.tokens["ingest"])
         headers = {"Authorization": f"Bearer {self.tokens[scope]}"} if scope else {}
         return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+
+    def ingest(self, token: str | None) -> httpx.Client:
+        """A client of the ingest API, which only the Unix socket serves."""
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url="http://sidecar", transport=httpx.HTTPTransport(uds=str(self.socket)),
+                            headers=headers, timeout=30)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -112,5 +121,16 @@ def db_url(request, tmp_path):
 @pytest.fixture
 def server(tmp_path, db_url):
     s = start_server(tmp_path, db_url)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def shared_server(request, tmp_path_factory):
+    """One server per module and database, for tests that leave nothing behind that the
+    others would see."""
+    tmp = tmp_path_factory.mktemp(f"shared-{request.param}")
+    url = f"sqlite:///{tmp / 'audit.db'}" if request.param == "sqlite" else request.getfixturevalue("pg_database")
+    s = start_server(tmp, url)
     yield s
     s.stop()

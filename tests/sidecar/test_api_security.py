@@ -1,5 +1,6 @@
-"""Every route refuses unauthenticated and wrong-scope calls; malformed input never
-gets a 500 (a bounded schemathesis run against the OpenAPI schema)."""
+"""Every route refuses unauthenticated and wrong-scope calls; each listener serves its own
+routes only; the schema is for admin tokens and documents the problem+json errors; malformed
+input never gets a 500 (a bounded schemathesis run against the OpenAPI schemas)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,10 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
 
 from tests.sidecar.conftest import kvguard, start_server
 
-OPEN = {"/healthz", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+OPEN = {"/healthz", "/readyz"}
 SCOPE_OF = [("/v1/erasure-requests", {"post": "erasure:write", "get": "erasure:read"}),
             ("/v1/audit", {"get": "audit:read"}), ("/metrics", {"get": "audit:read"}),
             ("/internal/v1", {"get": "ingest", "post": "ingest"})]
@@ -26,27 +26,93 @@ def needed_scope(path: str, method: str) -> str:
     raise AssertionError(f"no scope known for {method} {path}: add it to the table")
 
 
+def http(server, listener: str, token: str | None = None) -> httpx.Client:
+    """A client of the admin listener (TCP) or of the ingest listener (the Unix socket)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if listener == "admin":
+        return httpx.Client(base_url=server.url, headers=headers, timeout=30)
+    return httpx.Client(base_url="http://sidecar", transport=httpx.HTTPTransport(uds=str(server.socket)),
+                        headers=headers, timeout=30)
+
+
+def schema_of(server, listener: str) -> dict:
+    with http(server, listener, server.tokens["admin"]) as c:
+        r = c.get("/openapi.json")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def test_every_route_refuses_missing_and_wrong_scopes(server):
-    schema = httpx.get(server.url + "/openapi.json").json()
     checked = 0
-    for path, ops in schema["paths"].items():
-        if path in OPEN:
-            continue
-        for method in ops:
-            concrete = path.replace("{request_id}", "x").replace("{command_id}", "x")
-            scope = needed_scope(path, method)
-            with httpx.Client(base_url=server.url) as anon:
-                r = anon.request(method, concrete)
-                assert r.status_code == 401, (method, path, r.status_code)
-                assert r.headers["content-type"] == "application/problem+json"
-                r = anon.request(method, concrete, headers={"Authorization": "Bearer kvg_forged"})
-                assert r.status_code == 401, (method, path)
-            for other in ("erasure:write", "erasure:read", "audit:read", "ingest"):
-                if other != scope:
-                    with server.client(other) as c:
-                        assert c.request(method, concrete).status_code == 403, (method, path, other)
-            checked += 1
-    assert checked >= 9
+    for listener in ("admin", "ingest"):
+        for path, ops in schema_of(server, listener)["paths"].items():
+            if path in OPEN:
+                continue
+            for method in ops:
+                concrete = path.replace("{request_id}", "x").replace("{command_id}", "x")
+                scope = needed_scope(path, method)
+                with http(server, listener) as anon:
+                    r = anon.request(method, concrete)
+                    assert r.status_code == 401, (method, path, r.status_code)
+                    assert r.headers["content-type"] == "application/problem+json"
+                    r = anon.request(method, concrete, headers={"Authorization": "Bearer kvg_forged"})
+                    assert r.status_code == 401, (method, path)
+                for other in ("erasure:write", "erasure:read", "audit:read", "ingest"):
+                    if other != scope:
+                        with http(server, listener, server.tokens[other]) as c:
+                            assert c.request(method, concrete).status_code == 403, (method, path, other)
+                checked += 1
+    assert checked >= 10
+
+
+def test_each_listener_serves_its_own_routes_only(shared_server):
+    """The admin API is not on the ingest socket, the ingest API not on TCP, and the schema
+    (one per listener) only for an admin token; there are no /docs or /redoc pages."""
+    server = shared_server
+    admin, ingest = schema_of(server, "admin")["paths"], schema_of(server, "ingest")["paths"]
+    assert "/v1/erasure-requests" in admin and not any(p.startswith("/internal/") for p in admin)
+    assert "/internal/v1/events" in ingest and all(p.startswith("/internal/") for p in ingest)
+    with http(server, "admin", server.tokens["admin"]) as c:
+        assert c.post("/internal/v1/events", json={}).status_code == 404
+        assert c.get("/internal/v1/commands", params={"client": "a", "instance": "0" * 16}).status_code == 404
+        for page in ("/docs", "/redoc", "/docs/oauth2-redirect"):
+            assert c.get(page).status_code == 404, page
+    with http(server, "ingest", server.tokens["admin"]) as c:
+        for path in ("/v1/erasure-requests/" + "0" * 8 + "-0000-0000-0000-" + "0" * 12, "/v1/audit/checkpoint",
+                     "/metrics", "/readyz"):
+            assert c.get(path).status_code == 404, path
+    for listener in ("admin", "ingest"):
+        with http(server, listener) as anon:
+            assert anon.get("/openapi.json").status_code == 401
+        for scope in ("erasure:write", "erasure:read", "audit:read", "ingest"):
+            with http(server, listener, server.tokens[scope]) as c:
+                assert c.get("/openapi.json").status_code == 403, (listener, scope)
+
+
+def test_the_schema_documents_the_problems_each_route_sends(shared_server):
+    """401/403/404/415/422/503 are documented as application/problem+json, never as FastAPI's
+    default validation error; each documented status is one the route really sends."""
+    server = shared_server
+    for listener in ("admin", "ingest"):
+        schema = schema_of(server, listener)
+        assert "HTTPValidationError" not in str(schema) and "ProblemDetails" in schema["components"]["schemas"]
+        for path, ops in schema["paths"].items():
+            for method, op in ops.items():
+                codes = {int(c) for c in op["responses"] if c.isdigit() and int(c) >= 400}
+                want = set() if path == "/healthz" else {503}
+                if path not in OPEN:
+                    want |= {401, 403}
+                if op.get("parameters") or op.get("requestBody"):
+                    want.add(422)
+                if op.get("requestBody"):
+                    want.add(415)
+                if path == "/v1/erasure-requests/{request_id}":
+                    want.add(404)
+                assert codes == want, (method, path, codes)
+                for code in codes:
+                    content = op["responses"][str(code)]["content"]
+                    assert list(content) == ["application/problem+json"], (method, path, code)
+                    assert content["application/problem+json"]["schema"]["$ref"].endswith("/ProblemDetails")
 
 
 def test_open_routes_reveal_nothing(server):
@@ -66,25 +132,34 @@ def fuzz_server(tmp_path_factory):
     s.stop()
 
 
-def operations(url: str):
-    schema = schemathesis.openapi.from_url(url + "/openapi.json")
-    return [r.ok() for r in schema.get_all_operations()]
+def send(c: httpx.Client, kwargs: dict) -> httpx.Response:
+    """Send a schemathesis case's request (requests-style keyword arguments) with httpx."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "cookies"}
+    if isinstance(kwargs.get("data"), (bytes, str)):
+        kwargs["content"] = kwargs.pop("data")
+    return c.request(**kwargs)
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 def test_malformed_input_never_gets_a_500(fuzz_server, mode):
-    """Bounded: 15 generated requests per operation and mode, valid and malformed."""
-    headers = {"Authorization": f"Bearer {fuzz_server.tokens['all']}"}
-    ops = operations(fuzz_server.url)
-    assert len(ops) >= 12
+    """Bounded: 15 generated requests per operation and mode, valid and malformed, on both
+    listeners."""
+    token = fuzz_server.tokens["all"]
+    ops = [(listener, r.ok()) for listener in ("admin", "ingest")
+           for r in schemathesis.openapi.from_dict(schema_of(fuzz_server, listener)).get_all_operations()]
+    assert len(ops) >= 13
     fuzzed = 0
-    for op in ops:
+    for listener, op in ops:
         @given(case=op.as_strategy(generation_mode=mode))
         @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         def run(case):
             if case.path == "/internal/v1/commands" and isinstance(case.query, dict):
                 case.query["wait"] = 0  # no long polls in a fuzz run
-            case.call_and_validate(base_url=fuzz_server.url, headers=headers, checks=[not_a_server_error])
+            with http(fuzz_server, listener, token) as c:
+                # our token over whatever the case drew for the bearer scheme
+                r = send(c, case.as_transport_kwargs(base_url=str(c.base_url).rstrip("/"),
+                                                     headers={"Authorization": f"Bearer {token}"}))
+            assert r.status_code < 500, (case.as_curl_command(), r.status_code, r.text[:500])
 
         try:
             run()

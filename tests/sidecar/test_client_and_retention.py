@@ -11,7 +11,7 @@ from kvguard.cache import CacheConfig, CacheManager
 from kvguard.cache.events import EventQueue
 from kvguard.client import SidecarClient, SidecarUnavailable
 from kvguard.types import Subject
-from tests.sidecar.conftest import free_port, start_server
+from tests.sidecar.conftest import start_server
 
 
 def small_cache():
@@ -35,10 +35,10 @@ def count_records(server, op):
 
 
 def test_unreachable_sidecar_refuses_new_sequences_and_loses_nothing(tmp_path, db_url):
-    port = free_port()
     cache = small_cache()
     ingest_token = "kvg_" + "x" * 43  # replaced once the server exists
-    client = SidecarClient(cache, url=f"http://127.0.0.1:{port}", token=ingest_token, max_pending=3,
+    # the socket the server will listen on (the ingest API is served there only)
+    client = SidecarClient(cache, socket=tmp_path / "data" / "ingest.sock", token=ingest_token, max_pending=3,
                            on_full="refuse", interval_s=0.02).start()
     try:
         for i in range(5):
@@ -47,7 +47,7 @@ def test_unreachable_sidecar_refuses_new_sequences_and_loses_nothing(tmp_path, d
         assert client.pending == 5 and not client.connected
         with pytest.raises(SidecarUnavailable, match="refusing new sequences"):
             client.open(Subject("t", "late", "s"))
-        server = start_server(tmp_path, db_url, extra_env={"KVGUARD_PORT": str(port)})
+        server = start_server(tmp_path, db_url)
         try:
             client._http.headers["Authorization"] = f"Bearer {server.tokens['ingest']}"
             assert client.flush(30)
@@ -154,3 +154,38 @@ def test_an_erasure_whose_event_is_not_durable_is_never_acknowledged(monkeypatch
     client._execute({"id": "c1", "kind": "erase", "scope": "session", "tenant": "t", "target": "s"})
     assert posted == [] and client.erasures == []
     client._http.close()
+
+
+def live_processes(server) -> float:
+    with server.client("audit:read") as c:
+        for line in c.get("/metrics").text.splitlines():
+            if line.startswith("kvguard_inference_processes_live "):
+                return float(line.split()[1])
+    raise AssertionError("no kvguard_inference_processes_live in /metrics")
+
+
+def test_a_client_that_closed_is_not_live_and_erasures_do_not_wait_for_it(tmp_path, db_url):
+    # a liveness window far longer than the test: only the goodbye can end the client's liveness
+    server = start_server(tmp_path, db_url, extra_env={"KVGUARD_INFERENCE_LIVE_S": "25"})
+    cache = small_cache()
+    try:
+        with SidecarClient(cache, socket=server.socket, token=server.tokens["ingest"], interval_s=0.05) as client:
+            fill(cache, client.open(Subject("bank", "user-0", "session-0")))
+            assert client.flush(20)
+            assert live_processes(server) == 1
+        assert live_processes(server) == 0  # closed: it said goodbye
+        with server.client("erasure:write") as c:
+            r = c.post("/v1/erasure-requests", headers={"Idempotency-Key": "goodbye-1"},
+                       json={"tenant": "bank", "user": "user-0", "legal_basis": "gdpr-art17"})
+            assert r.status_code == 202, r.text
+        deadline, body = time.monotonic() + 90, {}
+        while time.monotonic() < deadline:  # after the start's reconnect window of 25 s
+            with server.client("erasure:read") as c:
+                body = c.get(f"/v1/erasure-requests/{r.json()['id']}").json()
+            if body["state"] in ("completed", "failed"):
+                break
+            time.sleep(0.5)
+        assert body["state"] == "completed", body
+        assert body["result"]["no_process_acknowledged"] is True and body["error"] is None
+    finally:
+        server.stop()

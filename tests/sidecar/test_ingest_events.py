@@ -216,7 +216,7 @@ def test_a_client_id_belongs_to_the_token_that_registered_it(tmp_path):
     other_token = kvguard(["token", "create", "--scope", "ingest", "--name", "other-pod"], server.env)
     mine = {"client": "pod-a", "instance": "a" * 16}
     try:
-        with server.client("ingest") as owner, server.client(None) as other:
+        with server.client("ingest") as owner, server.ingest(None) as other:
             other.headers["Authorization"] = f"Bearer {other_token}"
             assert owner.post("/internal/v1/events", json={**mine, "events": []}).status_code == 200
             with server.client("erasure:write") as c:
@@ -249,7 +249,7 @@ def test_a_token_bound_to_tenants_sends_their_events_only(tmp_path, db_url):
              "details": {"seq": 0, "pages": ["hot:0"], "n_tokens": 4, "bytes": 0}}
     globex = {**event, "n": 1, "subject": {**event["subject"], "tenant": "globex"}}
     try:
-        with server.client(None) as c:
+        with server.ingest(None) as c:
             c.headers["Authorization"] = f"Bearer {acme}"
             pod = {"client": "acme-pod", "instance": "a" * 16}
             r = c.post("/internal/v1/events", json={**pod, "events": [event, globex]})

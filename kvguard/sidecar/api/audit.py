@@ -16,9 +16,9 @@ from kvguard.audit.canonical import loads
 from kvguard.audit.models import RecordRow
 
 from .deps import AuditRead, SidecarDep
-from .problems import Problem
+from .problems import Problem, documented
 
-router = APIRouter(prefix="/v1/audit", tags=["audit"])
+router = APIRouter(prefix="/v1/audit", tags=["audit"], responses=documented(401, 403, 503))
 
 Op = Literal[tuple(sorted(ops.OPS))]  # every op kvguard writes, no other
 Pseudonym = Annotated[str, Query(pattern=r"^[0-9a-f]{32}$", description="a tenant, user or session pseudonym")]

@@ -30,7 +30,7 @@ def authenticate_header(sidecar: Sidecar, authorization: str | None) -> Principa
     with sidecar.db() as db:
         principal = authenticate(db, token.strip())
     if principal is None:
-        raise Problem(401, "Unauthorized", "the token is unknown or revoked",
+        raise Problem(401, "Unauthorized", "the token is unknown, revoked or expired",
                       headers={"WWW-Authenticate": "Bearer"})
     return principal
 
@@ -52,7 +52,22 @@ def require(scope: str):
     return check
 
 
+def json_body(request: Request) -> None:
+    """A body sent as anything but JSON (curl -d sends a form) gets a 415 that says what to send,
+    not a 422 about fields the body seems to lack."""
+    ctype = request.headers.get("content-type")
+    if ctype is None:
+        return  # read as JSON
+    media = ctype.partition(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise Problem(415, "Unsupported Media Type",
+                      "send the body as JSON with the header 'Content-Type: application/json'",
+                      headers={"Accept-Post": "application/json"})
+
+
+JsonBody = Depends(json_body)
 ErasureWrite = Annotated[Principal, Depends(require("erasure:write"))]
 ErasureRead = Annotated[Principal, Depends(require("erasure:read"))]
 AuditRead = Annotated[Principal, Depends(require("audit:read"))]
 Ingest = Annotated[Principal, Depends(require("ingest"))]
+Admin = Annotated[Principal, Depends(require("admin"))]

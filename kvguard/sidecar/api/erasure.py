@@ -4,17 +4,18 @@ once completed, the receipt that verifies offline."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Header, Request, Response
+from fastapi import APIRouter, Header, Path, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..erasure import NewRequest
 from ..models import ErasureRequest
-from .deps import ErasureRead, ErasureWrite
-from .problems import Problem
+from .deps import ErasureRead, ErasureWrite, JsonBody
+from .problems import Problem, documented
 
-router = APIRouter(prefix="/v1/erasure-requests", tags=["erasure"])
+router = APIRouter(prefix="/v1/erasure-requests", tags=["erasure"], responses=documented(401, 403, 503))
 
 Id = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f]+$")]
 
@@ -59,9 +60,12 @@ def _out(row: ErasureRequest) -> ErasureOut:
         receipt=json.loads(row.receipt_json) if row.receipt_json else None, error=row.error)
 
 
-@router.post("", status_code=202, response_model=ErasureOut,
+@router.post("", status_code=202, response_model=ErasureOut, dependencies=[JsonBody],
              summary="Request the erasure of a user's or a session's data",
-             responses={200: {"description": "the request with this Idempotency-Key already exists"}})
+             description="Stored durably before the answer. The same Idempotency-Key with the same body "
+                         "answers 200 with the earlier request; with another body, 422.",
+             responses={200: {"description": "the request with this Idempotency-Key already exists"},
+                        **documented(415)})
 def create(body: ErasureIn, principal: ErasureWrite, request: Request, response: Response,
            idempotency_key: Annotated[str, Header(min_length=8, max_length=200)]) -> ErasureOut:
     service = request.app.state.erasure
@@ -73,9 +77,15 @@ def create(body: ErasureIn, principal: ErasureWrite, request: Request, response:
     return _out(row)
 
 
-@router.get("/{request_id}", response_model=ErasureOut, summary="An erasure request's state and receipt")
-def read(request_id: Annotated[str, Field(max_length=36)], _: ErasureRead, request: Request) -> ErasureOut:
-    row = request.app.state.erasure.get(request_id)
+RequestId = Annotated[str, Path(max_length=36, description="the request's id, a UUID")]
+UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+@router.get("/{request_id}", response_model=ErasureOut, summary="An erasure request's state and receipt",
+            responses=documented(404))
+def read(request_id: RequestId, _: ErasureRead, request: Request) -> ErasureOut:
+    # what is no request id names no request: never sent to the database (PostgreSQL refuses NUL)
+    row = request.app.state.erasure.get(request_id) if UUID.fullmatch(request_id) else None
     if row is None:
-        raise Problem(404, "Not Found", f"no erasure request {request_id}")
+        raise Problem(404, "Not Found", "no erasure request with this id")
     return _out(row)

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from .deps import AuditRead, SidecarDep
-from .problems import problem_response
+from .problems import documented, problem_response
 
 router = APIRouter(tags=["health"])
 
@@ -17,7 +17,8 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", summary="Database reachable, signing key loaded, migrations current")
+@router.get("/readyz", summary="Database reachable, signing key loaded, migrations current",
+            responses=documented(503))
 def readyz(sidecar: SidecarDep, request: Request):
     checks = sidecar.readiness()
     if all(v == "ok" for v in checks.values()):
@@ -25,6 +26,7 @@ def readyz(sidecar: SidecarDep, request: Request):
     return problem_response(503, "Service Unavailable", "not ready", request, checks=checks)
 
 
-@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response,
+            responses=documented(401, 403, 503))
 def metrics(sidecar: SidecarDep, _: AuditRead) -> Response:
     return Response(sidecar.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

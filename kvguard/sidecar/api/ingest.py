@@ -1,4 +1,4 @@
-"""The internal API of inference processes (over the Unix socket, or loopback TCP):
+"""The internal API of inference processes (served on the Unix socket only):
 event batches in, erase commands out, acknowledgements back. Needs the `ingest` scope;
 a client id belongs to the token that registered it (registry.py), others get 403. A
 token bound to tenants sends events of those tenants only (403 for a batch naming
@@ -10,17 +10,17 @@ import asyncio
 import time
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import SQLAlchemyError
 
 from kvguard.audit.canonical import MAX_SAFE_INTEGER
 
 from ..logs import log
-from .deps import Ingest, SidecarDep
-from .problems import Problem
+from .deps import Ingest, JsonBody, SidecarDep
+from .problems import Problem, documented
 
-router = APIRouter(prefix="/internal/v1", tags=["ingest"])
+router = APIRouter(prefix="/internal/v1", tags=["ingest"], responses=documented(401, 403, 503))
 
 ClientId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 # Drawn by the process at each start: its event numbers and commands are its own (registry.py).
@@ -80,7 +80,8 @@ class BatchAck(BaseModel):
     refused: list[int] = Field(default_factory=list)  # events recorded as `ingest_error`, by number
 
 
-@router.post("/events", response_model=BatchAck, summary="Record a batch of cache events")
+@router.post("/events", response_model=BatchAck, summary="Record a batch of cache events",
+             dependencies=[JsonBody], responses=documented(415))
 async def events(batch: EventBatch, sidecar: SidecarDep, principal: Ingest) -> BatchAck:
     if principal.tenants is not None:
         named = {e.subject.tenant for e in batch.events} | {s.subject.tenant for s in batch.sessions or ()}
@@ -149,8 +150,21 @@ class AckIn(BaseModel):
     result: dict[str, Any]
 
 
-@router.post("/commands/{command_id}/ack", summary="Acknowledge an executed command")
-def ack(command_id: Annotated[str, Field(max_length=64)], body: AckIn, sidecar: SidecarDep,
+@router.post("/commands/{command_id}/ack", summary="Acknowledge an executed command",
+             dependencies=[JsonBody], responses=documented(415))
+def ack(command_id: Annotated[str, Path(pattern=r"^[0-9a-f]{32}$")], body: AckIn, sidecar: SidecarDep,
         principal: Ingest) -> dict:
     return {"accepted": sidecar.registry.ack(body.client, body.instance, principal.token_id, command_id,
                                              body.result)}
+
+
+class GoodbyeIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    client: ClientId
+    instance: Instance
+
+
+@router.post("/goodbye", summary="A process closing cleanly: no longer live, erasures do not wait for it",
+             dependencies=[JsonBody], responses=documented(415))
+def goodbye(body: GoodbyeIn, sidecar: SidecarDep, principal: Ingest) -> dict:
+    return {"left": sidecar.registry.leave(body.client, body.instance, principal.token_id)}

@@ -1,8 +1,10 @@
-"""Errors as RFC 9457 problem details (application/problem+json), mapped in one place."""
+"""Errors as RFC 9457 problem details (application/problem+json), mapped in one place, and
+documented in the OpenAPI schema as what they are."""
 
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
+from pydantic import BaseModel
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import SQLAlchemyError
@@ -21,12 +23,64 @@ class Problem(Exception):
         self.status, self.title, self.detail, self.headers, self.extra = status, title, detail, headers, extra
 
 
+class ProblemDetails(BaseModel):
+    """An error (RFC 9457). Quote `request_id` when asking about it: the sidecar's log lines
+    of the request carry it."""
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str
+    instance: str
+    request_id: str | None = None
+    errors: list[dict] | None = None  # 422: which input, and what is wrong with it
+
+
+WHY = {
+    401: "No usable token: missing, unknown, revoked or expired",
+    403: "The token lacks the scope this route needs",
+    404: "No such resource",
+    415: "The body is not JSON: send 'Content-Type: application/json'",
+    422: "A parameter or the body is not valid",
+    503: "The audit store is unreachable or the sidecar is not ready",
+}
+
+
+def documented(*statuses: int) -> dict[int | str, dict]:
+    """OpenAPI `responses` for these error statuses, as the problem+json they are sent as."""
+    ref = {"$ref": "#/components/schemas/ProblemDetails"}
+    return {s: {"description": WHY[s], "content": {MEDIA: {"schema": ref}}} for s in statuses}
+
+
+def with_problem_schema(app: FastAPI) -> None:
+    """Put ProblemDetails into the schema's components, where `documented` points, and document
+    the 422 that FastAPI adds to every route with input as the problem+json it is sent as."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+            for default in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(default, None)
+            schemas["ProblemDetails"] = ProblemDetails.model_json_schema()
+            for ops in schema.get("paths", {}).values():
+                for op in ops.values():
+                    if "422" in op.get("responses", {}):
+                        op["responses"]["422"] = documented(422)[422]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def problem_response(status: int, title: str, detail: str, request: Request, headers=None, **extra) -> JSONResponse:
     body = {"type": "about:blank", "title": title, "status": status, "detail": detail,
             "instance": str(request.url.path), **extra}
     rid = getattr(request.state, "request_id", None)
     if rid:
         body["request_id"] = rid
+        headers = {**(headers or {}), "X-Request-ID": rid}
     return JSONResponse(body, status_code=status, media_type=MEDIA, headers=headers)
 
 
@@ -77,7 +131,9 @@ def install(app: FastAPI) -> None:
         if outage.is_outage(exc):  # a passing state of the database, not a bug: no traceback
             outage.note(request.url.path, exc)
             return outage_response(request)
-        log.exception("unhandled error")
+        # this handler runs outside the request-id middleware: name the request here
+        log.exception("unhandled error", request_id=getattr(request.state, "request_id", None),
+                      method=request.method, path=request.url.path)
         return problem_response(500, "Internal Server Error", "see the sidecar's log for this request id", request)
 
 
