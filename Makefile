@@ -1,14 +1,14 @@
 # Two entry points for a fresh machine:
 #   make demo   create .venv, install, show what each scenario policy saves and costs on SmolLM2-135M,
 #               then erase a user through the sidecar (SQLite) and verify the receipt and an audit bundle
-#   make test   create .venv, install, make sure PostgreSQL and Redis run, run the tests
+#   make test   create .venv, install, make sure PostgreSQL and Redis run, lint with ruff, run the tests
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test test-fast venv services bench-audit fidelity clean
+.PHONY: demo test test-fast lint venv services bench-audit fidelity clean
 
 venv: $(STAMP)
 
@@ -28,7 +28,10 @@ services:
 demo: venv
 	$(PY) -m kvguard.demo
 
-test: venv services
+lint: venv
+	$(VENV)/bin/ruff check .
+
+test: venv services lint
 	# One worker per CPU, at most 4 (each loads torch, some the model): the PostgreSQL tests each
 	# create a database of their own.
 	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 $(PYTEST_ARGS)

@@ -41,7 +41,7 @@ class Checkpoint:
         return f"{text}\n{EM_DASH} {self.origin} {base64.b64encode(sig).decode('ascii')}\n"
 
     @classmethod
-    def parse_text(cls, text: str) -> "Checkpoint":
+    def parse_text(cls, text: str) -> Checkpoint:
         def bad(why: str) -> VerificationError:
             return VerificationError("checkpoint_format", why)
 

@@ -65,7 +65,7 @@ class VerificationError(AuditError):
             return None
         return f"{self.origin}#{self.seq}"
 
-    def with_member(self, member: str) -> "VerificationError":
+    def with_member(self, member: str) -> VerificationError:
         """The same failure, attributed to the bundle member it was found in."""
         return VerificationError(self.check, self.message, origin=self.origin, seq=self.seq, member=member)
 

@@ -16,7 +16,7 @@ Subjects carry pseudonyms only (32 lowercase hex digits, `audit.pseudonym`).
 from __future__ import annotations
 
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import lru_cache
 from typing import Any
 
@@ -200,7 +200,7 @@ _GOOD_KEYS: set[str] = set()
 
 def format_time(ms: int) -> str:
     """RFC 3339 UTC with exactly three fractional digits: 2025-01-31T12:00:00.123Z."""
-    dt = datetime.fromtimestamp(ms // 1000, timezone.utc)
+    dt = datetime.fromtimestamp(ms // 1000, UTC)
     return f"{dt:%Y-%m-%dT%H:%M:%S}.{ms % 1000:03d}Z"
 
 
@@ -217,7 +217,7 @@ def _parse_time(value: str) -> int:
         raise RecordFormatError(f"time must look like 2025-01-31T12:00:00.123Z, got {value!r}")
     try:
         dt = datetime(int(value[0:4]), int(value[5:7]), int(value[8:10]), int(value[11:13]),
-                      int(value[14:16]), int(value[17:19]), tzinfo=timezone.utc)
+                      int(value[14:16]), int(value[17:19]), tzinfo=UTC)
     except ValueError as exc:
         raise RecordFormatError(f"time {value!r}: {exc}") from None
     return int(dt.timestamp()) * 1000 + int(value[20:23])

@@ -36,13 +36,13 @@ class PublicKey:
         self.key_id = hashlib.sha256(self.raw).hexdigest()
 
     @classmethod
-    def from_raw(cls, raw: bytes) -> "PublicKey":
+    def from_raw(cls, raw: bytes) -> PublicKey:
         if len(raw) != 32:
             raise KeyFileError(f"an Ed25519 public key is 32 bytes, got {len(raw)}")
         return cls(Ed25519PublicKey.from_public_bytes(raw))
 
     @classmethod
-    def from_text(cls, text: str) -> "PublicKey":
+    def from_text(cls, text: str) -> PublicKey:
         """Accepts PEM (SubjectPublicKeyInfo), base64 of the raw key, or its hex."""
         text = text.strip()
         if text.startswith("-----BEGIN"):
@@ -60,7 +60,7 @@ class PublicKey:
         return cls.from_raw(raw)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "PublicKey":
+    def load(cls, path: str | os.PathLike[str]) -> PublicKey:
         try:
             text = Path(path).read_text()
         except (OSError, UnicodeDecodeError) as exc:
@@ -111,11 +111,11 @@ class SigningKey:
         self.public_key = PublicKey(key.public_key())
 
     @classmethod
-    def generate(cls) -> "SigningKey":
+    def generate(cls) -> SigningKey:
         return cls(Ed25519PrivateKey.generate())
 
     @classmethod
-    def from_seed(cls, seed: bytes) -> "SigningKey":
+    def from_seed(cls, seed: bytes) -> SigningKey:
         """Deterministic key from a 32-byte seed (test vectors, docs); use `generate` otherwise."""
         return cls(Ed25519PrivateKey.from_private_bytes(seed))
 
@@ -139,7 +139,7 @@ class SigningKey:
         write_private_file(path, pem, overwrite=overwrite)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "SigningKey":
+    def load(cls, path: str | os.PathLike[str]) -> SigningKey:
         data = read_private_file(path)
         try:
             key = serialization.load_pem_private_key(data, password=None)

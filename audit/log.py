@@ -123,7 +123,7 @@ class AuditLog:
         self._signer.start()
 
     @classmethod
-    def open(cls, url: str, origin: str, key: SigningKey, config: LogConfig = LogConfig()) -> "AuditLog":
+    def open(cls, url: str, origin: str, key: SigningKey, config: LogConfig = LogConfig()) -> AuditLog:
         return cls(AuditStore(url), origin, key, config)
 
     # -- callers' side -------------------------------------------------------------
@@ -138,7 +138,7 @@ class AuditLog:
         return self._key
 
     def submit(self, op: str, subject: dict[str, str] | None = None,
-               details: dict[str, Any] | None = None) -> "Future[Record]":
+               details: dict[str, Any] | None = None) -> Future[Record]:
         """Queue a record without waiting; the future resolves to it once it is durably stored."""
         item = _item(op, subject, details, Future())
         self._enqueue([item])
@@ -192,7 +192,7 @@ class AuditLog:
         if self._signproc is not None:
             self._signproc.close()
 
-    def __enter__(self) -> "AuditLog":
+    def __enter__(self) -> AuditLog:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -70,7 +70,7 @@ class Record:
     def signing_bytes(self) -> bytes:
         return record_bytes(self.unsigned_dict())
 
-    def with_signature(self, sig: bytes, signing_bytes: bytes | None = None) -> "Record":
+    def with_signature(self, sig: bytes, signing_bytes: bytes | None = None) -> Record:
         """The signed record. Given the signing bytes, the leaf bytes are spliced from them:
         in key order `sig` sits right before `subject`, and the last `,"subject":{` of the
         signing bytes is the top-level one (only pseudonyms, time and v follow it)."""
@@ -86,7 +86,7 @@ class Record:
 
     @classmethod
     def sign_new(cls, key, origin: str, seq: int, time: str, op: str, subject: dict[str, str],
-                 details: dict[str, Any], prev: str) -> "Record":
+                 details: dict[str, Any], prev: str) -> Record:
         """Build and sign a record from validated parts in one go (the writer's hot path;
         see `sign_leaf`). The leaf hash is computed here, on the signer's side."""
         leaf, sig, leaf_hash = sign_leaf(key, origin, seq, time, op, *encode_parts(subject, details), prev)
@@ -120,7 +120,7 @@ class Record:
         return f.parse_time(self.time)
 
     @classmethod
-    def parse(cls, obj: dict[str, Any]) -> "Record":
+    def parse(cls, obj: dict[str, Any]) -> Record:
         """Validate every field of a signed record object; raises RecordFormatError."""
         if not isinstance(obj, dict):
             raise RecordFormatError("a record must be a JSON object")
@@ -150,7 +150,7 @@ class Record:
         )
 
     @classmethod
-    def from_leaf_bytes(cls, data: bytes) -> "Record":
+    def from_leaf_bytes(cls, data: bytes) -> Record:
         """Parse one stored/shipped record and insist the bytes are canonical, so the
         bytes that were hashed are the only spelling of this record."""
         try:

@@ -70,7 +70,7 @@ class SignerProcess:
         return self._proc.pid
 
     def submit(self, key: SigningKey, origin: str, seq: int, time: str, prev: str | None,
-               parts: list[Part]) -> "Future[list[Record]]":
+               parts: list[Part]) -> Future[list[Record]]:
         """Records seq, seq + 1, ... for `parts`, chained from `prev` (None: from the last
         record submitted before), signed by `key`: what `sign_chain` returns."""
         future: Future = Future()

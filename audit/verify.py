@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from .checkpoint import Checkpoint, open_checkpoint
 from .errors import RecordFormatError, VerificationError
 from .fields import ZERO_HASH
-from .ops import KEY_ROTATION
 from .keys import PublicKey
 from .merkle import CompactRange, verify_consistency
+from .ops import KEY_ROTATION
 from .record import Record
 from .sigcheck import SignatureChecks
 

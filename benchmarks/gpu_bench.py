@@ -32,14 +32,13 @@ SMOKE = "--smoke" in sys.argv
 if SMOKE and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported; kernels/ fixes the interpreter for NumPy >= 2.4
 
+import kvguard.kernels.paged_decode as paged_decode_module  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
 from kvguard.kernels import quantize as ref  # noqa: E402
 from kvguard.kernels._checks import KernelArgError  # noqa: E402
 from kvguard.kernels.compact import compact_pages, compact_pages_ref  # noqa: E402
-import kvguard.kernels.paged_decode as paged_decode_module  # noqa: E402
 from kvguard.kernels.paged_decode import paged_decode, paged_decode_ref  # noqa: E402
 from kvguard.kernels.paged_prefill import paged_prefill, paged_prefill_ref  # noqa: E402
 from kvguard.kernels.quantize_scatter import quantize_scatter, quantize_scatter_ref  # noqa: E402

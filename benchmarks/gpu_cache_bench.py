@@ -367,7 +367,7 @@ def bench_cache(models, contexts, codecs, batches, steps) -> list[str]:
 
 
 def static_graph_generate(model, cfg, ids: torch.Tensor, new_tokens: int,
-                          clock: "StepClock | None" = None) -> torch.Tensor:
+                          clock: StepClock | None = None) -> torch.Tensor:
     """Greedy decoding through transformers' StaticCache + SDPA with each decode step replayed
     from a CUDA graph (one eager warm-up step, then capture): the graphed baseline."""
     import inspect

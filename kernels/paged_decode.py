@@ -34,8 +34,19 @@ import triton
 import triton.language as tl
 
 from . import quantize as ref
-from ._checks import (INDEX_DTYPES, KIND, KernelArgError, check, check_device, check_int4_tile,
-                      check_pages, check_queries, field_args, interpreting, softmax_scale)
+from ._checks import (
+    INDEX_DTYPES,
+    KIND,
+    KernelArgError,
+    check,
+    check_device,
+    check_int4_tile,
+    check_pages,
+    check_queries,
+    field_args,
+    interpreting,
+    softmax_scale,
+)
 from ._launch import launch
 from ._pages import attend_block, load_keys_f16, load_pages_f16, load_values_f16
 
@@ -411,7 +422,7 @@ SMALL_HEAD_CONFIG = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_props(index: int) -> tuple[int, int]:
     """(SMs, compute capability major) of a CUDA device, asked once."""
     p = torch.cuda.get_device_properties(index)

@@ -25,8 +25,19 @@ import triton
 import triton.language as tl
 
 from . import quantize as ref
-from ._checks import (INDEX_DTYPES, KIND, KernelArgError, check, check_device, check_int4_tile,
-                      check_pages, check_queries, field_args, interpreting, softmax_scale)
+from ._checks import (
+    INDEX_DTYPES,
+    KIND,
+    KernelArgError,
+    check,
+    check_device,
+    check_int4_tile,
+    check_pages,
+    check_queries,
+    field_args,
+    interpreting,
+    softmax_scale,
+)
 from ._launch import launch
 from ._pages import attend_block, load_keys_f16, load_pages_f16
 from .paged_decode import LOG2E, _finish, _num_sms, merge_splits

@@ -15,8 +15,17 @@ import triton
 import triton.language as tl
 
 from . import quantize as ref
-from ._checks import (INDEX_DTYPES, KIND, SIXTEEN_BIT, KernelArgError, check, check_device, check_pages, field_args,
-                      interpreting)
+from ._checks import (
+    INDEX_DTYPES,
+    KIND,
+    SIXTEEN_BIT,
+    KernelArgError,
+    check,
+    check_device,
+    check_pages,
+    field_args,
+    interpreting,
+)
 from ._pages import store_page
 
 

@@ -74,7 +74,7 @@ class SidecarClient:
         self._threads = [threading.Thread(target=self._send_loop, name="kvguard-events", daemon=True),
                          threading.Thread(target=self._command_loop, name="kvguard-commands", daemon=True)]
 
-    def start(self) -> "SidecarClient":
+    def start(self) -> SidecarClient:
         for t in self._threads:
             t.start()
         return self
@@ -93,7 +93,7 @@ class SidecarClient:
             pass  # unreachable: it stops counting this process as live after its liveness window
         self._http.close()
 
-    def __enter__(self) -> "SidecarClient":
+    def __enter__(self) -> SidecarClient:
         return self.start()
 
     def __exit__(self, *exc) -> None:

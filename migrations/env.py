@@ -12,9 +12,8 @@ from __future__ import annotations
 import os
 
 from alembic import context
-
-from kvguard.audit.models import Base
 from kvguard.audit.engine import make_engine
+from kvguard.audit.models import Base
 
 config = context.config
 target_metadata = Base.metadata

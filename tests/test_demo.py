@@ -13,7 +13,6 @@ from kvguard.cli import main
 from kvguard.demo import savings
 from kvguard.policy import load_policies
 from kvguard.types import Subject
-
 from tests.hf.conftest import one_thread, smollm2  # noqa: F401
 
 

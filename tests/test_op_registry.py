@@ -5,8 +5,8 @@ exactly its ops, and the log signs no other (tests/audit/test_log.py)."""
 from __future__ import annotations
 
 from fastapi import FastAPI
-
 from kvguard.audit import fields, ops
+
 from kvguard.cache.events import CacheEvent
 from kvguard.policy import PolicyDecision
 from kvguard.sidecar.api.audit import router as audit_router

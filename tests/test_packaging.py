@@ -21,7 +21,7 @@ def test_every_python_folder_is_a_listed_package():
         for d in [ROOT / top, *(p for p in (ROOT / top).rglob("*") if p.is_dir())]:
             if d.name != "__pycache__" and any(d.glob("*.py")):
                 rel = d.relative_to(ROOT).parts
-                found.add(".".join((mapped.get(rel[0], rel[0]).split(".") + list(rel[1:]))))
+                found.add(".".join(mapped.get(rel[0], rel[0]).split(".") + list(rel[1:])))
     assert found == listed, f"pyproject's packages miss {sorted(found - listed)}, list stale {sorted(listed - found)}"
 
 

@@ -17,8 +17,16 @@ from kvguard.cache import CacheManager, EventQueue
 from kvguard.compress.codecs import CODECS, make_codec
 from kvguard.compress.evictors import EVICTORS, make_evictor
 from kvguard.errors import ConfigError
-from kvguard.policy import (SCENARIOS, Measurement, ModelShape, PolicyError, calibrate, load_policies, load_policy,
-                            parse_policy)
+from kvguard.policy import (
+    SCENARIOS,
+    Measurement,
+    ModelShape,
+    PolicyError,
+    calibrate,
+    load_policies,
+    load_policy,
+    parse_policy,
+)
 from kvguard.policy.schema import CODEC_OPTIONS
 from kvguard.policy.schema import Codec as SchemaCodec
 from kvguard.policy.schema import Evictor as SchemaEvictor
@@ -235,7 +243,7 @@ def test_the_runtime_names_still_come_from_kvguard_policy():
 
     assert policy.calibrate is runtime.calibrate and policy.PolicyDecision is runtime.PolicyDecision
     with pytest.raises(AttributeError):
-        policy.no_such_name
+        _ = policy.no_such_name
 
 
 CODEC_CASES = [{}, {"group": 32}, {"group": 16}, {"group": 1}, {"group": 0}, {"group": -4}, {"group": True},

@@ -26,10 +26,19 @@ from ..store import AuditStore, CheckpointEntry
 from ..tree import HashTree
 from .dsse import sign_envelope
 from .layout import (
-    BUNDLE_FORMAT, CHECKPOINTS, KEYS, MANIFEST, MEDIA_TYPES, MEMBERS, PREDICATE_TYPE, PROOFS, RECEIPTS,
-    RECORDS, STATEMENT_TYPE, ZIP_TIME,
+    BUNDLE_FORMAT,
+    CHECKPOINTS,
+    KEYS,
+    MANIFEST,
+    MEDIA_TYPES,
+    MEMBERS,
+    PREDICATE_TYPE,
+    PROOFS,
+    RECEIPTS,
+    RECORDS,
+    STATEMENT_TYPE,
+    ZIP_TIME,
 )
-
 
 # A cheap look at each body before parsing it: only erase records carry receipts.
 _ERASE_MARKERS = tuple(f'"op":"{op}"' for op in sorted(ERASE_OPS))
@@ -182,7 +191,7 @@ def _write_records(zf, store, origin, first, end, digests, progress) -> list[Rec
                file=sys.stderr, disable=not progress, mininterval=0.5)
     with zf.open(_info(RECORDS), "w", force_zip64=True) as out:
         chunk: list[bytes] = []
-        for seq, body, _sig, _leaf in store.iter_bodies(origin, first, end):
+        for _seq, body, _sig, _leaf in store.iter_bodies(origin, first, end):
             line = body.encode("utf-8") + b"\n"
             chunk.append(line)
             if any(marker in body for marker in _ERASE_MARKERS):

@@ -40,11 +40,19 @@ from ..receipt import ERASE_OPS, verify_receipt
 from ..verify import KeySchedule, LogVerifier
 from .dsse import open_envelope
 from .layout import (
-    CHECKPOINTS, KEYS, MANIFEST, MEMBERS, PREDICATE_TYPE, PROOFS, RECEIPTS, RECORDS, STATEMENT_TYPE,
-    open_zip, read_small,
+    CHECKPOINTS,
+    KEYS,
+    MANIFEST,
+    MEMBERS,
+    PREDICATE_TYPE,
+    PROOFS,
+    RECEIPTS,
+    RECORDS,
+    STATEMENT_TYPE,
+    open_zip,
+    read_small,
 )
 from .members import KeyPlan, Listed, last_listed_key, parse_checkpoints, parse_proofs
-
 
 STEPS = ("container", "envelope", "digests", "checkpoints, proofs, keys", "records", "merkle root",
          "consistency", "receipts", "previous bundle")

@@ -12,7 +12,6 @@ import math
 
 import torch
 
-
 # Scores of at most this many elements at a time (fp32: 256 MB): a long prompt's chunk of queries
 # is taken in blocks, so its [H, group, T, L] score matrix never exists whole (a 16K-token prompt
 # of 32 query heads would need 34 GB).

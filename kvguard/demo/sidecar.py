@@ -146,7 +146,7 @@ def _drive(url: str, admin: str, ingest: str, data: Path, root: Path) -> int:
     rec = body["receipt"]["record"]
     print(f"receipt verified: record #{rec['seq']} op={rec['op']} subject={rec['subject']} signed by key "
           f"{rec['key_id'][:16]}…, included in the signed checkpoint of size {body['receipt']['tree_size']}")
-    print(f"checkpoint:\n  " + body["receipt"]["checkpoint"].replace("\n", "\n  ").rstrip())
+    print("checkpoint:\n  " + body["receipt"]["checkpoint"].replace("\n", "\n  ").rstrip())
 
     _step("seal the whole log into an audit bundle and verify it as an auditor would")
     env = {**os.environ, "KVGUARD_DATABASE_URL": f"sqlite:///{data / 'audit.db'}"}

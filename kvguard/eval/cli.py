@@ -83,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
     from ..policy import Fidelity, load_policies
     from . import report
     from .evaluate import evaluate
-    from .settings import Settings
     from .methods import builtin_methods, select
+    from .settings import Settings
     from .texts import load_texts
 
     bad = set(args.formats) - {"md", "csv", "json", "html"}

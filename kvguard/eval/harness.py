@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from ..errors import ConfigError
 from ..hf import cache_kwarg
 from ..types import Subject
-from .methods import Method
 from .headwise import HeadwiseCache
+from .methods import Method
 from .probe import ProbeCache
 from .settings import Settings
 

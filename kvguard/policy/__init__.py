@@ -10,8 +10,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .schema import (
-    NO_H2O, SCENARIOS, TIERS, UNITS, Codec, Evictor, Fidelity, Layers, Measurement, ModelShape, Policy,
-    PolicyError, Retention, config_key, load_policies, load_policy, parse_policy,
+    NO_H2O,
+    SCENARIOS,
+    TIERS,
+    UNITS,
+    Codec,
+    Evictor,
+    Fidelity,
+    Layers,
+    Measurement,
+    ModelShape,
+    Policy,
+    PolicyError,
+    Retention,
+    config_key,
+    load_policies,
+    load_policy,
+    parse_policy,
 )
 
 if TYPE_CHECKING:

@@ -51,8 +51,9 @@ def duration(text: str) -> float:
 
 def _token_db(args: argparse.Namespace, *, index_key: bool = False):
     """The settings' database, migrated, as a session factory; and the index key if asked."""
-    from kvguard.audit.store import make_engine, migrate
     from sqlalchemy.orm import sessionmaker
+
+    from kvguard.audit.store import make_engine, migrate
 
     from .service import load_or_create_secret, private_files, secure_data_dir, secure_sqlite_files
 

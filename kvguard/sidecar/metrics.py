@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from sqlalchemy import func, select
-
 from sqlalchemy.orm import Session
 
 from .models import ErasureRequest

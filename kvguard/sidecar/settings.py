@@ -12,7 +12,12 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
 
 from ..errors import ConfigError
 
@@ -70,7 +75,7 @@ class Settings(BaseSettings):
         return tuple(sources)
 
     @model_validator(mode="after")
-    def _policy(self) -> "Settings":
+    def _policy(self) -> Settings:
         if self.policy_file is None:
             return self
         from ..policy.schema import load_policy  # no torch: the daemon only reads the retention

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvguard.audit.keys import SigningKey
 from kvguard.audit.log import AuditLog, LogConfig
 from kvguard.audit.store import AuditStore

@@ -19,11 +19,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from sqlalchemy import create_engine, text
-
 from kvguard.audit.keys import SigningKey
 from kvguard.audit.log import AuditLog
 from kvguard.audit.store import AuditStore, migrate
+from sqlalchemy import create_engine, text
+
 from .audit_testlib import BACKENDS, open_log
 
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"

@@ -7,13 +7,13 @@ import json
 import re
 
 import pytest
-
 from kvguard.audit.bundle.export import export_bundle
 from kvguard.audit.bundle.verify import verify_bundle
 from kvguard.audit.errors import BundleError, VerificationError
 from kvguard.audit.keys import SigningKey
 from kvguard.audit.log import AuditLog, LogConfig
 from kvguard.audit.pseudonym import Pseudonymizer
+
 from .audit_testlib import fill, open_log, read_bundle, write_bundle
 
 MEMBERS = ["records.jsonl", "checkpoints.json", "proofs.json", "keys.json", "receipts.jsonl",
@@ -304,7 +304,7 @@ def test_postgres_and_sqlite_bundles_verify_alike(sqlite_url, pg_url, origin, tm
         store = AuditStore(url)
         ticks = iter(range(1_700_000_000_000, 1_700_000_000_000 + 10**6, 7))
         log = AuditLog(store, origin, key, LogConfig(checkpoint_every=10**9, checkpoint_interval_ms=10**9),
-                       clock=lambda: next(ticks))
+                       clock=lambda: next(ticks))  # noqa: B023 (this log is used up in this turn)
         for n in range(4):
             log.append_many([("evict", {}, {"batch": n, "i": i}) for i in range(10)])
         log.append("erase", {"session": "cd" * 16}, {"scope": "session"})

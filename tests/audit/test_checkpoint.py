@@ -6,7 +6,6 @@ import base64
 import hashlib
 
 import pytest
-
 from kvguard.audit.checkpoint import Checkpoint, open_checkpoint, split_note
 from kvguard.audit.errors import VerificationError
 from kvguard.audit.keys import SigningKey

@@ -10,9 +10,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from kvguard.audit.cli import main
 from kvguard.audit.keys import SigningKey
+
 from .audit_testlib import fill, open_log, read_bundle, write_bundle
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from kvguard.audit.keys import SigningKey
 from kvguard.audit.store import AuditStore
 from kvguard.audit.verify import verify_store

@@ -14,9 +14,8 @@ import pytest
 import rfc8785
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-
-from kvguard.audit.bundle.dsse import pae
 from kvguard.audit import ops
+from kvguard.audit.bundle.dsse import pae
 from kvguard.audit.checkpoint import open_checkpoint
 from kvguard.audit.keys import SigningKey
 from kvguard.audit.record import Record

@@ -7,7 +7,6 @@ import os
 import pickle
 
 import pytest
-
 from kvguard.audit.errors import KeyFileError, VerificationError
 from kvguard.audit.keys import PublicKey, SigningKey
 

@@ -6,7 +6,6 @@ import threading
 import time
 
 import pytest
-
 from kvguard.audit.checkpoint import open_checkpoint
 from kvguard.audit.errors import RecordFormatError, StoreError, VerificationError
 from kvguard.audit.keys import SigningKey
@@ -14,6 +13,7 @@ from kvguard.audit.log import _slices
 from kvguard.audit.merkle import leaf_hash, verify_consistency, verify_inclusion
 from kvguard.audit.record import Record
 from kvguard.audit.verify import verify_store
+
 from .audit_testlib import fill, open_log
 
 

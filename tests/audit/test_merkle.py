@@ -8,9 +8,15 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvguard.audit.errors import VerificationError
-from kvguard.audit.merkle import CompactRange, EMPTY_ROOT, leaf_hash, node_hash, verify_consistency, verify_inclusion
+from kvguard.audit.merkle import (
+    EMPTY_ROOT,
+    CompactRange,
+    leaf_hash,
+    node_hash,
+    verify_consistency,
+    verify_inclusion,
+)
 from kvguard.audit.tree import HashTree
 
 # RFC 6962 test vectors as published in github.com/transparency-dev/merkle (Apache-2.0):

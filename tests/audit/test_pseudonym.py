@@ -10,12 +10,17 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from sqlalchemy import event, select
-
 from kvguard.audit.errors import RecordFormatError, StoreError
 from kvguard.audit.models import SubjectKey
-from kvguard.audit.pseudonym import Pseudonymizer, generate_index_key, load_index_key, pseudonym_of, subject_data
+from kvguard.audit.pseudonym import (
+    Pseudonymizer,
+    generate_index_key,
+    load_index_key,
+    pseudonym_of,
+    subject_data,
+)
 from kvguard.audit.store import AuditStore, make_engine
+from sqlalchemy import event, select
 
 INDEX_KEY = bytes(range(32))
 

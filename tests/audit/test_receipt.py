@@ -6,10 +6,10 @@ import copy
 import json
 
 import pytest
-
 from kvguard.audit.errors import ReceiptError, VerificationError
 from kvguard.audit.keys import SigningKey
 from kvguard.audit.receipt import make_receipt, verify_receipt
+
 from .audit_testlib import fill, open_log
 
 

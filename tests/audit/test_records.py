@@ -8,11 +8,16 @@ import pytest
 import rfc8785
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvguard.audit.canonical import MAX_SAFE_INTEGER, record_bytes
 from kvguard.audit.errors import RecordFormatError
-from kvguard.audit.fields import (check_details, check_known_op, check_op, check_subject, format_time,
-                                  parse_time)
+from kvguard.audit.fields import (
+    check_details,
+    check_known_op,
+    check_op,
+    check_subject,
+    format_time,
+    parse_time,
+)
 from kvguard.audit.keys import SigningKey
 from kvguard.audit.record import Record
 

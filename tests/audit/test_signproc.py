@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from kvguard.audit.keys import SigningKey
 from kvguard.audit.record import Record, encode_parts
 from kvguard.audit.signproc import SignerProcess
 from kvguard.audit.verify import verify_store
+
 from .audit_testlib import fill, open_log
 
 SUBJECT = {"tenant": "0f" * 16, "user": "a1" * 16}

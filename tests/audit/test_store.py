@@ -6,16 +6,15 @@ import threading
 import uuid
 
 import pytest
-from sqlalchemy import insert, inspect, text
-from sqlalchemy.exc import DatabaseError, IntegrityError
-
+from alembic.script import ScriptDirectory
 from kvguard.audit.errors import StoreError
 from kvguard.audit.keys import SigningKey
 from kvguard.audit.models import SubjectKey
-from alembic.script import ScriptDirectory
-
 from kvguard.audit.store import AuditStore, alembic_config, check_current, downgrade, make_engine, migrate
 from kvguard.audit.verify import verify_store
+from sqlalchemy import insert, inspect, text
+from sqlalchemy.exc import DatabaseError, IntegrityError
+
 from .audit_testlib import BACKENDS, fill, open_log
 
 TABLES = {"logs", "keys", "records", "checkpoints", "subject_keys"}

@@ -4,13 +4,13 @@ the record and the failed check. Parametrized over SQLite and PostgreSQL."""
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import text
-
 from kvguard.audit.errors import VerificationError
 from kvguard.audit.keys import SigningKey
 from kvguard.audit.record import Record
 from kvguard.audit.store import AuditStore
 from kvguard.audit.verify import verify_store
+from sqlalchemy import text
+
 from .audit_testlib import fill, open_log
 
 TRIGGERS = [f"{t}_no_{a}" for t in ("records", "checkpoints") for a in ("update", "delete")]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvguard.audit.checkpoint import Checkpoint
 from kvguard.audit.errors import VerificationError
 from kvguard.audit.fields import ZERO_HASH

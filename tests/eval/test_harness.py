@@ -146,7 +146,8 @@ def test_a_policy_is_not_taken_as_measured_at_another_page_size(monkeypatch):
                           1.0, 0, [1], 1.0, 1.0)
 
     monkeypatch.setattr(ev, "run", fake_run)
-    tokenizer = lambda text, return_tensors: type("T", (), {"input_ids": torch.zeros(1, 64, dtype=torch.long)})
+    def tokenizer(text, return_tensors):
+        return type("T", (), {"input_ids": torch.zeros(1, 64, dtype=torch.long)})
     policy = parse_policy(POLICY.replace("evictor: {name: h2o, budget: 48, sink: 4, window: 16}\n", ""))
     methods = [builtin_methods(32)["int8"]]  # the same layers as the policy: int8(sink 4)
     got = evaluate(None, tokenizer, {"t": "x"}, methods, Settings(prefix=32, score=32, page_size=32), [policy],

@@ -102,7 +102,7 @@ def test_use_default_cache_refuses_bad_settings(tiny):
 @pytest.mark.slow
 def test_text_generation_pipeline_without_a_cache(model, tok):
     events = EventQueue()
-    before = getattr(model, "kvguard_default_cache")
+    before = model.kvguard_default_cache
     use_default_cache(model, events=events)
     try:
         generate = pipeline("text-generation", model=model, tokenizer=tok)

@@ -115,7 +115,6 @@ def test_greedy_refuses_a_cache_that_already_holds_tokens():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from kvguard.hf import KVGuardCache, cache_kwarg, greedy
-    from kvguard.hf.cache import cache_kwarg
 
     cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)

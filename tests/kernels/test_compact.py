@@ -2,10 +2,15 @@
 
 import pytest
 import torch
-
 from kvguard.kernels._checks import KernelArgError
-from kvguard.kernels.compact import (compact_pages, compact_pages_ref, compact_tokens, compact_tokens_ref, dequantize_tokens,
-                             dequantize_tokens_ref)
+from kvguard.kernels.compact import (
+    compact_pages,
+    compact_pages_ref,
+    compact_tokens,
+    compact_tokens_ref,
+    dequantize_tokens,
+    dequantize_tokens_ref,
+)
 
 from .conftest import DEVICE, ON_GPU
 from .util import CODECS, assert_fields_match, make_pages

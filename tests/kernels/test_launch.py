@@ -5,11 +5,10 @@ import itertools
 import pytest
 import torch
 import triton.language as tl
-from triton._C.libtriton import native_specialize_impl
-from triton.backends.compiler import BaseBackend
-
 from kvguard.kernels._launch import _arg_class
 from kvguard.kernels.paged_decode import paged_decode
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
 
 from .conftest import DEVICE, ON_GPU
 from .util import make_pages
@@ -67,10 +66,9 @@ class _Compiled:
 def test_launch_keeps_one_compiled_kernel_per_kind(monkeypatch):
     # the bookkeeping of kernels/_launch.py without a GPU: a JITFunction whose launch through
     # Triton is recorded and returns a stand-in compiled kernel
+    from kvguard.kernels import _launch
     from triton import knobs
     from triton.runtime.jit import JITFunction
-
-    from kvguard.kernels import _launch
 
     kernel = JITFunction(_toy)
     through_triton = []

@@ -4,9 +4,13 @@ import math
 
 import pytest
 import torch
-
 from kvguard.kernels._checks import KernelArgError
-from kvguard.kernels.paged_decode import paged_decode, paged_decode_ref, paged_decode_sets, paged_decode_sets_ref
+from kvguard.kernels.paged_decode import (
+    paged_decode,
+    paged_decode_ref,
+    paged_decode_sets,
+    paged_decode_sets_ref,
+)
 
 from .conftest import DEVICE, ON_GPU
 from .util import CODECS, make_pages, outlier_kv
@@ -324,7 +328,7 @@ def _mass_buffers(q, sets, heads, seed):
     differing by row) and positions: a row's keys scattered over its columns, some out of range."""
     gen = torch.Generator().manual_seed(seed)
     into = []
-    for _, table, lens in sets:
+    for _, table, _lens in sets:
         width = table.shape[1] * 16
         buffers, rows = [], []
         for i in range(q.shape[0]):

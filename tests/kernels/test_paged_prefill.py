@@ -2,10 +2,16 @@
 
 import pytest
 import torch
-
 from kvguard.kernels._checks import KernelArgError
-from kvguard.kernels.paged_prefill import (paged_prefill, paged_prefill_batch, paged_prefill_batch_ref, paged_prefill_mass,
-                                   paged_prefill_mass_ref, paged_prefill_ref, paged_prefill_sets)
+from kvguard.kernels.paged_prefill import (
+    paged_prefill,
+    paged_prefill_batch,
+    paged_prefill_batch_ref,
+    paged_prefill_mass,
+    paged_prefill_mass_ref,
+    paged_prefill_ref,
+    paged_prefill_sets,
+)
 
 from .conftest import DEVICE
 from .test_paged_decode import TOL, rel_ok

@@ -2,9 +2,13 @@
 
 import pytest
 import torch
-
 from kvguard.kernels._checks import KernelArgError
-from kvguard.kernels.quantize_scatter import quantize_scatter, quantize_scatter_ref, scatter_tokens, scatter_tokens_ref
+from kvguard.kernels.quantize_scatter import (
+    quantize_scatter,
+    quantize_scatter_ref,
+    scatter_tokens,
+    scatter_tokens_ref,
+)
 
 from .conftest import DEVICE
 from .util import assert_fields_match, empty_fields, outlier_kv

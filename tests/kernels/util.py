@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from kvguard.kernels import quantize as ref
 
 from .conftest import DEVICE, ON_GPU

@@ -155,7 +155,7 @@ def test_malformed_input_never_gets_a_500(fuzz_server, mode):
         def run(case):
             if case.path == "/internal/v1/commands" and isinstance(case.query, dict):
                 case.query["wait"] = 0  # no long polls in a fuzz run
-            with http(fuzz_server, listener, token) as c:
+            with http(fuzz_server, listener, token) as c:  # noqa: B023 (run is called in this turn)
                 # our token over whatever the case drew for the bearer scheme
                 r = send(c, case.as_transport_kwargs(base_url=str(c.base_url).rstrip("/"),
                                                      headers={"Authorization": f"Bearer {token}"}))

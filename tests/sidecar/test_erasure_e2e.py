@@ -11,13 +11,11 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
-import sqlalchemy as sa
-
 from kvguard.audit.keys import PublicKey
 from kvguard.audit.pseudonym import Pseudonymizer, load_index_key
 from kvguard.audit.receipt import verify_receipt
 from kvguard.audit.store import AuditStore
+
 from kvguard.cache import CacheManager
 from tests.sidecar import client_proc
 from tests.sidecar.conftest import ROOT

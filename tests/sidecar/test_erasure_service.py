@@ -9,10 +9,10 @@ import time
 import uuid
 
 import pytest
-from sqlalchemy import select
-
 from kvguard.audit.models import RecordRow
 from kvguard.audit.receipt import verify_receipt
+from sqlalchemy import select
+
 from kvguard.sidecar.erasure import ErasureService, NewRequest
 from kvguard.sidecar.models import ErasureRequest
 from kvguard.sidecar.retention import sweep

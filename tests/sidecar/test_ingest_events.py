@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 import torch
-
 from kvguard.audit.fields import MAX_ARRAY
+
 from kvguard.cache import CacheConfig, CacheManager
 from kvguard.cache.events import CacheEvent, SequenceFreed
 from kvguard.client import SidecarClient

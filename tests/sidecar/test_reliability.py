@@ -265,7 +265,7 @@ def test_a_database_outage_is_503_and_recovers_by_itself(tmp_path, pg_database):
         with ingest(server) as c, server.client("erasure:write") as admin:
             assert c.post("/internal/v1/events", json=batch(inst, [event(0)])).status_code == 200
             proxy.cut()
-            for i in range(10):
+            for _i in range(10):
                 r = c.post("/internal/v1/events", json=batch(inst, [event(1), event(2)]))
                 assert r.status_code == 503, r.text
                 assert r.headers["content-type"] == "application/problem+json" and r.headers["retry-after"]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -32,7 +32,7 @@ class Codec(ABC):
     def decode(self, f: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         ...
 
-    def check(self, heads: int, page_size: int, head_dim: int) -> None:
+    def check(self, heads: int, page_size: int, head_dim: int) -> None:  # noqa: B027 (optional hook)
         """Raise ValueError when this codec cannot hold pages of this shape."""
 
     def page_bytes(self, heads: int, page_size: int, head_dim: int, dtype: torch.dtype) -> int:

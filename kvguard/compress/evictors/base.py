@@ -14,8 +14,8 @@ evictors (StreamingLLM) choose one set, the same for every head.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch

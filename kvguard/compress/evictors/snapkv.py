@@ -11,7 +11,6 @@ after each compaction.
 
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 
 from .base import Evictor
