@@ -130,9 +130,6 @@ SESSIONS = {
 # Blocks that fail today: their name, why, and a pattern their failure's output matches (a failure of
 # another kind is reported as such). A listed block that passes fails: take it off the list.
 EXPECTED_FAILURES = {
-    "README.md::Running the sidecar::1": (
-        "the erasure request's curl sends its JSON body without a JSON content type: the API answers 422",
-        r"\b422\b"),
 }
 
 SLOW = {  # blocks that take long enough to run only with the slow tests
