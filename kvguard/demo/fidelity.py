@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from ..policy import Policy
+from .savings import print_table
 
 REPORT = Path(__file__).resolve().parents[2] / "docs" / "fidelity" / "fidelity.json"
 
@@ -61,11 +62,7 @@ def show_fidelity(policies: dict[str, Policy], *, prefix: int, score: int, threa
         table.append([d.policy, s.key.split("+")[0] + ("" if s.evicted or not p.evictor else " (evictor idle)"),
                       f"{s.evicted:,}", pct(s.deviation), pct(s.worst_layer), f"{s.ppl_delta:+.4f}",
                       f"{pct(d.max_attention_deviation)}, {d.max_ppl_increase:g}", decided(d)])
-    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
-    for i, r in enumerate(table):
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print_table(table)
     print(f"""
   deviation: ||O'-O|| / ||O|| of each attention layer's output for the scored tokens, this cache
     against a 16-bit cache of the same text, mean over the {len(next(iter(measured.values())).deviation_per_layer)} layers; the gate compares it

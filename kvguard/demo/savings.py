@@ -29,6 +29,15 @@ def held(policy: Policy, n: int) -> tuple[int, int, int]:
     return kept, int(hot * hot_bpt + (kept - hot) * main), math.ceil(kept / page)
 
 
+def print_table(table: list[list[str]]) -> None:
+    """Columns padded to their widest cell, a rule under the first row."""
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for i, r in enumerate(table):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
 def full_bytes_per_token(shape: ModelShape = SMOLLM2) -> int:
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2  # K and V, 2 bytes each
 
@@ -55,11 +64,7 @@ def show_savings(policies: dict[str, Policy]) -> None:
     head = ["policy", "codec", "KV bytes/token", "tokens kept"] + [f"at {n // 1024}k tokens: pages saved"
                                                                   for n in CONTEXTS]
     table = [head] + rows(policies)
-    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
-    for i, r in enumerate(table):
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print_table(table)
     print(f"""
   KV bytes/token: a quantized page's bytes per token, scales included, against 16-bit {full:,} B;
     the sink page and the recent window (16-bit, for fidelity) cost full price, so short
