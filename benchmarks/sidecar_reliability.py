@@ -143,14 +143,29 @@ def kill9(server) -> None:
 
 # --- the checks ----------------------------------------------------------------------------------
 
+def _clients(server) -> tuple[httpx.Client, httpx.Client]:
+    """The admin API's listener (TCP) and the ingest API's (the Unix socket)."""
+    return (httpx.Client(base_url=server.url),
+            httpx.Client(transport=httpx.HTTPTransport(uds=str(server.socket)), base_url="http://s"))
+
+
 def matrix(server, report: Report, label: str) -> None:
-    schema = httpx.get(server.url + "/openapi.json").json()
+    admin = {"Authorization": "Bearer " + server.tokens["admin"]}
+    tcp, unix = _clients(server)
+    with tcp, unix:  # each listener's schema lists its own routes; the other answers them 404
+        paths = {**tcp.get("/openapi.json", headers=admin).json()["paths"],
+                 **unix.get("/openapi.json", headers=admin).json()["paths"]}
     right = wrong = 0
-    for path, ops in schema["paths"].items():
+    for path, ops in paths.items():
         if not (path.startswith("/v1/") or path.startswith("/internal/") or path == "/metrics"):
             continue
         concrete = path.replace("{request_id}", "x").replace("{command_id}", "x")
         for method in ops:
+            tcp, unix = _clients(server)
+            with tcp, unix:
+                other = tcp if path.startswith("/internal/") else unix
+                r = other.request(method, concrete, headers=admin, timeout=10)
+            right, wrong = right + (r.status_code == 404), wrong + (r.status_code != 404)
             needed = ("ingest" if path.startswith("/internal/") else "audit:read" if path == "/metrics"
                       else "erasure:write" if method == "post" else
                       "erasure:read" if path.startswith("/v1/erasure") else "audit:read")
@@ -158,11 +173,9 @@ def matrix(server, report: Report, label: str) -> None:
             for cred in ("none", "forged", *SCOPES):
                 headers = {} if cred == "none" else {
                     "Authorization": "Bearer " + ("kvg_" + "x" * 43 if cred == "forged" else server.tokens[cred])}
-                if path.startswith("/internal/"):
-                    c = httpx.Client(transport=httpx.HTTPTransport(uds=str(server.socket)), base_url="http://s")
-                else:
-                    c = httpx.Client(base_url=server.url)
-                with c:
+                tcp, unix = _clients(server)
+                c = unix if path.startswith("/internal/") else tcp
+                with tcp, unix:
                     r = c.request(method, concrete, headers=headers, params=params, timeout=10)
                 allowed = cred == needed or cred == "admin" and needed != "ingest"
                 expect = 401 if cred in ("none", "forged") else None if allowed else 403

@@ -25,6 +25,10 @@ def _redact(_, __, event_dict: dict) -> dict:
     return event_dict
 
 
+def _stderr_logger(*_args) -> structlog.PrintLogger:
+    return structlog.PrintLogger(sys.stderr)
+
+
 def configure(fmt: str = "auto", level: str = "info") -> None:
     if fmt == "auto":
         fmt = "console" if sys.stderr.isatty() else "json"
@@ -39,7 +43,9 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # stderr as it is when a line is written, not when this ran: a replaced stream (a test's
+        # capture, a daemon's redirect) never leaves the logger writing to a closed file
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
 
