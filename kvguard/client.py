@@ -49,7 +49,10 @@ class SidecarClient:
                  on_full: Literal["block", "refuse"] = "block", batch: int = 1024, interval_s: float = 0.05,
                  block_timeout_s: float = 60.0):
         if (socket is None) == (url is None):
-            raise ValueError("give exactly one of socket (Unix socket path) or url (loopback http://...)")
+            # the sidecar serves the ingest API on its Unix socket only; a url must reach that API
+            # (e.g. a proxy to the socket), never the admin API's TCP port, which answers it 404
+            raise ValueError("give exactly one of socket (the sidecar's Unix socket) or url (an http:// address "
+                             "that serves the sidecar's ingest API)")
         self.cache = cache
         self.client_id = client_id or f"proc-{uuid.uuid4().hex[:12]}"
         # Drawn at every start: with it the sidecar tells this process's events and commands from
