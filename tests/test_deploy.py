@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvguard.sidecar.settings import OTHER_VARIABLES, Settings
+from kvguard.sidecar.settings import OTHER_VARIABLES, Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy/helm/kvguard"
@@ -118,6 +119,19 @@ def test_the_service_monitor_scrapes_the_metrics_service():
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
     assert endpoint["path"] == "/metrics" and re.fullmatch(r"\d+[smh]", endpoint["interval"])
     assert "ServiceMonitor" not in {d["kind"] for d in render(None)}  # off by default: it needs the CRD
+
+
+@pytest.mark.parametrize("values, error", [
+    ({"kvguard": {"metricPort": 9471}}, "additional properties 'metricPort' not allowed"),
+    ({"kvguard": {"metricsPort": "9471"}}, "got string, want integer"),
+    ({"secrets": {"database": "Kvguard_DB"}}, "does not match pattern"),
+    ({"kvguard": {"readinessProbe": {"timeoutSeconds": 0}}}, "minimum"),
+    ({"kvguard": {"metricsPort": 8470}}, "must differ"),
+])
+def test_values_that_helm_must_refuse(values, error):
+    """values.schema.json: a misspelt key or a wrong type fails the install instead of being ignored."""
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError, match=error):
+        chart.render(values, name=RELEASE)
 
 
 def test_a_service_monitor_without_its_service_is_refused():
@@ -276,6 +290,23 @@ def test_environment_variables_are_real_settings(deployment):
     for path in [*CHART.rglob("*.yaml"), *CHART.rglob("*.tpl"), ROOT / "deploy/Dockerfile"]:
         for var in set(re.findall(r"KVGUARD_[A-Z_]+", path.read_text())):
             assert var in fields | OTHER_VARIABLES, f"{path.name}: {var} is no setting"
+
+
+def test_the_sidecar_environment_is_one_kvguard_accepts(monkeypatch):
+    """The image's ENV and the chart's env, as the kubelet would fill them in, load as settings."""
+    env = dict(re.findall(r"(KVGUARD_[A-Z_]+)=(\S+)", _final_stage()))
+    for name, value in env_of(sidecar_of(pod_of(render("values-production.yaml")))).items():
+        if isinstance(value, dict):  # the pod's name, or the runtime role's URL from its Secret
+            value = "llm-inference-7d9f-x2" if "fieldRef" in value else "postgresql+psycopg://kvguard_app@db/kvguard"
+        env[name] = value
+    for name in [n for n in os.environ if n.startswith("KVGUARD_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    s = load_settings()
+    assert (s.host, s.port, s.metrics_host, s.metrics_port) == ("127.0.0.1", 8470, "0.0.0.0", METRICS_PORT)
+    assert s.origin == "llm-inference-7d9f-x2" and s.retention_max_age_s == 2592000
+    assert s.environment == "production" and s.socket_path == Path("/run/kvguard/ingest.sock")
 
 
 # --- the image ------------------------------------------------------------------------------------------
