@@ -280,6 +280,24 @@ def test_every_container_is_locked_down_and_bounded(deployment):
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_the_data_directory_is_one_kvguard_makes_itself(deployment):
+    """The kubelet makes an emptyDir's mount point root's (group: the fsGroup), and kvguard refuses
+    a data directory another user owns: the data directory is a folder inside the volume, which
+    kvguard makes, 0700, as its own user."""
+    for pod in all_pods(DEPLOYMENTS[deployment]()):
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for c in (*pod.get("initContainers", []), *pod["containers"]):
+            data = env_of(c).get("KVGUARD_DATA_DIR")
+            if data is None:
+                continue
+            mounts = [m for m in c["volumeMounts"] if data.startswith(m["mountPath"].rstrip("/") + "/")]
+            assert len(mounts) == 1 and data != mounts[0]["mountPath"], c["name"]
+            assert "emptyDir" in volumes[mounts[0]["name"]] and not mounts[0].get("readOnly"), c["name"]
+    assert all(env_of(c).get("KVGUARD_DATA_DIR") for p in all_pods(DEPLOYMENTS[deployment]())
+               for c in (*p.get("initContainers", []), *p["containers"]) if c["name"] in ("kvguard", "db-upgrade"))
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
 def test_environment_variables_are_real_settings(deployment):
     fields = {f"KVGUARD_{name.upper()}" for name in Settings.model_fields}
     for pod in all_pods(DEPLOYMENTS[deployment]()):
