@@ -266,6 +266,9 @@ def test_without_pgpass_no_password_file_is_copied_or_named():
 def test_every_container_is_locked_down_and_bounded(deployment):
     for pod in all_pods(DEPLOYMENTS[deployment]()):
         assert pod["automountServiceAccountToken"] is False
+        # a Service named kvguard in the namespace would otherwise inject KVGUARD_PORT=tcp://... and
+        # KVGUARD_SERVICE_HOST, which kvguard's strict settings refuse
+        assert pod["enableServiceLinks"] is False
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         for c in (*pod.get("initContainers", []), *pod["containers"]):
