@@ -3,6 +3,7 @@ for Prometheus and the kubelet; nothing else is served there, and no metric carr
 
 from __future__ import annotations
 
+import os
 import re
 
 import httpx
@@ -17,7 +18,7 @@ from kvguard.sidecar.app import metrics_app
 from kvguard.sidecar.metrics import CODECS, TIERS
 from kvguard.sidecar.settings import load_settings
 from kvguard.types import Subject
-from tests.sidecar.conftest import free_port, start_server
+from tests.sidecar.conftest import free_port, kvguard, start_server
 
 # Every label a metric may have, and what its values may be: fixed sets, never an id.
 LABELS = {
@@ -34,8 +35,11 @@ LABELS = {
 @pytest.fixture
 def metered(tmp_path, db_url):
     port = free_port()
-    s = start_server(tmp_path, db_url, extra_env={"KVGUARD_METRICS_PORT": str(port),
-                                                  "KVGUARD_METRICS_HOST": "127.0.0.1"})
+    env = {"KVGUARD_DATA_DIR": str(tmp_path / "data"), "KVGUARD_DATABASE_URL": db_url}
+    tokens = {scope: kvguard(["token", "create", "--scope", scope, "--name", scope], {**os.environ, **env})
+              for scope in ("admin", "ingest")}  # only these two: each is a process start
+    s = start_server(tmp_path, db_url, tokens=tokens, extra_env={"KVGUARD_METRICS_PORT": str(port),
+                                                                 "KVGUARD_METRICS_HOST": "127.0.0.1"})
     s.metrics_url = f"http://127.0.0.1:{port}"
     yield s
     s.stop()
