@@ -122,6 +122,12 @@ def test_the_service_monitor_scrapes_the_metrics_service():
     assert "ServiceMonitor" not in {d["kind"] for d in render(None)}  # off by default: it needs the CRD
 
 
+def test_the_production_example_pulls_both_images_with_its_credentials():
+    for pod in all_pods(render("values-production.yaml")):
+        assert pod["imagePullSecrets"] == [{"name": "registry-credentials"}]
+    assert all("imagePullSecrets" not in pod for pod in all_pods(render(None)))
+
+
 @pytest.mark.parametrize("values, error", [
     ({"kvguard": {"metricPort": 9471}}, "additional properties 'metricPort' not allowed"),
     ({"kvguard": {"metricsPort": "9471"}}, "got string, want integer"),
