@@ -8,7 +8,7 @@ PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test test-fast lint venv services bench-audit fidelity clean
+.PHONY: demo test test-fast lint venv services bench-audit fidelity manifests clean
 
 venv: $(STAMP)
 
@@ -44,6 +44,10 @@ bench-audit: venv services
 
 fidelity: venv
 	$(PY) -m kvguard eval --out docs/fidelity
+
+# deploy/k8s/*.yaml: the Helm chart rendered by Helm (embedded in helm-python-sdk)
+manifests: venv
+	$(PY) deploy/k8s/render.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,9 +1,11 @@
 """The FastAPI applications: routes, problem+json errors, request ids, background loops.
 
-Two applications share one sidecar: the admin API (health, erasure, audit, metrics),
-served on TCP, and the ingest API of the inference processes, served on the Unix
-socket only. Neither serves the other's routes. The OpenAPI schema is served at
-/openapi.json to a token with the admin scope; there are no /docs or /redoc pages.
+Three applications share one sidecar: the admin API (health, erasure, audit, metrics),
+served on TCP, the ingest API of the inference processes, served on the Unix socket
+only, and, when `metrics_port` is set, the metrics listener (health, readiness and
+metrics without a token, nothing else). None serves another's routes. The OpenAPI
+schema is served at /openapi.json to a token with the admin scope; there are no /docs
+or /redoc pages.
 """
 
 from __future__ import annotations
@@ -52,6 +54,18 @@ def create_app(sidecar: Sidecar) -> FastAPI:
     app.state.ingest_app = _app(sidecar, "kvguard sidecar ingest", "The inference processes' API, on the "
                                 "sidecar's Unix socket: event batches in, erase commands out. " + AUTH)
     app.state.ingest_app.include_router(ingest.router)
+    app.state.metrics_app = metrics_app(sidecar)
+    return app
+
+
+def metrics_app(sidecar: Sidecar) -> FastAPI:
+    """The metrics listener: GET routes only (anything else is 404 or 405, no body read), no
+    schema, no request log (the probes would fill it)."""
+    app = FastAPI(title="kvguard sidecar metrics", version=__version__, openapi_url=None, docs_url=None,
+                  redoc_url=None)
+    app.state.sidecar = sidecar
+    problems.install(app)
+    app.include_router(health.open_router)
     return app
 
 

@@ -1,7 +1,13 @@
-"""Prometheus metrics of the sidecar, on a registry of its own."""
+"""Prometheus metrics of the sidecar, on a registry of its own.
+
+Every label takes its values from a fixed set (an op, a state, a tier, a codec, a reason, an
+HTTP status): no subject, pseudonym, process or token ever becomes a label, so the metrics can
+be served without a token (the metrics listener, server.py).
+"""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -16,6 +22,8 @@ from .registry import Registry
 class Metrics:
     def __init__(self, db: Callable[[], Session], registry: Registry, origin: str) -> None:
         self._db, self._clients, self._origin = db, registry, origin
+        self._lock = threading.Lock()  # renders set shared gauges: one at a time
+        self._scraped: tuple[float, bytes] = (float("-inf"), b"")
         r = self.registry = CollectorRegistry()
         self.records = Counter("kvguard_audit_records_written", "Audit records signed and stored", ["op"],
                                registry=r)
@@ -40,7 +48,23 @@ class Metrics:
         self.processes = Gauge("kvguard_inference_processes_live", "Inference processes seen recently",
                                registry=r)
 
+    def scrape(self, max_age_s: float = 1.0) -> bytes:
+        """The metrics for an unauthenticated scraper: rendered at most once per `max_age_s`,
+        so that requests to an open port cannot turn into a stream of database queries."""
+        with self._lock:
+            at, body = self._scraped
+            if time.monotonic() - at < max_age_s:
+                return body
+        body = self.render()
+        with self._lock:
+            self._scraped = (time.monotonic(), body)
+        return body
+
     def render(self) -> bytes:
+        with self._lock:
+            return self._render()
+
+    def _render(self) -> bytes:
         origin = self._origin
         with self._db() as db:
             counts = dict(db.execute(select(ErasureRequest.state, func.count()).where(

@@ -1,4 +1,5 @@
-"""Runs the sidecar: the admin API on TCP, the ingest API on a Unix socket, one process.
+"""Runs the sidecar: the admin API on TCP, the ingest API on a Unix socket, the metrics
+listener on TCP when `metrics_port` is set, one process.
 
 One server per data directory: an exclusive lock on a file in it is taken before
 anything else, so a second `kvguard serve` on the same directory exits with an
@@ -89,9 +90,14 @@ def _protocol(settings: Settings) -> type[H11Protocol]:
     return type("TimedProtocol", (_TimedProtocol,), {"read_timeout_s": settings.request_read_timeout_s})
 
 
-def _config(settings: Settings, app, **where) -> uvicorn.Config:
+# Prometheus and the kubelet need a few connections; whoever else reaches the pod's IP gets 503 past this
+METRICS_MAX_CONNECTIONS = 32
+
+
+def _config(settings: Settings, app, *, max_connections: int | None = None, **where) -> uvicorn.Config:
     return uvicorn.Config(app, log_config=None, access_log=False, server_header=False, http=_protocol(settings),
-                          timeout_keep_alive=settings.keep_alive_s, limit_concurrency=settings.max_connections,
+                          timeout_keep_alive=settings.keep_alive_s,
+                          limit_concurrency=max_connections or settings.max_connections,
                           h11_max_incomplete_event_size=MAX_HEADER_BYTES, **where)
 
 
@@ -139,10 +145,15 @@ async def _serve(settings: Settings) -> None:
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()
         servers.append(_Server(_config(settings, app.state.ingest_app, uds=str(sock), lifespan="off")))
+    if settings.metrics_port is not None:
+        servers.append(_Server(_config(settings, app.state.metrics_app, host=settings.metrics_host,
+                                       port=settings.metrics_port, lifespan="off",
+                                       max_connections=min(METRICS_MAX_CONNECTIONS, settings.max_connections))))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: [setattr(s, "should_exit", True) for s in servers])
-    log.info("serving", admin=f"http://{settings.host}:{settings.port}", ingest_socket=str(sock))
+    metrics = f"http://{settings.metrics_host}:{settings.metrics_port}" if settings.metrics_port else None
+    log.info("serving", admin=f"http://{settings.host}:{settings.port}", ingest_socket=str(sock), metrics=metrics)
     try:
         tasks = [asyncio.create_task(s.serve()) for s in servers]
         if sock:

@@ -38,6 +38,11 @@ class Settings(BaseSettings):
     # a TLS-terminating proxy is in front: the admin API may then listen beyond loopback
     behind_tls_proxy: bool = False
     port: int = Field(default=8470, ge=0, le=65535)
+    # The metrics listener: /metrics, /healthz and /readyz without a token, for Prometheus and the
+    # kubelet's httpGet probes, which reach the pod's IP and not its loopback. It serves aggregate
+    # figures only (no subject, no token, no detail of a failing check). None: not served.
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
     ingest_socket: Path | None = None  # Unix socket for inference clients; default data_dir/ingest.sock
     checkpoint_every: int = Field(default=256, ge=1)
     checkpoint_ms: int = Field(default=1000, ge=10)
@@ -86,6 +91,13 @@ class Settings(BaseSettings):
         elif self.retention_max_age_s != limit:
             raise ValueError(f"retention_max_age_s is {self.retention_max_age_s:g} s but the policy "
                              f"{self.policy_file} says {limit} s (retention.max_age): set one of them")
+        return self
+
+    @model_validator(mode="after")
+    def _ports(self) -> Settings:
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError(f"metrics_port and port are both {self.port}: the metrics listener needs a port "
+                             "of its own")
         return self
 
     @field_validator("origin")
