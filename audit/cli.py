@@ -255,7 +255,8 @@ def _report(args, ok: bool, summary: Any = None, error: VerificationError | None
     if s.previous_tree_size is not None:
         print(f"  {'previous':<11}extends the bundle at tree size {s.previous_tree_size}")
     if s.cosignatures is not None:
-        print(f"  {'witnesses':<11}{s.cosignatures} valid cosignature(s) on the checkpoint")
+        print(f"  {'witnesses':<11}{s.cosignatures} valid cosignature(s) on the checkpoint, made within the "
+              f"maximum age before the export at {s.exported_at}: check that is when the bundle was made")
 
 
 def _verify_receipt(args: argparse.Namespace) -> int:

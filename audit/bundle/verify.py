@@ -36,7 +36,7 @@ from ..canonical import loads
 from ..checkpoint import open_checkpoint
 from ..cosignature import Witness, require_cosignatures
 from ..errors import VerificationError
-from ..fields import ZERO_HASH, parse_time
+from ..fields import ZERO_HASH, format_time, parse_time
 from ..keys import PublicKey
 from ..merkle import decompose, verify_consistency
 from ..ops import KEY_ROTATION
@@ -84,6 +84,7 @@ class BundleSummary:
     signer: str
     previous_tree_size: int | None = None
     cosignatures: int | None = None  # valid, fresh ones on the covering checkpoint, when required
+    exported_at: str | None = None  # what their freshness was judged against: check it is when you asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +147,9 @@ def verify_bundle(path: str | os.PathLike[str], public_keys: Iterable[PublicKey]
     if min_witnesses:
         step(10)
         cosigned = _witnessed(cover, manifest, witnesses, min_witnesses, max_age_s)  # (10)
+    exported = None if manifest.exported_ms is None else format_time(manifest.exported_ms)
     return BundleSummary(origin, first, end - 1, end - first, size, cover.checkpoint.root.hex(),
-                         len(listed), len(plan.keys), receipts, signer.key_id, prev_size, cosigned)
+                         len(listed), len(plan.keys), receipts, signer.key_id, prev_size, cosigned, exported)
 
 
 def _witnessed(cover: Listed, manifest: _Manifest, witnesses: list[Witness], count: int,

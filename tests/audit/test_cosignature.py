@@ -94,7 +94,7 @@ def test_bad_cosignature_wrong_key_too_few_and_stale_are_refused(signed):
 def test_witness_keys_parse_strictly():
     _, w = _witness("witness.example/w1")
     assert Witness.from_vkey(w.vkey()) == w
-    name, kid, blob = w.vkey().split("+")
+    name, kid, blob = w.vkey().split("+", 2)
     wrong_type = base64.b64encode(b"\x01" * 33).decode()
     for bad in (f"{name}+00000000+{blob}", f"{name}+{kid}", f"{name}+{kid}+{wrong_type}"):
         with pytest.raises(KeyFileError):
