@@ -34,7 +34,7 @@ from typing import Any
 
 from ..canonical import loads
 from ..checkpoint import open_checkpoint
-from ..cosignature import Witness, require_cosignatures
+from ..cosignature import Witness, cosignatures, require_cosignatures
 from ..errors import VerificationError
 from ..fields import ZERO_HASH, format_time, parse_time
 from ..keys import PublicKey
@@ -163,6 +163,9 @@ def _witnessed(cover: Listed, manifest: _Manifest, witnesses: list[Witness], cou
                                      not_before_s=None if max_age_s is None else exported_s - max_age_s,
                                      not_after_s=exported_s + CLOCK_SKEW_S)
     except VerificationError as exc:
+        if exc.check == "witness" and not cosignatures(cover.note, witnesses):
+            exc = VerificationError(exc.check, exc.message + "; a bundle exported with --witnessed is covered by "
+                                    "the latest checkpoint the witnesses cosigned", origin=exc.origin)
         raise exc.with_member(CHECKPOINTS) from None
     return len(found)
 

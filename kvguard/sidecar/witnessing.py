@@ -36,7 +36,7 @@ class _Target:
     url: str  # the witness's submission prefix
     witness: Witness
     size: int | None = None  # the largest size it cosigned, as far as we know (None: not read yet)
-    cosigned_s: int = 0  # the time of that cosignature
+    cosigned_at: float = 0.0  # when we got that cosignature, by our clock (the witness's may differ)
     status: str = "not contacted yet"
     failures: int = 0
     next_try: float = 0.0
@@ -90,12 +90,12 @@ class Witnessing:
     def _sync(self, t: _Target, head) -> None:
         if t.size is None:
             state = witnessed_state(self.store, self.origin, t.witness.name, t.witness.key_id)
-            t.size, t.cosigned_s = state or (0, 0)
+            t.size, t.cosigned_at = state or (0, 0)
         if t.size > head.size:
             return self._fail(t, "rollback", f"the witness cosigned size {t.size}, beyond this log's latest "
                               f"checkpoint ({head.size}): the log was rolled back", retry=False)
         pending = checkpoints_after(self.store, self.origin, t.size, MAX_BATCH)
-        if not pending and t.size == head.size and self._clock() - t.cosigned_s >= self.refresh_s:
+        if not pending and t.size == head.size and self._clock() - t.cosigned_at >= self.refresh_s:
             pending = [head]  # re-cosigned with a new time: the cosignature stays fresh
         for cp in pending:
             if not self._submit(t, cp):
@@ -125,7 +125,7 @@ class Witnessing:
             return self._fail(t, "bad_cosignature", f"answered checkpoint {cp.size} without a valid cosignature "
                               "by its key")
         add_cosignature(self.store, self.origin, cp.size, found[0])
-        t.size, t.cosigned_s, t.failures, t.status = cp.size, found[0].timestamp, 0, "ok"
+        t.size, t.cosigned_at, t.failures, t.status = cp.size, self._clock(), 0, "ok"
         if self.metrics is not None:
             self.metrics.witness_cosigned.labels(t.witness.name).set(cp.size)
         return True
@@ -145,7 +145,7 @@ class Witnessing:
         known = checkpoints_after(self.store, self.origin, size - 1, 1) if size else []
         if size and (not known or known[0].size != size):
             return self._fail(t, "http_409", f"cosigned size {size}, which is no checkpoint of this log")
-        t.size, t.cosigned_s = size, 0  # cosigned_s 0: the next pass re-submits that checkpoint
+        t.size, t.cosigned_at = size, 0.0  # at the head, the next pass re-submits that checkpoint
         log.info("witness resumed", witness=t.witness.name, size=size)
         return False
 
