@@ -188,3 +188,29 @@ def test_bad_cosignature_wrong_witness_key_and_too_few_fail(sqlite_url, origin, 
     with pytest.raises(VerificationError, match="does not verify") as e:
         verify_bundle(path, [log_key.public_key], witnesses=[w1])
     assert e.value.check == "cosignature"
+
+
+def test_a_receipt_read_back_carries_the_cosignatures_stored_since(sqlite_url, origin, log_key, witnesses, tmp_path):
+    from types import SimpleNamespace
+
+    from kvguard.audit.receipt import make_receipt
+
+    from kvguard.sidecar.api.erasure import _cosigned
+
+    store = AuditStore(sqlite_url)
+    with open_log(store, origin, log_key) as log:
+        fill(log, 3)
+        record = log.append("erase", {"user": "ab" * 16}, {"scope": "user", "pages": 1})
+        receipt = make_receipt(log, record.seq)  # made at once: its checkpoint is not cosigned yet
+        sidecar = SimpleNamespace(store=store)
+        assert _cosigned(sidecar, receipt) == receipt
+        submitter(log, witnesses).run_once()
+    path = tmp_path / "receipt.json"
+    path.write_text(json.dumps(_cosigned(sidecar, receipt)))
+    (tmp_path / "log.pub").write_text(log_key.public_key.to_pem())
+    args = ["verify-receipt", str(path), "--public-key", str(tmp_path / "log.pub"),
+            *sum((["--witness-key", k] for k in vkeys(witnesses)), [])]
+    assert audit_cli(args) == 0
+    path.write_text(json.dumps(receipt))
+    assert audit_cli(args) == 1  # without them: not witnessed
+    store.dispose()
