@@ -84,7 +84,7 @@ class BundleSummary:
     signer: str
     previous_tree_size: int | None = None
     cosignatures: int | None = None  # valid, fresh ones on the covering checkpoint, when required
-    exported_at: str | None = None  # what their freshness was judged against: check it is when you asked
+    exported_at: str | None = None  # with cosignatures: what their freshness was judged against
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +147,7 @@ def verify_bundle(path: str | os.PathLike[str], public_keys: Iterable[PublicKey]
     if min_witnesses:
         step(10)
         cosigned = _witnessed(cover, manifest, witnesses, min_witnesses, max_age_s)  # (10)
-    exported = None if manifest.exported_ms is None else format_time(manifest.exported_ms)
+    exported = format_time(manifest.exported_ms) if cosigned is not None else None
     return BundleSummary(origin, first, end - 1, end - first, size, cover.checkpoint.root.hex(),
                          len(listed), len(plan.keys), receipts, signer.key_id, prev_size, cosigned, exported)
 
