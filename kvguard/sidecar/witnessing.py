@@ -115,6 +115,9 @@ class Witnessing:
         if r.status_code == 422:
             return self._fail(t, "inconsistent", f"refuses checkpoint {cp.size}: not consistent with the "
                               f"checkpoint {old} it cosigned (a fork or a rollback of this log)")
+        if r.status_code in (403, 404):
+            return self._fail(t, f"http_{r.status_code}", f"answered {r.status_code}: it is not configured with "
+                              f"this log (--log {self.origin}=<this sidecar's public key>)")
         if r.status_code != 200:
             return self._fail(t, f"http_{r.status_code}", f"answered {r.status_code} to checkpoint {cp.size}")
         try:
