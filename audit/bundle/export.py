@@ -78,7 +78,7 @@ def export_bundle(store: AuditStore, origin: str, out_path: str, key: SigningKey
     tree.extend(leaf for _, leaf in store.iter_leaves(origin, 0, size))
     if tree.root() != cp.root:
         raise BundleError(f"stored leaf hashes of {origin} do not match checkpoint {size}; verify the store")
-    cosigned = cosignature_lines(store, origin, max_size=size)
+    cosigned = cosignature_lines(store, origin, min_size=first, max_size=size)  # those of listed checkpoints
     checkpoints = [_cosigned(c, cosigned) for c in store.checkpoints(origin, min_size=first, max_size=size)]
     keys = [k for k in store.keys(origin) if k.valid_from_seq <= size]  # incl. the key that signs `size`
 
