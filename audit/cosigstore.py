@@ -60,7 +60,10 @@ def checkpoints_after(store: AuditStore, origin: str, size: int, limit: int) -> 
 
 
 def latest_cosigned_size(store: AuditStore, origin: str, min_size: int = 0) -> int | None:
-    """The largest checkpoint size with a stored cosignature (None if none is >= min_size)."""
+    """The largest stored checkpoint with a stored cosignature (None if none is >= min_size)."""
+    from .models import CheckpointRow as K
+
     with store.read() as conn:
-        return conn.execute(select(func.max(C.tree_size)).where(C.origin == origin,
-                                                                C.tree_size >= min_size)).scalar()
+        return conn.execute(select(func.max(C.tree_size)).join(
+            K, (K.origin == C.origin) & (K.tree_size == C.tree_size)).where(
+            C.origin == origin, C.tree_size >= min_size)).scalar()
