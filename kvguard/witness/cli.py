@@ -64,9 +64,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     finally:
         os.umask(old)
     log.info("witness ready", vkey=config.witness.vkey(), logs=sorted(config.logs), host=args.host, port=args.port)
+    # the sidecar's h11 protocol: a request must arrive whole within the read timeout, so clients
+    # sending a byte at a time cannot hold the witness's connections
+    from kvguard.sidecar.server import MAX_HEADER_BYTES, _TimedProtocol
+
+    protocol = type("TimedProtocol", (_TimedProtocol,), {"read_timeout_s": args.read_timeout_s})
     uvicorn.run(create_app(config, store), host=args.host, port=args.port, log_config=None, access_log=False,
-                timeout_keep_alive=5, limit_concurrency=args.max_connections,
-                h11_max_incomplete_event_size=16 * 1024)
+                server_header=False, http=protocol, timeout_keep_alive=5, limit_concurrency=args.max_connections,
+                h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     store.dispose()
     return 0
 
@@ -104,5 +109,7 @@ def register(sub) -> None:
     s.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     s.add_argument("--max-body-bytes", type=int, default=16 * 1024, help="largest request body (default 16384)")
     s.add_argument("--max-connections", type=int, default=64, help="concurrent connections (default 64)")
+    s.add_argument("--read-timeout-s", type=float, default=10.0,
+                   help="a request's headers and body must arrive within this (default 10)")
     s.add_argument("--log-format", choices=("json", "console", "auto"), default="auto")
     s.set_defaults(func=_cmd_serve)
