@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
 from kvguard.audit.checkpoint import Checkpoint, open_checkpoint, split_note
@@ -108,6 +109,9 @@ def create_app(config: WitnessConfig, store: WitnessStore) -> FastAPI:
         except _Conflict as c:
             # exactly the spec's media type: PlainTextResponse would add "; charset=utf-8"
             return Response(f"{c.size}\n".encode(), status_code=409, headers={"Content-Type": SIZE_MEDIA})
+        except SQLAlchemyError as exc:  # nothing was cosigned: the client retries later
+            log.error("witness storage unreachable", error=type(exc).__name__)
+            return _problem(503, TITLES[503], "the witness's storage is unreachable; nothing was cosigned")
 
     return app
 

@@ -84,3 +84,14 @@ def test_the_state_moves_only_from_what_was_checked(wstore, origin, log_key):
     assert wstore.advance(origin, first, 3, log.tree.root(3), log.note(), 1)
     assert not wstore.advance(origin, first, 3, log.tree.root(3), log.note(), 2)  # a racing request
     assert (wstore.latest(origin).size, wstore.latest(origin).root) == (3, log.tree.root(3))
+
+
+def test_storage_down_is_a_503_not_a_500(wstore, client, origin, log_key, monkeypatch):
+    from sqlalchemy.exc import OperationalError
+
+    def down(*_):
+        raise OperationalError("SELECT", {}, ConnectionError("connection refused"))
+
+    monkeypatch.setattr(wstore, "latest", down)
+    r = add(client, MemoryLog(origin, log_key).grow(2).body(0))
+    assert r.status_code == 503 and r.headers["content-type"] == "application/problem+json"
