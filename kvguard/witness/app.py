@@ -41,13 +41,21 @@ _OLD = re.compile(r"old (0|[1-9][0-9]{0,19})")
 class WitnessConfig:
     name: str
     key: SigningKey
-    logs: dict[str, list[PublicKey]]  # origin -> the log keys it trusts for it
+    logs: dict[str, list[PublicKey]]  # origin (or "<prefix>*") -> the log keys it trusts for it
     max_body_bytes: int = MAX_BODY_BYTES
     clock: Callable[[], float] = field(default=time.time)  # POSIX seconds, for the cosignatures
 
     @property
     def witness(self) -> Witness:
         return Witness(self.name, self.key.public_key)
+
+    def keys_for(self, origin: str) -> list[PublicKey] | None:
+        """The log keys configured for `origin`: by its exact name, else by the longest
+        pattern `<prefix>*` it starts with (a fleet whose pods name their logs as they start)."""
+        if origin in self.logs:
+            return self.logs[origin]
+        prefixes = [p for p in self.logs if p.endswith("*") and origin.startswith(p[:-1])]
+        return self.logs[max(prefixes, key=len)] if prefixes else None
 
 
 class _Refused(Exception):
@@ -143,7 +151,7 @@ def _add(config: WitnessConfig, store: WitnessStore, body: str) -> Response:
         cp = Checkpoint.parse_text(text)
     except VerificationError as exc:
         raise _Refused(400, f"not a signed checkpoint: {exc.message}") from None
-    keys = config.logs.get(cp.origin)
+    keys = config.keys_for(cp.origin)
     if keys is None:
         raise _Refused(404, f"this witness is not configured for log {cp.origin!r}")
     try:  # the spec's authentication: a signature by a configured key of the origin

@@ -101,7 +101,8 @@ def register(sub) -> None:
     s.add_argument("--key", required=True, help="the witness's private key file (kvguard witness keygen)")
     s.add_argument("--log", action="append", default=[], metavar="ORIGIN=KEY",
                    help="a log to witness: its origin and a public key file (PEM, base64 or hex) or the key "
-                        "itself; repeat per log, and per key of a log whose key rotated")
+                        "itself; repeat per log, and per key of a log whose key rotated. ORIGIN may end in '*': "
+                        "every origin starting with the rest, signed by that key (pods naming their own logs)")
     s.add_argument("--database-url", default=os.environ.get("KVGUARD_WITNESS_DATABASE_URL"),
                    help="where the witness keeps its state: a SQLAlchemy URL (default: witness.db beside the "
                         "key; $KVGUARD_WITNESS_DATABASE_URL)")

@@ -95,3 +95,12 @@ def test_storage_down_is_a_503_not_a_500(wstore, client, origin, log_key, monkey
     monkeypatch.setattr(wstore, "latest", down)
     r = add(client, MemoryLog(origin, log_key).grow(2).body(0))
     assert r.status_code == 503 and r.headers["content-type"] == "application/problem+json"
+
+
+def test_an_origin_pattern_admits_a_fleets_logs(wstore, witness_key, log_key, origin):
+    config = WitnessConfig(NAME, witness_key, {f"{origin}/*": [log_key.public_key],
+                                               f"{origin}/special-*": [SigningKey.generate().public_key]})
+    with TestClient(create_app(config, wstore)) as client:
+        assert add(client, MemoryLog(f"{origin}/pod-7", log_key).grow(2).body(0)).status_code == 200
+        assert add(client, MemoryLog(f"{origin}/special-1", log_key).grow(2).body(0)).status_code == 403
+        assert add(client, MemoryLog(f"{origin}-other/pod-7", log_key).grow(2).body(0)).status_code == 404
