@@ -28,6 +28,11 @@ from kvguard.audit.cosigstore import add_cosignature, checkpoints_after, witness
 from .logs import log
 
 MAX_BATCH = 64
+MAX_ANSWER = 16 * 1024  # a witness's answer: a few signature lines
+
+
+class _TooLarge(Exception):
+    pass
 SIZE_MEDIA = "text/x.tlog.size"
 
 
@@ -106,12 +111,13 @@ class Witnessing:
         proof = [] if old in (0, cp.size) else self.log.consistency_proof(old, cp.size)
         body = f"old {old}\n" + "".join(base64.b64encode(h).decode() + "\n" for h in proof) + "\n" + cp.note
         try:
-            r = self._clients[t.url].post(f"{t.url}/add-checkpoint", content=body.encode(),
-                                          headers={"Content-Type": "text/plain; charset=utf-8"})
+            r, text = self._post(t, body)
         except httpx.HTTPError as exc:
             return self._fail(t, "unreachable", f"unreachable: {type(exc).__name__}")
+        except _TooLarge:
+            return self._fail(t, "bad_cosignature", f"answered more than {MAX_ANSWER} bytes")
         if r.status_code == 409 and r.headers.get("content-type", "").startswith(SIZE_MEDIA):
-            return self._conflict(t, r.text, cp)
+            return self._conflict(t, text, cp)
         if r.status_code == 422:
             return self._fail(t, "inconsistent", f"refuses checkpoint {cp.size}: not consistent with the "
                               f"checkpoint {old} it cosigned (a fork or a rollback of this log)")
@@ -121,7 +127,7 @@ class Witnessing:
         if r.status_code != 200:
             return self._fail(t, f"http_{r.status_code}", f"answered {r.status_code} to checkpoint {cp.size}")
         try:
-            found = cosignatures(cp.note + r.text, [t.witness])
+            found = cosignatures(cp.note + text, [t.witness])
         except Exception:  # noqa: BLE001 - a malformed or forged answer: not a cosignature
             found = []
         if not found:
@@ -132,6 +138,17 @@ class Witnessing:
         if self.metrics is not None:
             self.metrics.witness_cosigned.labels(t.witness.name).set(cp.size)
         return True
+
+    def _post(self, t: _Target, body: str) -> tuple[httpx.Response, str]:
+        """POST add-checkpoint; the answer is read up to MAX_ANSWER bytes, never more."""
+        with self._clients[t.url].stream("POST", f"{t.url}/add-checkpoint", content=body.encode(),
+                                         headers={"Content-Type": "text/plain; charset=utf-8"}) as r:
+            data = bytearray()
+            for chunk in r.iter_bytes():
+                data += chunk
+                if len(data) > MAX_ANSWER:
+                    raise _TooLarge
+        return r, data.decode("utf-8", "replace")
 
     def _conflict(self, t: _Target, text: str, cp) -> bool:
         """409: the witness's latest size is not the one we sent (our cosignature table lags it, or

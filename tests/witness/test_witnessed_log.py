@@ -215,3 +215,23 @@ def test_a_receipt_read_back_carries_the_cosignatures_stored_since(sqlite_url, o
     path.write_text(json.dumps(receipt))
     assert audit_cli(args) == 1  # without them: not witnessed
     store.dispose()
+
+
+def test_a_witness_answering_too_much_or_no_cosignature_is_a_failure_not_a_crash(sqlite_url, origin, log_key):
+    from fastapi import FastAPI
+    from fastapi.responses import PlainTextResponse
+
+    answers = iter(["x" * 100_000, "— nobody AAAA\n"])
+    app = FastAPI()
+    app.post("/add-checkpoint")(lambda: PlainTextResponse(next(answers)))
+    witness = Witness("witness.test/odd", SigningKey.generate().public_key)
+    store = AuditStore(sqlite_url)
+    with open_log(store, origin, log_key) as log, TestClient(app) as client:
+        fill(log, 2)
+        log.checkpoint()
+        w = Witnessing(log, [("http://odd.test", witness)], retry_max_s=0.0, client_for=lambda _: client)
+        w.run_once()
+        assert "answered more than" in w.status()[witness.name]
+        w.run_once()
+        assert "without a valid cosignature" in w.status()[witness.name]
+    store.dispose()
