@@ -6,7 +6,8 @@ Data path: record (audit.record) -> sign (audit.keys) -> store and tree
 
 Imports neither torch nor kvguard. The offline verifier needs only
 `cryptography` and `rfc8785`: SQLAlchemy and Alembic are imported only by
-audit.engine, audit.models, audit.store, audit.log and audit.bundle.export, so
+audit.engine, audit.models, audit.store, audit.cosigstore, audit.log and
+audit.bundle.export, so
 keep this module and the verification path free of such imports.
 """
 

@@ -1,7 +1,9 @@
 """kvguard-audit: export a sealed audit bundle, or verify one offline.
 
     kvguard-audit export --database-url URL --origin LOG --key KEY -o FILE [range]
-    kvguard-audit verify BUNDLE --public-key KEY [--previous OLD_BUNDLE] [--json] [--[no-]progress]
+    kvguard-audit verify BUNDLE --public-key KEY [--previous OLD_BUNDLE] [--witness-key VKEY [--witnesses N]]
+                         [--json] [--[no-]progress]
+    kvguard-audit verify-receipt RECEIPT --public-key KEY [--witness-key VKEY [--witnesses N]]
 
 Exit status: 0 exported / verified; 1 not verified (or export refused), naming the
 first failure; 2 usage error or unreadable file. `main(argv)` returns the status
@@ -32,7 +34,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, description="Export and verify kvguard's sealed audit bundles.",
         epilog="exit status: 0 ok, 1 not verified / export refused, 2 usage error or unreadable file")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{export,verify}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{export,verify,verify-receipt}")
 
     e = sub.add_parser("export", help="write a signed bundle of a log range (needs kvguard[store])",
                        description="Write one bundle file: records, checkpoints, proofs, keys, erasure "
@@ -48,6 +50,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     e.add_argument("--to-seq", type=int, help="last record, inclusive (default: last checkpointed)")
     e.add_argument("--since", help="records at or after this time (RFC 3339, e.g. 2025-01-31T00:00:00Z)")
     e.add_argument("--until", help="records before this time (RFC 3339)")
+    e.add_argument("--witnessed", action="store_true",
+                   help="cover the range with the log's latest checkpoint that witnesses cosigned, whose fresh "
+                   "cosignatures 'verify --witness-key' requires")
     e.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     v = sub.add_parser("verify", help="verify a bundle offline with the log's first public key",
@@ -61,13 +66,48 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                    help="trusted public key file (PEM, base64 or hex of the raw key): the key the log "
                    "started with, not a later one; repeatable")
     v.add_argument("--previous", metavar="OLD_BUNDLE", help="an earlier bundle this one must extend")
+    _witness_arguments(v)
+    v.add_argument("--witness-max-age", type=int, default=600, metavar="SECONDS",
+                   help="a cosignature counts only if made at most this long before the bundle's export "
+                   "(default 600; 0: any age, which no longer catches a log rolled back to an older checkpoint)")
     v.add_argument("--json", action="store_true", help="print the result as JSON")
     shown = v.add_mutually_exclusive_group()
     shown.add_argument("--progress", action="store_true", default=None,
                        help="show each step's progress on stderr (default: when stderr is a terminal and "
                        "not --json)")
     shown.add_argument("--no-progress", action="store_false", dest="progress", help="no progress on stderr")
+
+    r = sub.add_parser("verify-receipt", help="verify an erasure receipt offline",
+                       description="Verify an erasure receipt (JSON): the erase record's signature, its inclusion "
+                       "in the receipt's checkpoint, the checkpoint's signature and, with --witness-key, the "
+                       "witnesses' cosignatures on that checkpoint.")
+    r.add_argument("receipt", help="receipt file (JSON)")
+    r.add_argument("--public-key", required=True, dest="public_key", metavar="KEY",
+                   help="the log's public key that signed the erase record (PEM, base64 or hex)")
+    _witness_arguments(r)
+    r.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
+
+
+def _witness_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--witness-key", action="append", default=[], dest="witness_keys", metavar="VKEY",
+                   help="a trusted witness's public key <name>+<key id>+<key> (kvguard witness keygen prints "
+                   "it) or a file holding it; repeatable. The checkpoint must then carry their cosignatures")
+    p.add_argument("--witnesses", type=int, metavar="N",
+                   help="how many of the --witness-key witnesses must have cosigned (default: all)")
+
+
+def _witnesses(args: argparse.Namespace) -> tuple[list, int]:
+    from .cosignature import Witness
+
+    witnesses = [Witness.load(k) for k in args.witness_keys]
+    count = len(witnesses) if args.witnesses is None else args.witnesses
+    if args.witnesses is not None and not 1 <= args.witnesses <= len(witnesses):
+        raise _UsageError(f"--witnesses {args.witnesses}: give a number from 1 to the {len(witnesses)} "
+                          "--witness-key given")
+    if len({w.key for w in witnesses}) != len(witnesses):
+        raise _UsageError("the same witness key is given twice: it would count as two witnesses")
+    return witnesses, count
 
 
 def main(argv: list[str] | None = None, prog: str = "kvguard-audit") -> int:
@@ -78,7 +118,9 @@ def main(argv: list[str] | None = None, prog: str = "kvguard-audit") -> int:
     except SystemExit as exc:  # argparse exits on --help (0) and on usage errors (2)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
-        return _export(args, prog) if args.command == "export" else _verify(args)
+        if args.command == "export":
+            return _export(args, prog)
+        return _verify(args) if args.command == "verify" else _verify_receipt(args)
     except (_UsageError, KeyFileError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -100,7 +142,7 @@ def _export(args: argparse.Namespace, prog: str) -> int:
     try:
         summary = export_bundle(store, args.origin, args.output, key, from_seq=args.from_seq,
                                 to_seq=args.to_seq, since_ms=since, until_ms=until,
-                                progress=not args.no_progress)
+                                progress=not args.no_progress, witnessed=args.witnessed)
     except AuditError as exc:
         print(f"{prog}: export refused: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -119,15 +161,18 @@ def _verify(args: argparse.Namespace) -> int:
     from .bundle.verify import verify_bundle
 
     keys = [PublicKey.load(path) for path in args.public_keys]
+    witnesses, count = _witnesses(args)
     for path in [args.bundle] + ([args.previous] if args.previous else []):
         try:
             open(path, "rb").close()
         except OSError as exc:
             raise _UsageError(f"cannot read {path}: {exc.strerror}") from None
     show = args.progress if args.progress is not None else sys.stderr.isatty() and not args.json
-    progress = _Progress(sys.stderr, steps=9 if args.previous else 8) if show else None
+    progress = _Progress(sys.stderr, steps=10 if witnesses else 9 if args.previous else 8) if show else None
     try:
-        summary = verify_bundle(args.bundle, keys, previous=args.previous, progress=progress)
+        summary = verify_bundle(args.bundle, keys, previous=args.previous, progress=progress,
+                                witnesses=witnesses, min_witnesses=count,
+                                max_age_s=args.witness_max_age or None)
     except VerificationError as exc:
         _report(args, False, error=exc)
         return EXIT_FAILED
@@ -209,6 +254,42 @@ def _report(args, ok: bool, summary: Any = None, error: VerificationError | None
     print(f"  {'receipts':<11}{s.receipts} erasure receipt(s)")
     if s.previous_tree_size is not None:
         print(f"  {'previous':<11}extends the bundle at tree size {s.previous_tree_size}")
+    if s.cosignatures is not None:
+        print(f"  {'witnesses':<11}{s.cosignatures} valid cosignature(s) on the checkpoint, made within the "
+              f"maximum age before the export at {s.exported_at}: check that is when the bundle was made")
+
+
+def _verify_receipt(args: argparse.Namespace) -> int:
+    from .canonical import loads
+    from .cosignature import require_cosignatures
+    from .receipt import verify_receipt
+
+    key = PublicKey.load(args.public_key)
+    witnesses, count = _witnesses(args)
+    try:
+        with open(args.receipt, "rb") as fh:
+            receipt = loads(fh.read(1 << 20))
+    except OSError as exc:
+        raise _UsageError(f"cannot read {args.receipt}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise _UsageError(f"{args.receipt} is not JSON: {exc}") from None
+    args.bundle = args.receipt  # _report names the file it checked
+    try:
+        record = verify_receipt(receipt, key)
+        cosigned = len(require_cosignatures(receipt["checkpoint"], witnesses, count)) if count else None
+    except VerificationError as exc:
+        _report(args, False, error=exc)
+        return EXIT_FAILED
+    if args.json:
+        print(json.dumps({"verified": True, "receipt": args.receipt, "origin": record.origin, "seq": record.seq,
+                          "tree_size": receipt["tree_size"], "cosignatures": cosigned}, indent=2))
+    else:
+        print(f"VERIFIED  {args.receipt}")
+        print(f"  {'record':<11}{record.origin}#{record.seq} ({record.op})")
+        print(f"  {'checkpoint':<11}tree size {receipt['tree_size']}")
+        if cosigned is not None:
+            print(f"  {'witnesses':<11}{cosigned} valid cosignature(s) on the checkpoint")
+    return EXIT_OK
 
 
 def _time(text: str | None, flag: str) -> int | None:

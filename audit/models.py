@@ -85,3 +85,17 @@ class SubjectKey(Base):
     kind: Mapped[str] = mapped_column(String(16))
     secret: Mapped[bytes] = mapped_column(LargeBinary(32))
     created_ms: Mapped[int] = mapped_column(BigInteger)
+
+
+class CosignatureRow(Base):
+    """A witness's cosignature (C2SP tlog-cosignature line) on a checkpoint; the newest per
+    witness and checkpoint. Not append-only: the witness's key, not the database, makes one
+    trustworthy, so a deleted or edited row can only make verification fail."""
+
+    __tablename__ = "cosignatures"
+    origin: Mapped[str] = mapped_column(ForeignKey("logs.origin"), primary_key=True)
+    tree_size: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    witness: Mapped[str] = mapped_column(String(255), primary_key=True)  # its name
+    key_id: Mapped[str] = mapped_column(String(8), primary_key=True)  # hex of the 4-byte key id
+    time_s: Mapped[int] = mapped_column(BigInteger)
+    line: Mapped[str] = mapped_column(Text)

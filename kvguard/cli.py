@@ -4,6 +4,7 @@
     kvguard token create     create an admin API token (printed once)
     kvguard keygen           create an Ed25519 signing key (mode 0600)
     kvguard audit ...        export and verify sealed audit bundles (offline)
+    kvguard witness ...      a C2SP tlog-witness cosigning the sidecars' checkpoints
     kvguard eval ...         measure fidelity of codecs, evictors and policies on a real model
     kvguard demo             what each scenario policy saves and costs on a real model, then the sidecar
 
@@ -29,12 +30,15 @@ _OPTIONAL = (
         "token": "manage admin API tokens",
         "keygen": "create an Ed25519 signing key file (mode 0600)",
     }),
+    ("kvguard.witness.cli:register", "serve", {
+        "witness": "run a C2SP tlog-witness that cosigns kvguard checkpoints",
+    }),
     ("kvguard.eval.cli:register", "models", {
         "eval": "measure fidelity of codecs, evictors and policies on a real model",
     }),
 )
 # The extra each command needs when it runs (its --help needs none).
-EXTRAS = {"serve": "serve", "token": "serve", "keygen": "serve", "eval": "models", "demo": "models"}
+EXTRAS = {"serve": "serve", "token": "serve", "keygen": "serve", "witness": "serve", "eval": "models", "demo": "models"}
 
 
 def _install_hint(extra: str) -> str:

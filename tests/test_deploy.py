@@ -365,3 +365,16 @@ def test_image_data_volume_belongs_to_the_service_user():
     for folder in json.loads(re.search(r"^VOLUME (\[.*\])", final, re.M).group(1)):
         made = re.search(rf"^RUN .*install -d -o {user} .*-m 0?700 {re.escape(folder)}\b", final, re.M)
         assert made and made.start() < final.index("\nVOLUME "), f"{folder} is not made {user}'s before VOLUME"
+
+
+def test_the_witness_manifest_runs_a_command_that_exists():
+    from kvguard.cli import build_parser
+
+    docs = list(yaml.safe_load_all((ROOT / "deploy/k8s/witness.yaml").read_text()))
+    [container] = docs[0]["spec"]["template"]["spec"]["containers"]
+    args = build_parser().parse_args(container["args"])
+    assert (args.command, args.witness_command, args.port) == ("witness", "serve", 8471)
+    origin, _, key = args.log[0].partition("=")
+    assert origin.endswith("*") and key.startswith("/etc/witness/logs/")
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert {"/etc/witness/key", "/etc/witness/logs", "/var/lib/witness"} <= mounts

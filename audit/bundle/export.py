@@ -13,10 +13,11 @@ import sys
 import tempfile
 import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..canonical import canonical
+from ..cosignature import with_cosignatures
 from ..errors import BundleError
 from ..fields import format_time
 from ..keys import SigningKey
@@ -59,19 +60,26 @@ class ExportSummary:
 def export_bundle(store: AuditStore, origin: str, out_path: str, key: SigningKey, *,
                   from_seq: int | None = None, to_seq: int | None = None,
                   since_ms: int | None = None, until_ms: int | None = None,
-                  progress: bool = True) -> ExportSummary:
+                  progress: bool = True, witnessed: bool = False) -> ExportSummary:
     """Write the bundle of records [from_seq, to_seq] (or since <= time < until; default
     everything a checkpoint covers) to `out_path`, its manifest signed by `key`, the log's key
-    at the bundle's tree size."""
+    at the bundle's tree size. Checkpoints carry their stored witness cosignatures; with
+    `witnessed`, the bundle is covered by the log's latest cosigned checkpoint, whose fresh
+    cosignatures `verify --witness-key` requires."""
+    from ..cosigstore import cosignature_lines
+
     started = time.perf_counter()
     first, last, cp = _resolve_range(store, origin, from_seq, to_seq, since_ms, until_ms)
+    if witnessed:
+        cp = _latest_cosigned(store, origin, last)
     cp = _cover_signed_by(store, origin, last, cp, key)
     end, size = last + 1, cp.size
     tree = HashTree(8, lambda a, b: store.leaf_hashes(origin, a, b))
     tree.extend(leaf for _, leaf in store.iter_leaves(origin, 0, size))
     if tree.root() != cp.root:
         raise BundleError(f"stored leaf hashes of {origin} do not match checkpoint {size}; verify the store")
-    checkpoints = store.checkpoints(origin, min_size=first, max_size=size)
+    cosigned = cosignature_lines(store, origin, min_size=first, max_size=size)  # those of listed checkpoints
+    checkpoints = [_cosigned(c, cosigned) for c in store.checkpoints(origin, min_size=first, max_size=size)]
     keys = [k for k in store.keys(origin) if k.valid_from_seq <= size]  # incl. the key that signs `size`
 
     directory = os.path.dirname(os.path.abspath(out_path))
@@ -92,7 +100,7 @@ def export_bundle(store: AuditStore, origin: str, out_path: str, key: SigningKey
                     for c in checkpoints if c.size < size],
             }) + b"\n", digests)
             _write(zf, KEYS, canonical(_keys_member(store, origin, keys, tree, size)) + b"\n", digests)
-            receipts = [_receipt(store, r, tree) for r in erases]
+            receipts = [_receipt(store, r, tree, cosigned) for r in erases]
             _write(zf, RECEIPTS, b"".join(canonical(r) + b"\n" for r in receipts), digests)
             statement = {
                 "_type": STATEMENT_TYPE,
@@ -226,8 +234,28 @@ def _keys_member(store: AuditStore, origin: str, keys, tree: HashTree, size: int
     return {"origin": origin, "tree_size": size, "keys": entries}
 
 
-def _receipt(store: AuditStore, record: Record, tree: HashTree) -> dict[str, Any]:
+def _receipt(store: AuditStore, record: Record, tree: HashTree, cosigned: dict[int, list[str]]
+             ) -> dict[str, Any]:
     key, cp = receipt_parts(store, record, max_size=tree.size)
     if cp is None:  # cannot happen: the covering checkpoint, or the one before a rotation, qualifies
         raise BundleError(f"no checkpoint signed by the key of record {record.ref}")
+    cp = _cosigned(cp, cosigned)
     return build_receipt(record, cp.note, cp.size, tree.inclusion_proof(record.seq, cp.size), key)
+
+
+def _cosigned(cp: CheckpointEntry, cosigned: dict[int, list[str]]) -> CheckpointEntry:
+    """The checkpoint with its witnesses' cosignature lines appended to its note (C2SP
+    tlog-cosignature: one signed note, the log's signature first)."""
+    lines = cosigned.get(cp.size)
+    return replace(cp, note=with_cosignatures(cp.note, lines)) if lines else cp
+
+
+def _latest_cosigned(store: AuditStore, origin: str, last: int) -> CheckpointEntry:
+    from ..cosigstore import latest_cosigned_size
+
+    size = latest_cosigned_size(store, origin, min_size=last + 1)
+    found = [] if size is None else store.checkpoints(origin, min_size=size, max_size=size)
+    if found:
+        return found[0]
+    raise BundleError(f"no checkpoint of {origin} covering #{last} carries a witness cosignature yet: wait "
+                      "for the witnesses (the sidecar's /readyz shows their state), or export without --witnessed")

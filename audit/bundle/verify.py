@@ -15,6 +15,9 @@ first failure, naming the member, the record (origin#seq) and the check.
   (7) consistency: every other listed checkpoint is a prefix of the covering one
   (8) receipts: one per erasure record in range, each verifies and cites a listed checkpoint
   (9) previous: an older bundle's checkpoint is consistent with this one
+  (10) witnesses: the covering checkpoint carries cosignatures by at least `min_witnesses` of the
+      trusted witnesses, each made within `max_age_s` before the manifest's exported_at (fresh:
+      a log rolled back to an older checkpoint has none) and not after it (beyond a clock skew)
 
 `progress(step, name, done, total)`, if given, is called as each step starts (done 0) and,
 during (5), every PROGRESS_EVERY records, so a caller can show how far a large bundle is.
@@ -31,8 +34,9 @@ from typing import Any
 
 from ..canonical import loads
 from ..checkpoint import open_checkpoint
+from ..cosignature import Witness, cosignatures, require_cosignatures
 from ..errors import VerificationError
-from ..fields import ZERO_HASH
+from ..fields import ZERO_HASH, format_time, parse_time
 from ..keys import PublicKey
 from ..merkle import decompose, verify_consistency
 from ..ops import KEY_ROTATION
@@ -55,7 +59,8 @@ from .layout import (
 from .members import KeyPlan, Listed, last_listed_key, parse_checkpoints, parse_proofs
 
 STEPS = ("container", "envelope", "digests", "checkpoints, proofs, keys", "records", "merkle root",
-         "consistency", "receipts", "previous bundle")
+         "consistency", "receipts", "previous bundle", "witness cosignatures")
+CLOCK_SKEW_S = 300  # how far after the export a witness's clock may date its cosignature
 PROGRESS_EVERY = 4096  # records between two progress calls in (5): cheap against their signatures
 
 Progress = Callable[[int, str, int, int], None]  # (step 1-9, its name, done, total)
@@ -78,6 +83,8 @@ class BundleSummary:
     receipts: int
     signer: str
     previous_tree_size: int | None = None
+    cosignatures: int | None = None  # valid, fresh ones on the covering checkpoint, when required
+    exported_at: str | None = None  # with cosignatures: what their freshness was judged against
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,12 +95,21 @@ class _Manifest:
     size: int
     digests: dict[str, str]
     envelope: bytes
+    exported_ms: int | None
 
 
 def verify_bundle(path: str | os.PathLike[str], public_keys: Iterable[PublicKey], *,
                   previous: str | os.PathLike[str] | None = None,
-                  progress: Progress | None = None) -> BundleSummary:
-    """`public_keys`: the trusted keys; the log's first key (keys.json's first) must be one."""
+                  progress: Progress | None = None, witnesses: Iterable[Witness] = (),
+                  min_witnesses: int | None = None, max_age_s: int | None = 600) -> BundleSummary:
+    """`public_keys`: the trusted keys; the log's first key (keys.json's first) must be one.
+    With `witnesses`, (10) requires `min_witnesses` of them (default: all) to have cosigned the
+    covering checkpoint within `max_age_s` before the export (None: at any time)."""
+    witnesses = list(witnesses)
+    if min_witnesses is None:
+        min_witnesses = len(witnesses)
+    if min_witnesses > len(witnesses):
+        raise ValueError(f"{min_witnesses} cosignatures required but {len(witnesses)} witness keys given")
     trusted = list(public_keys)
     report = progress or _quiet
 
@@ -127,8 +143,31 @@ def verify_bundle(path: str | os.PathLike[str], public_keys: Iterable[PublicKey]
     if previous is not None:
         step(9)
     prev_size = None if previous is None else _previous(previous, plan, proofs, cover)  # (9)
+    cosigned = None
+    if min_witnesses:
+        step(10)
+        cosigned = _witnessed(cover, manifest, witnesses, min_witnesses, max_age_s)  # (10)
+    exported = format_time(manifest.exported_ms) if cosigned is not None else None
     return BundleSummary(origin, first, end - 1, end - first, size, cover.checkpoint.root.hex(),
-                         len(listed), len(plan.keys), receipts, signer.key_id, prev_size)
+                         len(listed), len(plan.keys), receipts, signer.key_id, prev_size, cosigned, exported)
+
+
+def _witnessed(cover: Listed, manifest: _Manifest, witnesses: list[Witness], count: int,
+               max_age_s: int | None) -> int:
+    if manifest.exported_ms is None:
+        raise VerificationError("witness", "the manifest has no exported_at to judge cosignatures' age by",
+                                member=MANIFEST)
+    exported_s = manifest.exported_ms // 1000
+    try:
+        found = require_cosignatures(cover.note, witnesses, count,
+                                     not_before_s=None if max_age_s is None else exported_s - max_age_s,
+                                     not_after_s=exported_s + CLOCK_SKEW_S)
+    except VerificationError as exc:
+        if exc.check == "witness" and not cosignatures(cover.note, witnesses):
+            exc = VerificationError(exc.check, exc.message + "; a bundle exported with --witnessed is covered by "
+                                    "the latest checkpoint the witnesses cosigned", origin=exc.origin)
+        raise exc.with_member(CHECKPOINTS) from None
+    return len(found)
 
 
 def _manifest(zf, keys: list[PublicKey], who: str) -> _Manifest:
@@ -148,11 +187,12 @@ def _manifest(zf, keys: list[PublicKey], who: str) -> _Manifest:
             raise ValueError(f"range {first}..{last} of tree size {size}")
         if p["range"]["count"] != last - first + 1:
             raise ValueError("range count disagrees with from_seq..to_seq")
+        exported = parse_time(p["exported_at"]) if "exported_at" in p else None
     except (KeyError, TypeError, ValueError) as exc:
         raise fail(f"malformed statement: {exc}") from None
     if set(digests) != set(MEMBERS) - {MANIFEST} or len(statement["subject"]) != len(digests):
         raise fail(f"subjects are {sorted(digests)}, expected every member but the manifest")
-    return _Manifest(origin, first, last + 1, size, digests, envelope)
+    return _Manifest(origin, first, last + 1, size, digests, envelope, exported)
 
 
 def _anchor(plan: KeyPlan, trusted: list[PublicKey], manifest: _Manifest) -> PublicKey:

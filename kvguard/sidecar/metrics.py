@@ -45,6 +45,18 @@ class Metrics:
                              registry=r)
         self.pages = Gauge("kvguard_cache_pages", "KV pages held by connected processes", ["tier", "codec"],
                            registry=r)
+        self.witness_cosigned = Gauge("kvguard_witness_cosigned_size",
+                                      "Tree size of the latest checkpoint each witness cosigned", ["witness"],
+                                      registry=r)
+        self.witness_lag = Gauge("kvguard_witness_lag_records",
+                                 "Records signed into checkpoints that a witness has not cosigned yet", ["witness"],
+                                 registry=r)
+        self.witness_ok = Gauge("kvguard_witness_ok", "1 if the last submission to a witness was cosigned",
+                                ["witness"], registry=r)
+        self.witness_failures = Counter("kvguard_witness_failures",
+                                        "Checkpoint submissions a witness did not cosign, by reason (unreachable, "
+                                        "inconsistent, rollback, bad_cosignature, http_<status>)",
+                                        ["witness", "reason"], registry=r)
         self.processes = Gauge("kvguard_inference_processes_live", "Inference processes seen recently",
                                registry=r)
 

@@ -105,6 +105,16 @@ class Sidecar:
         self.ingest = Ingestor(self.log, self.pseudonyms, self.sessions)
         self.registry = Registry(s.inference_live_s)
         self.metrics = Metrics(self.db, self.registry, s.origin)
+        self.witnessing = None
+        if s.witnesses:
+            from kvguard.audit.cosignature import Witness
+
+            from .witnessing import Witnessing
+
+            self.witnessing = Witnessing(self.log, [(w.url, Witness.from_vkey(w.vkey)) for w in s.witnesses],
+                                         self.metrics, timeout_s=s.witness_timeout_s, refresh_s=s.witness_refresh_s,
+                                         retry_max_s=s.witness_retry_max_s)
+            self.witnessing.start()
         self._socket: tuple[Path, tuple[int, int] | None] | None = None
         log.info("sidecar ready", origin=s.origin, key_id=self.key.key_id, database=self.engine.url.get_backend_name())
 
@@ -161,6 +171,13 @@ class Sidecar:
             out["ingest_socket"] = "ok" if same else "not the socket this server bound"
         return out
 
+    def witness_status(self) -> dict[str, str]:
+        """Each witness's state, shown by /readyz without failing it: an unreachable witness
+        delays cosignatures, never signing."""
+        return {} if self.witnessing is None else self.witnessing.status()
+
     def close(self) -> None:
+        if self.witnessing is not None:
+            self.witnessing.close()
         self.log.close()
         self.engine.dispose()

@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -20,6 +20,34 @@ from pydantic_settings import (
 )
 
 from ..errors import ConfigError
+
+
+class WitnessTarget(BaseModel):
+    """A witness the sidecar submits its checkpoints to: the URL prefix of its add-checkpoint
+    endpoint and its public witness key (`kvguard witness keygen` prints it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    url: str
+    vkey: str
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")) or len(v) > 2000:
+            raise ValueError("a witness url is an http:// or https:// prefix of its add-checkpoint endpoint")
+        return v
+
+    @field_validator("vkey")
+    @classmethod
+    def _vkey(cls, v: str) -> str:
+        from kvguard.audit.cosignature import Witness
+        from kvguard.audit.errors import KeyFileError
+
+        try:
+            Witness.from_vkey(v)
+        except KeyFileError as exc:
+            raise ValueError(str(exc)) from None
+        return v.strip()
 
 
 class Settings(BaseSettings):
@@ -65,6 +93,12 @@ class Settings(BaseSettings):
     request_read_timeout_s: float = Field(default=10.0, gt=0)
     keep_alive_s: int = Field(default=5, ge=1)
     max_connections: int = Field(default=256, ge=1)
+    # Witnesses (C2SP tlog-witness) cosigning each checkpoint, e.g. as JSON in KVGUARD_WITNESSES:
+    # [{"url": "https://witness.example/w1", "vkey": "witness.example/w1+1a2b3c4d+BL..."}]
+    witnesses: list[WitnessTarget] = []
+    witness_timeout_s: float = Field(default=5.0, gt=0)
+    witness_refresh_s: float = Field(default=60.0, gt=0)  # re-cosign an idle log's latest checkpoint
+    witness_retry_max_s: float = Field(default=60.0, gt=0)  # longest back-off after a failure
     log_format: Literal["json", "console", "auto"] = "auto"
     log_level: str = "info"
 
@@ -136,7 +170,8 @@ class Settings(BaseSettings):
 
 # KVGUARD_* variables that are not settings of the daemon: the YAML file's path, and what the
 # inference container and the demo read
-OTHER_VARIABLES = frozenset({"KVGUARD_CONFIG", "KVGUARD_SOCKET", "KVGUARD_INGEST_TOKEN", "KVGUARD_DEMO_KEEP"})
+OTHER_VARIABLES = frozenset({"KVGUARD_CONFIG", "KVGUARD_SOCKET", "KVGUARD_INGEST_TOKEN", "KVGUARD_DEMO_KEEP",
+                             "KVGUARD_WITNESS_DATABASE_URL"})
 
 
 def check_variables(environ=os.environ) -> None:

@@ -28,7 +28,7 @@ ORIGIN = "kvguard.example/doc"
 @pytest.fixture(scope="module")
 def ex() -> dict[str, str]:
     blocks = re.findall(r"<!-- example: ([\w-]+) -->\n```[a-z]*\n(.*?)\n```", DOC.read_text(), re.S)
-    assert len(blocks) == 17
+    assert len(blocks) == 20  # 17, and the witness cosignature's 3 (test_cosignature.py)
     return dict(blocks)
 
 

@@ -88,4 +88,16 @@ def read(request_id: RequestId, _: ErasureRead, request: Request) -> ErasureOut:
     row = request.app.state.erasure.get(request_id) if UUID.fullmatch(request_id) else None
     if row is None:
         raise Problem(404, "Not Found", "no erasure request with this id")
-    return _out(row)
+    out = _out(row)
+    if out.receipt is not None:  # the witnesses' cosignatures arrive after the receipt is made
+        out.receipt = _cosigned(request.app.state.sidecar, out.receipt)
+    return out
+
+
+def _cosigned(sidecar, receipt: dict) -> dict:
+    from kvguard.audit.cosignature import with_cosignatures
+    from kvguard.audit.cosigstore import cosignature_lines
+
+    size = receipt["tree_size"]
+    lines = cosignature_lines(sidecar.store, receipt["origin"], size, size).get(size, [])
+    return {**receipt, "checkpoint": with_cosignatures(receipt["checkpoint"], lines)} if lines else receipt

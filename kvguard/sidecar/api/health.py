@@ -24,13 +24,15 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", summary="Database reachable, signing key loaded, migrations current",
+@router.get("/readyz", summary="Database reachable, signing key loaded, migrations current (and each witness's "
+            "state, which does not fail readiness)",
             responses=documented(503))
 def readyz(sidecar: SidecarDep, request: Request):
     checks = sidecar.readiness()
+    detail = {"witnesses": w} if (w := sidecar.witness_status()) else {}  # informs, never fails readiness
     if all(v == "ok" for v in checks.values()):
-        return JSONResponse({"status": "ready", "checks": checks})
-    return problem_response(503, "Service Unavailable", "not ready", request, checks=checks)
+        return JSONResponse({"status": "ready", "checks": checks, **detail})
+    return problem_response(503, "Service Unavailable", "not ready", request, checks=checks, **detail)
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response,
