@@ -41,7 +41,9 @@ def render(values_file: str | None) -> tuple[dict, ...]:
 
 @functools.cache
 def manifests() -> tuple[dict, ...]:
-    return tuple(d for f in sorted((ROOT / "deploy/k8s").glob("*.yaml")) if f.name != "values.yaml"
+    """The inference pods' manifests (the witness runs apart: witness.yaml, tested below)."""
+    return tuple(d for f in sorted((ROOT / "deploy/k8s").glob("*.yaml"))
+                 if f.name not in ("values.yaml", "witness.yaml")
                  for d in yaml.safe_load_all(f.read_text()) if d)
 
 
@@ -378,3 +380,6 @@ def test_the_witness_manifest_runs_a_command_that_exists():
     assert origin.endswith("*") and key.startswith("/etc/witness/logs/")
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert {"/etc/witness/key", "/etc/witness/logs", "/var/lib/witness"} <= mounts
+    for doc in docs:
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
