@@ -4,6 +4,7 @@ answer does, what the signed record says, and how a resumed request is recorded 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 import uuid
@@ -22,12 +23,20 @@ from kvguard.sidecar.settings import Settings
 GOOD = {"pages": 3, "bytes": 3072, "sequences": 1, "shared_pages": 0, "tier_copies": 1, "prefix_entries": 2}
 
 
+@pytest.fixture(scope="session")
+def kek_dirs(tmp_path_factory):
+    """One key-encryption key directory per database, as every sidecar of a database shares it."""
+    root = tmp_path_factory.mktemp("kek")
+    return lambda url: root / hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
 @pytest.fixture
-def make_sidecar(tmp_path, db_url):
+def make_sidecar(tmp_path, db_url, kek_dirs):
     made = []
 
     def make(**settings) -> Sidecar:
         s = Settings(environment="development", data_dir=tmp_path / "data", database_url=db_url,
+                     kek_dir=kek_dirs(db_url),
                      origin=f"test.kvguard/{uuid.uuid4().hex[:8]}", audit_sign_process=False,
                      erasure_ack_timeout_s=5, **settings)
         made.append(Sidecar(s))
