@@ -100,13 +100,11 @@ class Pseudonymizer:
 
     def _secret(self, kind: str, data: bytes, *, create: bool) -> bytes | None:
         idx = self.index(data)
-        if not create:
-            found = self._store.find_subject_secret(idx)
-        else:
-            def candidate() -> tuple[str | None, bytes]:
-                fresh = os.urandom(32)
-                return (None, fresh) if self.keyring is None else self.keyring.wrap(idx, fresh)
-
+        found = self._store.find_subject_secret(idx)
+        if found is None and create:
+            # wrapped before the write transaction: the KEK may have to be read, or made, first
+            fresh = os.urandom(32)
+            candidate = (None, fresh) if self.keyring is None else self.keyring.wrap(idx, fresh)
             found = self._store.subject_secret(idx, kind, candidate, int(time.time() * 1000))
         if found is None:
             return None

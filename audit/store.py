@@ -10,7 +10,7 @@ Engines and migrations are in audit.engine (re-exported here).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
@@ -241,9 +241,9 @@ class AuditStore:
 
     # -- subject secrets (audit.pseudonym) ------------------------------------------
 
-    def subject_secret(self, idx: bytes, kind: str, candidate: Callable[[], tuple[str | None, bytes]],
+    def subject_secret(self, idx: bytes, kind: str, candidate: tuple[str | None, bytes],
                        now_ms: int) -> tuple[str | None, bytes]:
-        """(kek id, stored secret) under `idx`, inserting `candidate()` = (kek id, wrapped
+        """(kek id, stored secret) under `idx`, inserting `candidate` = (kek id, wrapped
         secret) if there is none yet. The kek id is None for a secret stored in the clear."""
         query = select(SubjectKey.kek_id, SubjectKey.secret).where(SubjectKey.idx == idx)
         for _ in range(3):
@@ -251,7 +251,7 @@ class AuditStore:
                 found = conn.execute(query).first()
                 if found is not None:
                     return found[0], bytes(found[1])
-                kek_id, blob = candidate()
+                kek_id, blob = candidate
                 try:
                     with conn.begin_nested():
                         conn.execute(insert(SubjectKey).values(idx=idx, kind=kind, secret=blob, kek_id=kek_id,
