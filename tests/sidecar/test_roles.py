@@ -87,7 +87,15 @@ def test_runtime_role_serves_but_cannot_touch_the_triggers(tmp_path, owned_datab
             assert r.status_code == 202, r.text
         with server.client("admin") as c:
             assert c.post("/v1/keys/kek/rotate").status_code == 200
-            assert c.post("/v1/keys/signing/rotate").status_code == 200
+            # the operator's command, against the running sidecar
+            token_file = tmp_path / "admin.token"
+            token_file.write_text(tokens["admin"])
+            token_file.chmod(0o600)
+            capsys.readouterr()
+            assert main(["keys", "rotate", "--url", server.url, "--token-file", str(token_file)]) == 0
+            out = capsys.readouterr().out
+            keys = c.get("/v1/audit/public-keys").json()
+            assert len(keys) == 2 and f"key {keys[1]['key_id'][:16]}... signs from" in out
             for _ in range(300):
                 state = c.get(f"/v1/erasure-requests/{r.json()['id']}").json()["state"]
                 if state == "completed":
