@@ -16,6 +16,7 @@ from kvguard.sidecar.server import lock_data_dir
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.settings import load_settings
 from kvguard.sidecar.signing import finish_rotation, next_path
+from tests.sidecar.conftest import PG_ADMIN
 
 
 @pytest.fixture
@@ -84,3 +85,34 @@ def test_a_rotation_interrupted_by_a_crash_is_completed_or_undone_at_start(stopp
     assert sc.key.key_id == new.key_id == SigningKey.load(key_path).key_id and not pending.exists()
     sc.close()
     store.dispose()
+
+
+def test_the_kek_rotates_on_its_schedule_and_one_sidecar_at_a_time(stopped, monkeypatch):
+    from kvguard.audit.models import Kek
+    from sqlalchemy import update
+
+    from kvguard.sidecar.rotation import check_interval_s
+
+    monkeypatch.setenv("KVGUARD_KEK_ROTATION_S", "3600")
+    settings = load_settings(environment="development", audit_sign_process=False)
+    sc = Sidecar(settings)
+    try:
+        sc.pseudonyms.pseudonym("user", "alice", tenant="acme")
+        first = sc.store.current_kek()
+        assert sc.rotate_kek_if_due() is None  # younger than the period
+        with sc.store.write() as conn:  # an hour and a second later
+            conn.execute(update(Kek).where(Kek.id == first).values(created_ms=Kek.created_ms - 3_601_000))
+        second = sc.rotate_kek_if_due()
+        assert second not in (None, first) and not sc.keyring.path(first).exists()
+        assert sc.rotate_kek_if_due() is None
+    finally:
+        sc.close()
+    assert check_interval_s(3600) == 60 and check_interval_s(60) == 15
+    # on PostgreSQL one sidecar of the database rotates at a time: the others skip
+    a, b = AuditStore(PG_ADMIN), AuditStore(PG_ADMIN)
+    with a.kek_rotation_lock() as first_holds, b.kek_rotation_lock() as second_holds:
+        assert first_holds and not second_holds
+    with b.kek_rotation_lock() as again:
+        assert again
+    a.dispose()
+    b.dispose()
