@@ -117,6 +117,7 @@ class Sidecar:
         self.ingest = Ingestor(self.log, self.pseudonyms, self.sessions)
         self.registry = Registry(s.inference_live_s)
         self.metrics = Metrics(self.db, self.registry, s.origin)
+        self.metrics.kek_created_ms = self.store.current_kek_created_ms
         self._socket: tuple[Path, tuple[int, int] | None] | None = None
         log.info("sidecar ready", origin=s.origin, key_id=self.key.key_id, database=self.engine.url.get_backend_name())
 
@@ -145,6 +146,7 @@ class Sidecar:
                 return None
             started = time.monotonic()
             new = ring.rotate()
+        self.metrics.kek_rotations.inc()
         log.info("key-encryption key rotated", kek_id=new, seconds=round(time.monotonic() - started, 3))
         return new
     @property

@@ -102,9 +102,12 @@ def test_the_kek_rotates_on_its_schedule_and_one_sidecar_at_a_time(stopped, monk
         assert sc.rotate_kek_if_due() is None  # younger than the period
         with sc.store.write() as conn:  # an hour and a second later
             conn.execute(update(Kek).where(Kek.id == first).values(created_ms=Kek.created_ms - 3_601_000))
+        assert b"kvguard_kek_age_seconds 360" in sc.metrics.render()  # overdue: an alert can see it
         second = sc.rotate_kek_if_due()
         assert second not in (None, first) and not sc.keyring.path(first).exists()
         assert sc.rotate_kek_if_due() is None
+        metrics = sc.metrics.render().decode()
+        assert "kvguard_kek_rotations_total 1.0" in metrics and "kvguard_kek_age_seconds 0." in metrics
     finally:
         sc.close()
     assert check_interval_s(3600) == 60 and check_interval_s(60) == 15
