@@ -110,6 +110,10 @@ class Pseudonymizer:
             return None
         kek_id, blob = found
         if kek_id is None:
+            if self.keyring is not None:  # the sidecar wraps these at start: this one came later
+                raise RecordFormatError("a subject secret is stored in the clear although secrets are wrapped: "
+                                        "it was not written by kvguard; restart the sidecar to wrap it, "
+                                        "after checking who writes to subject_keys")
             return blob
         if self.keyring is None:
             raise RecordFormatError("this subject's secret is wrapped under a key-encryption key: "

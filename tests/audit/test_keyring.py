@@ -100,6 +100,8 @@ def test_secrets_stored_in_the_clear_are_wrapped_and_a_missing_kek_is_named(sqli
     alice = clear.pseudonym("user", "alice", tenant="acme")
     ring = Keyring(tmp_path / "kek", store)
     kek = ring.current()
+    with pytest.raises(Exception, match="stored in the clear although secrets are wrapped"):
+        Pseudonymizer(store, INDEX_KEY, ring).existing("user", "alice", tenant="acme")
     assert ring.rewrap(kek) == 1
     with store.read() as conn:
         assert conn.scalar(select(SubjectKey.kek_id)) == kek
