@@ -107,11 +107,11 @@ class Sidecar:
         self.key = SigningKey.load(key_path)  # refuses a file others can read
         self._index_key = index_key = load_or_create_secret(s.index_key_path)
         self._seal = AESGCM(load_or_create_secret(s.seal_key_path))
+        self.keyring = Keyring(s.kek_path, self.store)
+        self.rotate_kek_if_due(wrap_only=True)  # the first KEK; secrets stored before wrapping
         self.log = AuditLog(self.store, s.origin, self.key,
                             LogConfig(checkpoint_every=s.checkpoint_every, checkpoint_interval_ms=s.checkpoint_ms,
                                       sign_process=s.audit_sign_process))
-        self.keyring = Keyring(s.kek_path, self.store)
-        self.rotate_kek_if_due(wrap_only=True)  # the first KEK; secrets stored before wrapping
         self.pseudonyms = Pseudonymizer(self.store, index_key, self.keyring)
         self.key_lock = threading.Lock()  # one signing-key rotation at a time
         self.ingest = Ingestor(self.log, self.pseudonyms, self.sessions)
@@ -149,6 +149,7 @@ class Sidecar:
         self.metrics.kek_rotations.inc()
         log.info("key-encryption key rotated", kek_id=new, seconds=round(time.monotonic() - started, 3))
         return new
+
     @property
     def idempotency_key(self) -> bytes:
         """The key of erasure requests' body digests: the index key, which every sidecar of a
