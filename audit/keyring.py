@@ -44,6 +44,7 @@ class Keyring:
     def __init__(self, directory: str | os.PathLike[str], store) -> None:
         self.directory, self._store = Path(directory), store
         self._keys: dict[str, bytes] = {}
+        self.unreadable: list[bytes] = []  # idx of the rows the last rotation could not open
 
     def __repr__(self) -> str:
         return f"Keyring({str(self.directory)!r}, <keys hidden>)"
@@ -110,7 +111,8 @@ class Keyring:
         their files deleted. The caller makes sure one rotation runs at a time
         (`AuditStore.kek_rotation_lock`). Returns the new KEK's id."""
         new = self._create()
-        self.rewrap(new, progress)
+        self.unreadable: list[bytes] = []
+        self.rewrap(new, progress, self.unreadable)
         self._store.destroy_keks_except(new, _now_ms())
         self.rewrap(new, progress)  # a secret a writer wrapped under the old KEK while this ran
         for path in self.directory.glob("*.kek"):
@@ -120,15 +122,25 @@ class Keyring:
         self.forget_destroyed()
         return new
 
-    def rewrap(self, kek_id: str, progress: Callable[[int], None] | None = None) -> int:
-        """Re-wrap every secret not yet under `kek_id` (also those stored before wrapping)."""
-        done = 0
-        while batch := self._store.subject_rows_not_under(kek_id, limit=500):
+    def rewrap(self, kek_id: str, progress: Callable[[int], None] | None = None,
+               unreadable: list[bytes] | None = None) -> int:
+        """Re-wrap every secret not yet under `kek_id` (also those stored before wrapping).
+        A row that opens under no KEK here (a destroyed one's, restored from a backup; an
+        altered one) stays as it is, unreadable, and its idx goes to `unreadable`: it must
+        not stop the rotation that bounds every other secret's exposure."""
+        done, after = 0, b""
+        while batch := self._store.subject_rows_not_under(kek_id, after, limit=1000):
+            after = batch[-1][0]
+            rows = []
             for idx, old_id, blob in batch:
-                secret = self.unwrap(idx, old_id, blob)
-                _, wrapped = self.wrap(idx, secret, kek_id)
-                self._store.rewrap_subject_secret(idx, old_id, kek_id, wrapped)
-                done += 1
+                try:
+                    secret = self.unwrap(idx, old_id, blob)
+                except KeyFileError:
+                    if unreadable is not None:
+                        unreadable.append(idx)
+                    continue
+                rows.append((idx, old_id, kek_id, self.wrap(idx, secret, kek_id)[1]))
+            done += self._store.rewrap_subject_secrets(rows)  # one transaction a batch
             if progress is not None:
                 progress(done)
         return done

@@ -290,20 +290,26 @@ class AuditStore:
         with self.write() as conn:
             conn.execute(update(Kek).where(Kek.id != kek_id, Kek.destroyed_ms.is_(None)).values(destroyed_ms=now_ms))
 
-    def subject_rows_not_under(self, kek_id: str, limit: int) -> list[tuple[bytes, str | None, bytes]]:
-        """(idx, kek id, stored secret) of up to `limit` secrets not wrapped under `kek_id`."""
+    def subject_rows_not_under(self, kek_id: str, after: bytes, limit: int) -> list[tuple[bytes, str | None, bytes]]:
+        """(idx, kek id, stored secret) of up to `limit` secrets not wrapped under `kek_id`
+        whose idx sorts after `after` (b"" for the first), in idx order."""
         query = (select(SubjectKey.idx, SubjectKey.kek_id, SubjectKey.secret)
-                 .where((SubjectKey.kek_id != kek_id) | SubjectKey.kek_id.is_(None)).limit(limit))
+                 .where((SubjectKey.kek_id != kek_id) | SubjectKey.kek_id.is_(None), SubjectKey.idx > after)
+                 .order_by(SubjectKey.idx).limit(limit))
         with self.read() as conn:
             return [(bytes(i), k, bytes(b)) for i, k, b in conn.execute(query)]
 
-    def rewrap_subject_secret(self, idx: bytes, old_kek: str | None, new_kek: str, blob: bytes) -> bool:
-        """Replace the secret under `idx` if it is still wrapped under `old_kek` (a shred or
-        another rotation meanwhile wins)."""
-        same = SubjectKey.kek_id.is_(None) if old_kek is None else SubjectKey.kek_id == old_kek
+    def rewrap_subject_secrets(self, rows: Sequence[tuple[bytes, str | None, str, bytes]]) -> int:
+        """For each (idx, old kek, new kek, blob), replace the secret under `idx` if it is still
+        wrapped under the old KEK (a shred or another rotation meanwhile wins); one transaction.
+        Returns how many were replaced."""
+        done = 0
         with self.write() as conn:
-            return conn.execute(update(SubjectKey).where(SubjectKey.idx == idx, same)
-                                .values(kek_id=new_kek, secret=blob)).rowcount > 0
+            for idx, old_kek, new_kek, blob in rows:
+                same = SubjectKey.kek_id.is_(None) if old_kek is None else SubjectKey.kek_id == old_kek
+                done += conn.execute(update(SubjectKey).where(SubjectKey.idx == idx, same)
+                                     .values(kek_id=new_kek, secret=blob)).rowcount
+        return done
 
     @contextmanager
     def kek_rotation_lock(self) -> Iterator[bool]:

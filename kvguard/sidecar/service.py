@@ -147,6 +147,9 @@ class Sidecar:
             started = time.monotonic()
             new = ring.rotate()
         self.metrics.kek_rotations.inc()
+        if ring.unreadable:  # by index prefix (an HMAC, no subject id): restored or altered rows
+            log.warning("subject secrets that open under no key-encryption key were left unreadable",
+                        count=len(ring.unreadable), first_index=ring.unreadable[0].hex()[:16])
         log.info("key-encryption key rotated", kek_id=new, seconds=round(time.monotonic() - started, 3))
         return new
 

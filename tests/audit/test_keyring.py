@@ -78,6 +78,13 @@ def test_a_restored_secret_row_cannot_be_unwrapped_after_a_rotation(own_db, tmp_
     attacker(own_db, "UPDATE subject_keys SET kek_id = :e WHERE idx = :i", e=second, i=idx)
     with pytest.raises(KeyFileError, match="does not open"):
         pz.existing("user", "alice", tenant="acme")
+    # and the restored row cannot stop the next rotation, which names it and leaves it unreadable
+    attacker(own_db, "UPDATE subject_keys SET kek_id = :e WHERE idx = :i", e=first, i=idx)
+    third = ring.rotate()
+    assert ring.unreadable == [idx] and pz.pseudonym("user", "bob", tenant="acme") == bob
+    with pytest.raises(KeyFileError, match=f"key-encryption key {first} "):
+        pz.existing("user", "alice", tenant="acme")
+    assert store.current_kek() == third
     store.dispose()
 
 
