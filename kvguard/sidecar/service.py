@@ -193,6 +193,13 @@ class Sidecar:
         except Exception as e:  # noqa: BLE001
             out["migrations"] = str(e)[:200]
         out["signing_key"] = "ok" if self.key is not None else "missing"
+        try:  # another sidecar rotated to a KEK this one's directory lacks: it could not wrap or unwrap
+            current = self.store.current_kek()
+            if current is not None:
+                self.keyring.key(current)
+            out["kek"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            out["kek"] = str(e)[:200]
         if self._socket is not None:  # another process may have replaced or removed it
             path, identity = self._socket
             try:

@@ -106,6 +106,10 @@ def test_the_kek_rotates_on_its_schedule_and_one_sidecar_at_a_time(stopped, monk
         second = sc.rotate_kek_if_due()
         assert second not in (None, first) and not sc.keyring.path(first).exists()
         assert sc.rotate_kek_if_due() is None
+        assert sc.readiness()["kek"] == "ok"
+        sc.keyring.path(second).rename(sc.keyring.path(second).with_suffix(".moved"))  # not the shared dir
+        sc.keyring.forget_destroyed()
+        assert sc.readiness()["kek"].startswith(f"key-encryption key {second} is not in")
         metrics = sc.metrics.render().decode()
         assert "kvguard_kek_rotations_total 1.0" in metrics and "kvguard_kek_age_seconds 0." in metrics
     finally:

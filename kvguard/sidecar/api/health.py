@@ -17,7 +17,7 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", summary="Database reachable, signing key loaded, migrations current",
+@router.get("/readyz", summary="Database reachable, signing key loaded, migrations current, KEK present",
             responses=documented(503))
 def readyz(sidecar: SidecarDep, request: Request):
     checks = sidecar.readiness()
