@@ -2,7 +2,7 @@
 
 logs, keys, records and checkpoints are append-only (database triggers refuse
 UPDATE and DELETE); subject_keys is not: deleting a row is how a subject is
-crypto-shredded (audit.pseudonym).
+crypto-shredded (audit.pseudonym), and rotating the key-encryption key rewrites it.
 """
 
 from __future__ import annotations
@@ -83,8 +83,22 @@ class SubjectKey(Base):
     __tablename__ = "subject_keys"
     idx: Mapped[bytes] = mapped_column(LargeBinary(32), primary_key=True)
     kind: Mapped[str] = mapped_column(String(16))
-    secret: Mapped[bytes] = mapped_column(LargeBinary(32))
+    # AES-GCM of the secret under the key-encryption key `kek_id` (audit.keyring); NULL: a
+    # secret stored before wrapping, in the clear until the sidecar's next start wraps it
+    secret: Mapped[bytes] = mapped_column(LargeBinary)
     created_ms: Mapped[int] = mapped_column(BigInteger)
+    kek_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+
+
+class Kek(Base):
+    """A key-encryption key of subject_keys. The key itself is a file outside the database
+    (audit.keyring); the row says which is current (the newest not destroyed) and when the
+    previous one was destroyed. Mutable: rotation marks the old one destroyed."""
+
+    __tablename__ = "keks"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    created_ms: Mapped[int] = mapped_column(BigInteger)
+    destroyed_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class CosignatureRow(Base):

@@ -9,10 +9,13 @@ For a subject of kind K with raw id R (docs/audit-format.md, "Pseudonyms"):
     pseudonym = hex(HMAC-SHA256(secret, data))[:32]   what records carry (128 bits)
 
 Users and sessions are scoped by tenant, so the same user name in two tenants
-is two subjects. `shred` deletes the secret row. After that, nobody - not even
-someone holding the whole database, the index key and the signing keys - can
-recompute the pseudonym: it is an HMAC under 256 random bits that no longer
-exist anywhere, and the index is an HMAC under a different key. Asking again
+is two subjects. The secret is stored wrapped under a key-encryption key kept
+outside the database (audit.keyring), which rotates. `shred` deletes the secret
+row. After that, nobody - not even someone holding the whole database, the
+index key and the signing keys - can recompute the pseudonym: it is an HMAC
+under 256 random bits that no longer exist anywhere (copies of the row in WAL
+and backups stay wrapped under a KEK that the next rotation destroys), and the
+index is an HMAC under a different key. Asking again
 for the same subject creates a fresh secret, hence an unlinkable new pseudonym.
 """
 
@@ -69,17 +72,25 @@ def pseudonym_of(secret: bytes, data: bytes) -> str:
     return hmac.new(secret, data, hashlib.sha256).hexdigest()[:32]
 
 
+def reason_hmac_of(secret: bytes, reason: str) -> str:
+    """Domain-separated from pseudonyms, whose data starts with a subject kind."""
+    return hmac.new(secret, b"kvguard-erasure-reason\x00" + reason.encode("utf-8"), hashlib.sha256).hexdigest()
+
+
 class Pseudonymizer:
     """Turns raw subject ids into record pseudonyms, backed by a store's subject_keys table.
 
-    Nothing is cached: after `shred` in any process, no process can produce the old
-    pseudonym again. Callers compute a request's pseudonyms once and reuse them."""
+    With a `keyring` (audit.keyring), secrets are stored wrapped under its current
+    key-encryption key; without one, in the clear (tests, embedded use). Nothing is cached:
+    after `shred` in any process, no process can produce the old pseudonym again. Callers
+    compute a request's pseudonyms once and reuse them."""
 
-    def __init__(self, store, index_key: bytes) -> None:
+    def __init__(self, store, index_key: bytes, keyring=None) -> None:
         if len(index_key) != INDEX_KEY_BYTES:
             raise RecordFormatError(f"the index key must be {INDEX_KEY_BYTES} bytes")
         self._store = store
         self._index_key = index_key
+        self.keyring = keyring
 
     def __repr__(self) -> str:
         return "Pseudonymizer(<index key hidden>)"
@@ -87,19 +98,45 @@ class Pseudonymizer:
     def index(self, data: bytes) -> bytes:
         return index_of(self._index_key, data)
 
+    def _secret(self, kind: str, data: bytes, *, create: bool) -> bytes | None:
+        idx = self.index(data)
+        found = self._store.find_subject_secret(idx)
+        if found is None and create:
+            # wrapped before the write transaction: the KEK may have to be read, or made, first
+            fresh = os.urandom(32)
+            candidate = (None, fresh) if self.keyring is None else self.keyring.wrap(idx, fresh)
+            found = self._store.subject_secret(idx, kind, candidate, int(time.time() * 1000))
+        if found is None:
+            return None
+        kek_id, blob = found
+        if kek_id is None:
+            if self.keyring is not None:  # the sidecar wraps these at start: this one came later
+                raise RecordFormatError("a subject secret is stored in the clear although secrets are wrapped: "
+                                        "it was not written by kvguard; restart the sidecar to wrap it, "
+                                        "after checking who writes to subject_keys")
+            return blob
+        if self.keyring is None:
+            raise RecordFormatError("this subject's secret is wrapped under a key-encryption key: "
+                                    "give the Pseudonymizer the keyring")
+        return self.keyring.unwrap(idx, kek_id, blob)
+
     def pseudonym(self, kind: str, raw_id: str, *, tenant: str | None = None) -> str:
         """The subject's pseudonym, creating its secret on first use."""
         data = subject_data(kind, raw_id, tenant)
-        secret = self._store.subject_secret(
-            self.index(data), kind, os.urandom(32), int(time.time() * 1000)
-        )
-        return pseudonym_of(secret, data)
+        return pseudonym_of(self._secret(kind, data, create=True), data)
 
     def existing(self, kind: str, raw_id: str, *, tenant: str | None = None) -> str | None:
         """The pseudonym if the subject has a secret, without creating one (erasure lookups)."""
         data = subject_data(kind, raw_id, tenant)
-        secret = self._store.find_subject_secret(self.index(data))
+        secret = self._secret(kind, data, create=False)
         return None if secret is None else pseudonym_of(secret, data)
+
+    def reason_hmac(self, kind: str, raw_id: str, reason: str, *, tenant: str | None = None) -> str:
+        """HMAC-SHA256 of an erasure's free-text reason under the subject's secret (created on
+        first use), in hex: it can be checked only while the secret exists, and the erasure
+        shreds it, after which a guessed reason cannot be confirmed."""
+        data = subject_data(kind, raw_id, tenant)
+        return reason_hmac_of(self._secret(kind, data, create=True), reason)
 
     def subject(self, tenant: str | None = None, user: str | None = None,
                 session: str | None = None) -> dict[str, str]:

@@ -42,7 +42,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.sidecar.conftest import PG_ADMIN, ROOT, start_server  # noqa: E402
+from tests.sidecar.conftest import PG_ADMIN, ROOT, drop_pg_database, start_server  # noqa: E402
 from tests.sidecar.netproxy import TcpProxy  # noqa: E402
 
 RSS_CAP_MB = 300  # the server's peak RSS through the bad-input corpus must stay under this
@@ -458,8 +458,7 @@ def run(db: str, report: Report, small: bool) -> None:
             if server is not None:
                 server.stop()
             if name is not None:
-                with admin.connect() as conn:
-                    conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+                drop_pg_database(name)  # and the runtime role start_server made for it
                 admin.dispose()
 
 

@@ -3,6 +3,8 @@
     kvguard serve            run the sidecar (admin API, audit log, erasure)
     kvguard token create     create an admin API token (printed once)
     kvguard keygen           create an Ed25519 signing key (mode 0600)
+    kvguard db upgrade|grant migrate the audit store as its owner; grant the sidecar's role
+    kvguard keys rotate      rotate the log's signing key (running sidecar, or --offline)
     kvguard audit ...        export and verify sealed audit bundles (offline)
     kvguard witness ...      a C2SP tlog-witness cosigning the sidecars' checkpoints
     kvguard eval ...         measure fidelity of codecs, evictors and policies on a real model
@@ -29,6 +31,8 @@ _OPTIONAL = (
         "serve": "run the sidecar: admin API, audit log, erasure",
         "token": "manage admin API tokens",
         "keygen": "create an Ed25519 signing key file (mode 0600)",
+        "db": "migrate the audit store and grant the sidecar's database role",
+        "keys": "rotate the log's signing key",
     }),
     ("kvguard.witness.cli:register", "serve", {
         "witness": "run a C2SP tlog-witness that cosigns kvguard checkpoints",
@@ -38,7 +42,8 @@ _OPTIONAL = (
     }),
 )
 # The extra each command needs when it runs (its --help needs none).
-EXTRAS = {"serve": "serve", "token": "serve", "keygen": "serve", "witness": "serve", "eval": "models", "demo": "models"}
+EXTRAS = {"serve": "serve", "token": "serve", "keygen": "serve", "witness": "serve", "db": "serve", "keys": "serve",
+          "eval": "models", "demo": "models"}
 
 
 def _install_hint(extra: str) -> str:

@@ -18,6 +18,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvguard.cli import build_parser
 from kvguard.sidecar.settings import OTHER_VARIABLES, Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,11 +208,22 @@ def test_migrations_run_as_the_owning_role_and_serve_as_the_runtime_role(deploym
     job = one(docs, "Job")
     assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
     [upgrade] = job["spec"]["template"]["spec"]["containers"]
-    assert upgrade["args"] == ["db", "upgrade"] and "command" not in upgrade
+    assert upgrade["args"] == ["db", "upgrade", "--grant", DEFAULTS["migrations"]["runtimeRole"]]
+    assert "command" not in upgrade
+    args = build_parser().parse_args(upgrade["args"])  # a command that exists, with the grant it runs
+    assert (args.command, args.db_command, args.grant) == ("db", "upgrade", "kvguard_rt")
     assert env_of(upgrade)["KVGUARD_DATABASE_URL"]["secretKeyRef"] == {"name": secrets["databaseOwner"], "key": "url"}
     sidecar = sidecar_of(pod_of(docs))
     assert sidecar["args"] == ["serve"] and "command" not in sidecar
     assert env_of(sidecar)["KVGUARD_DATABASE_URL"]["secretKeyRef"] == {"name": secrets["database"], "key": "url"}
+    # every sidecar of the database mounts the one volume of key-encryption keys, which outlives the release
+    kek = one(docs, "PersistentVolumeClaim")
+    assert kek["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert kek["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    volumes = {v["name"]: v for v in pod_of(docs)["volumes"]}
+    mount = next(m for m in sidecar["volumeMounts"] if m["name"] == "kvguard-kek")
+    assert volumes["kvguard-kek"]["persistentVolumeClaim"]["claimName"] == kek["metadata"]["name"]
+    assert env_of(sidecar)["KVGUARD_KEK_DIR"] == mount["mountPath"] and not mount.get("readOnly")
     # nothing of the Deployment's pods can read the owning role's Secret
     assert secrets["databaseOwner"] not in json.dumps(one(docs, "Deployment"))
 

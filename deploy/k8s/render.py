@@ -21,8 +21,9 @@ RELEASE, NAMESPACE = "llm-inference", "default"
 FILES = {
     "kvguard-db-upgrade.yaml": ("The schema migration Job: apply it first and wait for it to complete "
                                 "(docs/operations.md).", ["migration-job.yaml"]),
-    "inference-with-kvguard.yaml": ("The inference Deployment with kvguard as its native sidecar, and the "
-                                    "Service of the sidecars' metrics.", ["deployment.yaml", "service.yaml"]),
+    "inference-with-kvguard.yaml": ("The volume of the key-encryption keys, the inference Deployment with "
+                                    "kvguard as its native sidecar, and the Service of the sidecars' metrics.",
+                                    ["kek-pvc.yaml", "deployment.yaml", "service.yaml"]),
 }
 HEADER = ("# Rendered by `python deploy/k8s/render.py` from the Helm chart deploy/helm/kvguard with\n"
           "# deploy/k8s/values.yaml (release {release}); do not edit: change the chart and render again.\n# {what}\n")

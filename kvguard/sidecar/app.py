@@ -20,12 +20,13 @@ from fastapi import FastAPI, Request
 from .. import __version__
 from .api import audit as audit_routes
 from .api import erasure as erasure_routes
-from .api import health, ingest, problems
+from .api import health, ingest, keys, problems
 from .api.deps import Admin
 from .erasure import ErasureService
 from .limits import BodyLimit
 from .logs import log
 from .retention import retention_loop
+from .rotation import kek_rotation_loop
 from .service import Sidecar
 
 AUTH = "Authenticate with 'Authorization: Bearer <token>' (kvguard token create)."
@@ -36,7 +37,8 @@ def create_app(sidecar: Sidecar) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         sidecar.registry.start(asyncio.get_running_loop())
-        tasks = [asyncio.create_task(app.state.erasure.run_forever(), name="erasure")]
+        tasks = [asyncio.create_task(app.state.erasure.run_forever(), name="erasure"),
+                 asyncio.create_task(kek_rotation_loop(sidecar), name="kek-rotation")]
         if sidecar.settings.retention_max_age_s:
             tasks.append(asyncio.create_task(retention_loop(sidecar, app.state.erasure), name="retention"))
         try:
@@ -48,7 +50,7 @@ def create_app(sidecar: Sidecar) -> FastAPI:
 
     app = _app(sidecar, "kvguard sidecar", "Admin API of kvguard: erasure requests with signed receipts, "
                "audit records, checkpoints and proofs. " + AUTH, lifespan=lifespan)
-    for r in (health.router, erasure_routes.router, audit_routes.router):
+    for r in (health.router, erasure_routes.router, audit_routes.router, keys.router):
         app.include_router(r)
     app.state.erasure = ErasureService(sidecar)
     app.state.ingest_app = _app(sidecar, "kvguard sidecar ingest", "The inference processes' API, on the "

@@ -1,4 +1,5 @@
-"""`kvguard serve`, `kvguard token create|list|revoke`, `kvguard keygen`."""
+"""`kvguard serve`, `kvguard token create|list|revoke`, `kvguard keygen`; `kvguard db` and
+`kvguard keys` are in dbcli."""
 
 from __future__ import annotations
 
@@ -50,10 +51,11 @@ def duration(text: str) -> float:
 
 
 def _token_db(args: argparse.Namespace, *, index_key: bool = False):
-    """The settings' database, migrated, as a session factory; and the index key if asked."""
+    """The settings' database, migrated (production on PostgreSQL: checked to be current,
+    `kvguard db upgrade` migrates it), as a session factory; and the index key if asked."""
     from sqlalchemy.orm import sessionmaker
 
-    from kvguard.audit.store import make_engine, migrate
+    from kvguard.audit.store import check_current, make_engine, migrate
 
     from .service import load_or_create_secret, private_files, secure_data_dir, secure_sqlite_files
 
@@ -62,7 +64,9 @@ def _token_db(args: argparse.Namespace, *, index_key: bool = False):
     with private_files():
         # the index key first: a token bound to tenants keeps their indexes under it
         key = load_or_create_secret(settings.index_key_path) if index_key else None
-        migrate(settings.db_url)
+        if settings.migrates_at_start:
+            migrate(settings.db_url)
+        check_current(settings.db_url)
     secure_sqlite_files(settings.db_url)
     return make_engine(settings.db_url), sessionmaker(), key
 
@@ -129,6 +133,7 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
+    from . import dbcli
     from .auth import SCOPES
 
     p = sub.add_parser("serve", help="run the sidecar: admin API, audit log, erasure",
@@ -181,3 +186,4 @@ def register(sub) -> None:
     k.add_argument("--force", action="store_true", help="overwrite an existing file")
     k.add_argument("--secret", action="store_true", help="a 32-byte secret (index or seal key) instead")
     k.set_defaults(func=_cmd_keygen)
+    dbcli.register(sub, _common)

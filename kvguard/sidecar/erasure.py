@@ -115,10 +115,14 @@ class ErasureService:
                           else s.pipl_deadline_hours * 3_600_000)
         tenant_p = self.sc.pseudonyms.pseudonym("tenant", req.tenant)
         subject_p = self.sc.pseudonyms.pseudonym(req.scope, req.target, tenant=req.tenant)
+        # the reason may name the person: only an HMAC under the subject's secret, which this
+        # request shreds, so no one can confirm a guessed reason afterwards
+        reason_hmac = (self.sc.pseudonyms.reason_hmac(req.scope, req.target, req.reason, tenant=req.tenant)
+                       if req.reason else None)
         row = ErasureRequest(
             id=str(uuid.uuid4()), origin=s.origin, idempotency_sha256=idem, body_hmac=body_hmac, scope=req.scope,
             legal_basis=req.legal_basis,
-            reason_sha256=hashlib.sha256(req.reason.encode()).hexdigest() if req.reason else None,
+            reason_hmac=reason_hmac,
             tenant_pseudonym=tenant_p, subject_pseudonym=subject_p,
             sealed_subject=self.sc.seal({"tenant": req.tenant, "scope": req.scope, "target": req.target}),
             state="received", received_ms=now, deadline_ms=deadline, attempts=0)
@@ -289,8 +293,8 @@ class ErasureService:
             "prefix_entries_removed": _total(acks, "prefix_entries"),
             "secrets_destroyed": progress["secrets_destroyed"],
         }
-        if row.reason_sha256:
-            details["reason_sha256"] = row.reason_sha256
+        if row.reason_hmac:
+            details["reason_hmac"] = row.reason_hmac
         record = self.sc.log.append("erase", subject, details)
         self._save_record_seq(request_id, record.seq)
         return record

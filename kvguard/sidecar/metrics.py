@@ -59,6 +59,13 @@ class Metrics:
                                         ["witness", "reason"], registry=r)
         self.processes = Gauge("kvguard_inference_processes_live", "Inference processes seen recently",
                                registry=r)
+        # a KEK older than its rotation period means rotation is stuck: shredded secrets stay
+        # readable in WAL and backups past the bound docs/audit-format.md §6 states
+        self.kek_age = Gauge("kvguard_kek_age_seconds", "Age of the key-encryption key that wraps new secrets",
+                             registry=r)
+        self.kek_rotations = Counter("kvguard_kek_rotations", "Key-encryption key rotations this sidecar did",
+                                     registry=r)
+        self.kek_created_ms: Callable[[], int | None] = lambda: None
 
     def scrape(self, max_age_s: float = 1.0) -> bytes:
         """The metrics for an unauthenticated scraper: rendered at most once per `max_age_s`,
@@ -87,6 +94,8 @@ class Metrics:
         for state in ("received", "executing", "completed", "failed"):
             self.by_state.labels(state).set(counts.get(state, 0))
         self.overdue.set(overdue or 0)
+        created = self.kek_created_ms()
+        self.kek_age.set(0 if created is None else max(0.0, time.time() - created / 1000))
         self.pages.clear()
         live = self._clients.live()
         self.processes.set(len(live))

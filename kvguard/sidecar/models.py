@@ -41,7 +41,9 @@ class ErasureRequest(Base):
     body_hmac: Mapped[str | None] = mapped_column(String(64), nullable=True)
     scope: Mapped[str] = mapped_column(String(16))  # user | session | retention
     legal_basis: Mapped[str] = mapped_column(String(32))
-    reason_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # HMAC-SHA256 of the reason under the subject's pseudonym secret (audit.pseudonym), which
+    # the erasure shreds: afterwards no one can confirm a guessed reason against it
+    reason_hmac: Mapped[str | None] = mapped_column(String(64), nullable=True)
     tenant_pseudonym: Mapped[str] = mapped_column(String(64))
     subject_pseudonym: Mapped[str] = mapped_column(String(64), index=True)
     sealed_subject: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)

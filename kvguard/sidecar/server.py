@@ -137,7 +137,12 @@ def _socket_id(path: Path) -> tuple[int, int] | None:
 
 async def _serve(settings: Settings) -> None:
     locks = lock_data_dir(settings)  # before the socket is touched, or the database opened
-    sidecar = Sidecar(settings)
+    try:
+        sidecar = Sidecar(settings)
+    except BaseException:
+        for fd in locks:  # a caller that goes on (tests, an embedding) may start again
+            os.close(fd)
+        raise
     app = create_app(sidecar)
     servers = [_Server(_config(settings, app, host=settings.host, port=settings.port))]
     sock = settings.socket_path

@@ -2,7 +2,8 @@
 
 Keys live in the data directory, mode 0600: the Ed25519 signing key, the index
 key of the pseudonyms, and the key that seals the subject ids of a pending
-erasure request. None of them is ever logged.
+erasure request; the key-encryption keys of the pseudonym secrets in their own
+directory (audit.keyring). None of them is ever logged.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import contextlib
 import json
 import os
 import stat
+import threading
+import time
 from pathlib import Path
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -18,6 +21,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from kvguard.audit.keyring import Keyring
 from kvguard.audit.keys import SigningKey
 from kvguard.audit.log import AuditLog, LogConfig
 from kvguard.audit.pseudonym import Pseudonymizer, generate_index_key, load_index_key
@@ -29,7 +33,9 @@ from .ingest import Ingestor
 from .logs import log
 from .metrics import Metrics
 from .registry import Registry
+from .roles import check_runtime_role
 from .settings import Settings, check_secure
+from .signing import finish_rotation
 
 
 def load_or_create_secret(path: Path) -> bytes:
@@ -81,27 +87,33 @@ class Sidecar:
         # pre-ping: connections left dead by a database outage are replaced, not handed out
         self.engine = make_engine(s.db_url, pool_pre_ping=True)
         with private_files():  # the database and the files SQLite makes beside it
-            if migrate_db:
+            if migrate_db and s.migrates_at_start:
                 migrate(s.db_url)
             check_current(s.db_url)
             with self.engine.connect() as conn:
                 conn.execute(text("SELECT 1"))  # SQLite opens its -wal and -shm files here
+                if s.postgres and not s.development:
+                    check_runtime_role(conn)
         secure_sqlite_files(s.db_url)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
         with self.sessions() as db:
             check_secure(s, tokens_exist=any_admin_token(db))
+        self.store = AuditStore(self.engine)
         key_path = s.signing_key_path
+        finish_rotation(key_path, self.store, s.origin)  # one a crash interrupted
         if not key_path.exists():
             SigningKey.generate().save(key_path)
             log.info("signing key created", path=str(key_path))
         self.key = SigningKey.load(key_path)  # refuses a file others can read
         self._index_key = index_key = load_or_create_secret(s.index_key_path)
         self._seal = AESGCM(load_or_create_secret(s.seal_key_path))
-        self.store = AuditStore(self.engine)
+        self.keyring = Keyring(s.kek_path, self.store)
+        self.rotate_kek_if_due(wrap_only=True)  # the first KEK; secrets stored before wrapping
         self.log = AuditLog(self.store, s.origin, self.key,
                             LogConfig(checkpoint_every=s.checkpoint_every, checkpoint_interval_ms=s.checkpoint_ms,
                                       sign_process=s.audit_sign_process))
-        self.pseudonyms = Pseudonymizer(self.store, index_key)
+        self.pseudonyms = Pseudonymizer(self.store, index_key, self.keyring)
+        self.key_lock = threading.Lock()  # one signing-key rotation at a time
         self.ingest = Ingestor(self.log, self.pseudonyms, self.sessions)
         self.registry = Registry(s.inference_live_s)
         self.metrics = Metrics(self.db, self.registry, s.origin)
@@ -115,11 +127,41 @@ class Sidecar:
                                          self.metrics, timeout_s=s.witness_timeout_s, refresh_s=s.witness_refresh_s,
                                          retry_max_s=s.witness_retry_max_s)
             self.witnessing.start()
+        self.metrics.kek_created_ms = self.store.current_kek_created_ms
         self._socket: tuple[Path, tuple[int, int] | None] | None = None
         log.info("sidecar ready", origin=s.origin, key_id=self.key.key_id, database=self.engine.url.get_backend_name())
 
     def db(self) -> Session:
         return self.sessions()
+
+    # --- key-encryption keys --------------------------------------------------------------------
+
+    def rotate_kek_if_due(self, *, force: bool = False, wrap_only: bool = False) -> str | None:
+        """Rotate the key-encryption key when it is older than kek_rotation_s (or `force`):
+        one sidecar of a database at a time, the others skip. `wrap_only`: just make sure a
+        KEK exists and every secret is wrapped under the current one. Returns the new KEK's id."""
+        ring, period = self.keyring, self.settings.kek_rotation_s
+        ring.forget_destroyed()
+        with self.store.kek_rotation_lock() as mine:
+            if wrap_only:
+                current = ring.current() if mine else self.store.current_kek()
+                if current is not None:
+                    ring.key(current)  # a KEK directory that is not the shared one fails the start
+                if mine and (wrapped := ring.rewrap(current)):
+                    log.info("subject secrets wrapped", kek_id=current, secrets=wrapped)
+                return None
+            if not mine:
+                return None
+            if not (force or ring.due(period)):
+                return None
+            started = time.monotonic()
+            new = ring.rotate()
+        self.metrics.kek_rotations.inc()
+        if ring.unreadable:  # by index prefix (an HMAC, no subject id): restored or altered rows
+            log.warning("subject secrets that open under no key-encryption key were left unreadable",
+                        count=len(ring.unreadable), first_index=ring.unreadable[0].hex()[:16])
+        log.info("key-encryption key rotated", kek_id=new, seconds=round(time.monotonic() - started, 3))
+        return new
 
     @property
     def idempotency_key(self) -> bytes:
@@ -161,6 +203,13 @@ class Sidecar:
         except Exception as e:  # noqa: BLE001
             out["migrations"] = str(e)[:200]
         out["signing_key"] = "ok" if self.key is not None else "missing"
+        try:  # another sidecar rotated to a KEK this one's directory lacks: it could not wrap or unwrap
+            current = self.store.current_kek()
+            if current is not None:
+                self.keyring.key(current)
+            out["kek"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            out["kek"] = str(e)[:200]
         if self._socket is not None:  # another process may have replaced or removed it
             path, identity = self._socket
             try:

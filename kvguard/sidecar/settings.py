@@ -61,6 +61,12 @@ class Settings(BaseSettings):
     # the pseudonyms' index key and the key sealing pending erasure requests.
     index_key_file: Path | None = None  # default: data_dir/index.key
     seal_key_file: Path | None = None  # default: data_dir/seal.key
+    # The key-encryption keys wrapping the subjects' pseudonym secrets (audit.keyring): a
+    # directory outside the database, shared by every sidecar of the database; rotated
+    # every kek_rotation_s, which bounds how long a shredded secret stays readable in WAL
+    # and backups (docs/audit-format.md §6).
+    kek_dir: Path | None = None  # default: data_dir/kek
+    kek_rotation_s: float = Field(default=86_400.0, ge=60)
     origin: str = Field(default_factory=lambda: f"kvguard.local/{socket.gethostname()}")
     host: str = "127.0.0.1"
     # a TLS-terminating proxy is in front: the admin API may then listen beyond loopback
@@ -160,6 +166,20 @@ class Settings(BaseSettings):
         return self.seal_key_file or self.data_dir / "seal.key"
 
     @property
+    def kek_path(self) -> Path:
+        return self.kek_dir or self.data_dir / "kek"
+
+    @property
+    def postgres(self) -> bool:
+        return self.db_url.startswith("postgresql")
+
+    @property
+    def migrates_at_start(self) -> bool:
+        """Production on PostgreSQL runs its migrations apart, as the tables' owner
+        (`kvguard db upgrade`); development and SQLite migrate when they start."""
+        return self.development or not self.postgres
+
+    @property
     def socket_path(self) -> Path:
         return self.ingest_socket or self.data_dir / "ingest.sock"
 
@@ -168,10 +188,11 @@ class Settings(BaseSettings):
         return self.environment == "development"
 
 
-# KVGUARD_* variables that are not settings of the daemon: the YAML file's path, and what the
-# inference container and the demo read
+# KVGUARD_* variables that are not settings of the daemon: the YAML file's path, what the
+# inference container and the demo read, the witness's database, and the admin token of
+# `kvguard keys rotate`
 OTHER_VARIABLES = frozenset({"KVGUARD_CONFIG", "KVGUARD_SOCKET", "KVGUARD_INGEST_TOKEN", "KVGUARD_DEMO_KEEP",
-                             "KVGUARD_WITNESS_DATABASE_URL"})
+                             "KVGUARD_WITNESS_DATABASE_URL", "KVGUARD_ADMIN_TOKEN"})
 
 
 def check_variables(environ=os.environ) -> None:
@@ -217,10 +238,12 @@ def check_secure(settings: Settings, *, tokens_exist: bool) -> None:
         problems.append(f"the admin API would listen on {settings.host} without TLS: bind to loopback behind a "
                         "TLS-terminating proxy and set KVGUARD_BEHIND_TLS_PROXY=1")
     shared_db = bool(settings.database_url and settings.database_url.startswith("postgresql"))
-    for path, what in ((settings.index_key_path, "index key"), (settings.seal_key_path, "seal key")):
+    for path, what, make in ((settings.index_key_path, "index key file", "kvguard keygen --secret"),
+                             (settings.seal_key_path, "seal key file", "kvguard keygen --secret"),
+                             (settings.kek_path, "key-encryption key directory", "mkdir -m 700")):
         if shared_db and not path.exists():
-            problems.append(f"the {what} file {path} does not exist: with a shared database every sidecar needs "
-                            f"the same one; create it once with 'kvguard keygen --secret {path}' and mount it")
+            problems.append(f"the {what} {path} does not exist: with a shared database every sidecar needs "
+                            f"the same one; create it once with '{make} {path}' and mount it")
     if shared_db and _password_in(settings.database_url):
         problems.append("the database password is in the URL: use a PGPASSFILE or a secret-mounted service file")
     if problems:

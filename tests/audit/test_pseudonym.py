@@ -117,7 +117,7 @@ def test_shred_refuses_to_report_success_while_a_reader_keeps_the_wal(sqlite_url
     path = Path(sqlite_url.removeprefix("sqlite:///"))
     wal = path.with_name(path.name + "-wal")
     pz.pseudonym("user", "alice", tenant="acme")
-    secret = store.find_subject_secret(pz.index(subject_data("user", "alice", tenant="acme")))
+    _, secret = store.find_subject_secret(pz.index(subject_data("user", "alice", tenant="acme")))
     reader = sqlite3.connect(path, isolation_level=None)
     try:
         reader.execute("BEGIN")

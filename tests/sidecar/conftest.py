@@ -27,15 +27,49 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def pg_database():
-    """A PostgreSQL database of its own, dropped afterwards."""
+    """A PostgreSQL database of its own, dropped afterwards (and its runtime role with it)."""
     name = f"kvguard_sidecar_{uuid.uuid4().hex[:10]}"
     admin = sa.create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
     with admin.connect() as c:
         c.execute(sa.text(f'CREATE DATABASE "{name}"'))
     yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    with admin.connect() as c:
-        c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    drop_pg_database(name)
     admin.dispose()
+
+
+def drop_pg_database(name: str) -> None:
+    """Drop a database and the runtime role `runtime_url` made for it."""
+    admin = sa.create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as c:
+            c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            c.execute(sa.text(f'DROP ROLE IF EXISTS "{name}_rt"'))
+    finally:
+        admin.dispose()
+
+
+def runtime_url(owner_url: str) -> str:
+    """Provision a PostgreSQL database as an operator does for production: migrations run as
+    the owner (the URL's role), a runtime role `<database>_rt` granted what the sidecar needs
+    (docs/operations-roles.md); returns the same URL as that role, which the sidecar runs as."""
+    from kvguard.audit.store import migrate
+
+    from kvguard.sidecar import roles
+
+    url = sa.engine.make_url(owner_url)
+    role = f"{url.database}_rt"
+    migrate(owner_url)
+    for url_, step in ((PG_ADMIN, "create"), (owner_url, "grant")):  # a superuser creates it; the owner grants
+        engine = sa.create_engine(url_, isolation_level="AUTOCOMMIT")
+        try:
+            with engine.connect() as c:
+                if step == "grant":
+                    roles.grant(c, role)
+                elif c.scalar(sa.text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": role}) is None:
+                    c.execute(sa.text(f"CREATE ROLE {role} LOGIN"))
+        finally:
+            engine.dispose()
+    return url.set(username=role).render_as_string(hide_password=False)
 
 
 @dataclass
@@ -78,8 +112,14 @@ def kvguard(args: list[str], env: dict) -> str:
 
 
 def start_server(tmp: Path, db_url: str, *, tokens: dict | None = None, extra_env: dict | None = None) -> Server:
-    data = tmp / "data"
-    env = {**os.environ, "KVGUARD_DATA_DIR": str(data), "KVGUARD_DATABASE_URL": db_url,
+    data, owner_url = tmp / "data", db_url
+    kek = {}
+    if db_url.startswith("postgresql"):  # the sidecar runs as a runtime role, never the owner
+        name = sa.engine.make_url(db_url).database
+        kek = {"KVGUARD_KEK_DIR": str(tmp.parent / f"kek-{name}")}  # shared by its sidecars
+        (tmp.parent / f"kek-{name}").mkdir(mode=0o700, exist_ok=True)
+        db_url = runtime_url(db_url)
+    env = {**os.environ, "KVGUARD_DATA_DIR": str(data), "KVGUARD_DATABASE_URL": db_url, **kek,
            "KVGUARD_ORIGIN": f"test.kvguard/{uuid.uuid4().hex[:8]}", "KVGUARD_LOG_FORMAT": "json",
            "KVGUARD_ERASURE_ACK_TIMEOUT_S": "20", "KVGUARD_INFERENCE_LIVE_S": "3", **(extra_env or {})}
     for secret in ("index.key", "seal.key"):  # as an operator provisions them for a shared database
@@ -108,7 +148,7 @@ def start_server(tmp: Path, db_url: str, *, tokens: dict | None = None, extra_en
     else:
         proc.kill()
         raise AssertionError("kvguard serve did not become ready")
-    return Server(url, data / "ingest.sock", data, db_url, tokens, proc, env)
+    return Server(url, data / "ingest.sock", data, owner_url, tokens, proc, env)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -4,12 +4,14 @@ answer does, what the signed record says, and how a resumed request is recorded 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 import uuid
 
 import pytest
-from kvguard.audit.models import RecordRow
+from kvguard.audit.models import RecordRow, SubjectKey
+from kvguard.audit.pseudonym import reason_hmac_of
 from kvguard.audit.receipt import verify_receipt
 from sqlalchemy import select
 
@@ -22,12 +24,20 @@ from kvguard.sidecar.settings import Settings
 GOOD = {"pages": 3, "bytes": 3072, "sequences": 1, "shared_pages": 0, "tier_copies": 1, "prefix_entries": 2}
 
 
+@pytest.fixture(scope="session")
+def kek_dirs(tmp_path_factory):
+    """One key-encryption key directory per database, as every sidecar of a database shares it."""
+    root = tmp_path_factory.mktemp("kek")
+    return lambda url: root / hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
 @pytest.fixture
-def make_sidecar(tmp_path, db_url):
+def make_sidecar(tmp_path, db_url, kek_dirs):
     made = []
 
     def make(**settings) -> Sidecar:
         s = Settings(environment="development", data_dir=tmp_path / "data", database_url=db_url,
+                     kek_dir=kek_dirs(db_url),
                      origin=f"test.kvguard/{uuid.uuid4().hex[:8]}", audit_sign_process=False,
                      erasure_ack_timeout_s=5, **settings)
         made.append(Sidecar(s))
@@ -133,6 +143,35 @@ def test_an_erasure_without_any_live_process_says_so(sidecar):
     details = receipt["record"]["details"]  # the signed record says it too
     assert details["processes"] == [] and details["process_erasures"] == []
     assert details["no_process_acknowledged"] is True and details["pages_overwritten"] == 0
+
+
+def test_a_guessed_reason_cannot_be_confirmed_once_the_subject_is_shredded(sidecar):
+    service = ErasureService(sidecar)
+    reason = "asked by alice.smith@example.com on the phone"
+    row, _ = service.create(NewRequest("acme", "alice", None, "gdpr-art17", reason), uuid.uuid4().hex, "tester")
+    # while alice's secret exists, her reason is an HMAC under it (which is what shredding destroys)
+    assert row.reason_hmac == sidecar.pseudonyms.reason_hmac("user", "alice", reason, tenant="acme")
+    asyncio.run(service.run_pending())
+    assert state(sidecar, row.id).state == "completed"
+    (record,) = erase_records(sidecar, row.id)
+    details = record["details"]
+    assert details["legal_basis"] == "gdpr-art17" and details["reason_hmac"] == row.reason_hmac
+    assert "reason_sha256" not in details
+    digest = hashlib.sha256(reason.encode()).hexdigest()  # the old, unkeyed form confirms a guess
+    with sidecar.store.read() as conn:
+        bodies = "".join(conn.scalars(select(RecordRow.body)))
+        requests = [str(tuple(r)) for r in conn.execute(select(ErasureRequest.__table__))]
+    assert digest not in bodies and not any(digest in r or reason in r for r in requests)
+    # the attacker holds the database, the index key and every key-encryption key, and tries
+    # the right guess under every secret left: none confirms it
+    guesses = [reason, "asked by alice.smith@example.com", "data subject request"]
+    with sidecar.store.read() as conn:
+        rows = conn.execute(select(SubjectKey.idx, SubjectKey.kek_id, SubjectKey.secret)).all()
+    secrets_left = [sidecar.keyring.unwrap(bytes(i), k, bytes(b)) for i, k, b in rows]
+    assert secrets_left  # acme's own secret (the tenant) is still there
+    assert all(reason_hmac_of(sec, g) != details["reason_hmac"] for sec in secrets_left for g in guesses)
+    # asking again for alice makes a fresh secret: an unrelated HMAC
+    assert sidecar.pseudonyms.reason_hmac("user", "alice", reason, tenant="acme") != details["reason_hmac"]
 
 
 def test_a_process_whose_token_is_bound_to_other_tenants_never_sees_the_command(sidecar):

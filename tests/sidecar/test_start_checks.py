@@ -15,7 +15,7 @@ import pytest
 
 from kvguard.errors import ConfigError
 from kvguard.sidecar.settings import check_secure, load_settings
-from tests.sidecar.conftest import ROOT, kvguard, start_server
+from tests.sidecar.conftest import ROOT, kvguard, runtime_url, start_server
 
 
 def run(args: list[str], env: dict) -> subprocess.CompletedProcess:
@@ -25,9 +25,12 @@ def run(args: list[str], env: dict) -> subprocess.CompletedProcess:
 
 def test_production_needs_a_usable_admin_token_not_just_any_token(tmp_path, db_url):
     data = tmp_path / "d"
+    if db_url.startswith("postgresql"):  # migrated by its owner, served as the runtime role
+        db_url = runtime_url(db_url)
     env = {**os.environ, "KVGUARD_DATA_DIR": str(data), "KVGUARD_DATABASE_URL": db_url, "KVGUARD_PORT": "0",
            "KVGUARD_ORIGIN": f"test.kvguard/{tmp_path.name}"}
     data.mkdir(mode=0o700)
+    (data / "kek").mkdir(mode=0o700)
     for secret in ("index.key", "seal.key"):
         kvguard(["keygen", "--secret", str(data / secret)], env)
     for scopes in (["ingest"], ["erasure:write", "erasure:read", "audit:read"]):

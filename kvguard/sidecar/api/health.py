@@ -24,8 +24,8 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", summary="Database reachable, signing key loaded, migrations current (and each witness's "
-            "state, which does not fail readiness)",
+@router.get("/readyz", summary="Database reachable, signing key loaded, migrations current, KEK present (and each "
+            "witness's state, which does not fail readiness)",
             responses=documented(503))
 def readyz(sidecar: SidecarDep, request: Request):
     checks = sidecar.readiness()
@@ -41,7 +41,7 @@ def metrics(sidecar: SidecarDep, _: AuditRead) -> Response:
     return Response(sidecar.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-@open_router.get("/readyz", summary="Database reachable, signing key loaded, migrations current",
+@open_router.get("/readyz", summary="Database reachable, signing key loaded, migrations current, KEK present",
                  responses=documented(503))
 def open_readyz(sidecar: SidecarDep, request: Request):
     checks = {name: "ok" if v == "ok" else "failing" for name, v in sidecar.readiness().items()}

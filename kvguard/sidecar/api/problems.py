@@ -39,6 +39,7 @@ WHY = {
     401: "No usable token: missing, unknown, revoked or expired",
     403: "The token lacks the scope this route needs",
     404: "No such resource",
+    409: "Another sidecar is doing the same thing now: try again when it is done",
     415: "The body is not JSON: send 'Content-Type: application/json'",
     422: "A parameter or the body is not valid",
     503: "The audit store is unreachable or the sidecar is not ready",
