@@ -31,6 +31,7 @@ GRANTS: dict[str, tuple[str, ...]] = {
     "erasure_requests": ("SELECT", "INSERT", "UPDATE"),  # state, progress, receipt
     "subject_links": ("SELECT", "INSERT", "DELETE"),  # a user's sessions, forgotten with the user
     "ingest_progress": ("SELECT", "INSERT", "UPDATE"),
+    "cosignatures": ("SELECT", "INSERT", "DELETE"),  # a witness's newest cosignature replaces its older one
 }
 APPEND_ONLY = ("logs", "keys", "records", "checkpoints")
 _ROLE = re.compile(r"[a-z_][a-z0-9_$]{0,62}")

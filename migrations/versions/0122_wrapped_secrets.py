@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0122"
-down_revision = "0110"
+down_revision = "0121"
 branch_labels = None
 depends_on = None
 
