@@ -24,7 +24,7 @@ from kvguard.audit.keys import SigningKey
 from kvguard.audit.pseudonym import generate_index_key
 
 from tests.sidecar.conftest import PG_ADMIN, free_port
-from tests.test_deploy import env_of, pod_of, render
+from tests.test_deploy import DEFAULTS, env_of, one, pod_of, render
 
 INFERENCE_UID = 20002  # the inference image's own user: it shares only the pod's fsGroup with kvguard
 
@@ -48,6 +48,7 @@ def scratch_db():
     yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
     with admin.connect() as c:
         c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        c.execute(sa.text(f'DROP ROLE IF EXISTS "{name}_rt"'))
     admin.dispose()
 
 
@@ -73,7 +74,7 @@ def test_the_chart_pod_starts_and_passes_its_probes(root, scratch_db):
         folder = root / name
         folder.mkdir()
         os.chown(folder, 0, fs_group)
-        if "emptyDir" in v:
+        if "emptyDir" in v or "persistentVolumeClaim" in v:  # a fresh volume, writable by the fsGroup
             folder.chmod(0o2777)
             continue
         folder.chmod(0o755)
@@ -91,10 +92,21 @@ def test_the_chart_pod_starts_and_passes_its_probes(root, scratch_db):
             return word
         return " ".join(one(w) for w in text.split(" "))
 
-    # (2) the operator's admin token, made once against the database before the first install
+    # (2) the migration Job, as the owning role (here the superuser), granting a runtime role made for
+    # this database; then the operator's admin token, made once before the first install
+    owner_env = {**os.environ, "KVGUARD_DATABASE_URL": scratch_db, "KVGUARD_DATA_DIR": str(root / "operator")}
+    role = sa.engine.make_url(scratch_db).database + "_rt"
+    admin = sa.create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(sa.text(f'CREATE ROLE "{role}" LOGIN'))
+    admin.dispose()
+    [upgrade] = one(render("values-production.yaml"), "Job")["spec"]["template"]["spec"]["containers"]
+    job_args = [role if a == DEFAULTS["migrations"]["runtimeRole"] else a for a in upgrade["args"]]
+    subprocess.run([sys.executable, "-m", "kvguard", *job_args], env=owner_env, check=True, capture_output=True,
+                   timeout=120)
     subprocess.run([sys.executable, "-m", "kvguard", "token", "create", "--scope", "admin", "--name", "operator"],
-                   env={**os.environ, "KVGUARD_DATABASE_URL": scratch_db, "KVGUARD_DATA_DIR": str(root / "operator")},
-                   check=True, capture_output=True, timeout=120)
+                   env=owner_env, check=True, capture_output=True, timeout=120)
+    runtime_db = sa.engine.make_url(scratch_db).set(username=role).render_as_string(hide_password=False)
 
     # (3) the init container copies the secrets, as kvguard's user
     uid = copy["securityContext"]["runAsUser"]
@@ -107,7 +119,7 @@ def test_the_chart_pod_starts_and_passes_its_probes(root, scratch_db):
     env = {"PATH": os.environ["PATH"], "KVGUARD_ENVIRONMENT": "production", "KVGUARD_LOG_FORMAT": "json"}
     for name, value in env_of(sidecar).items():
         if isinstance(value, dict):
-            value = "llm-inference-5f7c9-q2x4z" if "fieldRef" in value else scratch_db
+            value = "llm-inference-5f7c9-q2x4z" if "fieldRef" in value else runtime_db
         env[name] = ports.get(name) or local(sidecar, value)
     user = as_user(sidecar["securityContext"]["runAsUser"], sidecar["securityContext"]["runAsGroup"], fs_group)
     log = root / "serve.log"
