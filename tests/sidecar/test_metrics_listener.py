@@ -9,6 +9,7 @@ import re
 import httpx
 import pytest
 from kvguard.audit.ops import OPS
+from kvguard.audit.store import migrate
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
@@ -36,6 +37,8 @@ LABELS = {
 def metered(tmp_path, db_url):
     port = free_port()
     env = {"KVGUARD_DATA_DIR": str(tmp_path / "data"), "KVGUARD_DATABASE_URL": db_url}
+    if db_url.startswith("postgresql"):
+        migrate(db_url)  # as `kvguard db upgrade` does before the first start: the owner migrates
     tokens = {scope: kvguard(["token", "create", "--scope", scope, "--name", scope], {**os.environ, **env})
               for scope in ("admin", "ingest")}  # only these two: each is a process start
     s = start_server(tmp_path, db_url, tokens=tokens, extra_env={"KVGUARD_METRICS_PORT": str(port),
