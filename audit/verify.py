@@ -225,7 +225,7 @@ def verify_store(url_or_store, origin: str, public_keys: Iterable[PublicKey]) ->
 
 
 def _checked_rows(store, origin: str) -> Iterable[Record]:
-    from .store import _row
+    from .store import _row, stored_columns
 
     expected = 0
     for row in store.iter_rows(origin):
@@ -235,9 +235,7 @@ def _checked_rows(store, origin: str) -> Iterable[Record]:
         except RecordFormatError as exc:
             raise VerificationError("format", str(exc), origin=origin, seq=row.seq) from None
         yield record  # checks (1)-(7) run on it before the generator resumes here
-        stored = (row.origin, row.seq, row.time_ms, row.op, row.tenant_pseudonym, row.user_pseudonym,
-                  row.session_pseudonym, row.key_id, row.prev, bytes(row.leaf_hash), row.sig, row.body)
-        if row.seq != expected or stored != _row(record):
+        if row.seq != expected or stored_columns(row) != _row(record):
             raise VerificationError("columns", "query columns disagree with the signed body",
                                     origin=origin, seq=record.seq)
         expected += 1
