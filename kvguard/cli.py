@@ -3,7 +3,7 @@
     kvguard serve            run the sidecar (admin API, audit log, erasure)
     kvguard token create     create an admin API token (printed once)
     kvguard keygen           create an Ed25519 signing key (mode 0600)
-    kvguard audit ...        export and verify sealed audit bundles (offline)
+    kvguard audit ...        export and verify sealed audit bundles (offline), check a store
     kvguard eval ...         measure fidelity of codecs, evictors and policies on a real model
     kvguard demo             what each scenario policy saves and costs on a real model, then the sidecar
 
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"kvguard {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("audit", help="export and verify sealed audit bundles (see 'kvguard audit --help')")
+    sub.add_parser("audit", help="export, verify and check audit logs (see 'kvguard audit --help')")
     _add_demo(sub)
     for register_path, extra, commands in _OPTIONAL:
         _optional(register_path, extra, commands, sub)
