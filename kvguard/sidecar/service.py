@@ -18,6 +18,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from kvguard.audit.errors import TamperedLogError
 from kvguard.audit.keys import SigningKey
 from kvguard.audit.log import AuditLog, LogConfig
 from kvguard.audit.pseudonym import Pseudonymizer, generate_index_key, load_index_key
@@ -98,15 +99,23 @@ class Sidecar:
         self._index_key = index_key = load_or_create_secret(s.index_key_path)
         self._seal = AESGCM(load_or_create_secret(s.seal_key_path))
         self.store = AuditStore(self.engine)
-        self.log = AuditLog(self.store, s.origin, self.key,
-                            LogConfig(checkpoint_every=s.checkpoint_every, checkpoint_interval_ms=s.checkpoint_ms,
-                                      sign_process=s.audit_sign_process))
-        self.pseudonyms = Pseudonymizer(self.store, index_key)
-        self.ingest = Ingestor(self.log, self.pseudonyms, self.sessions)
         self.registry = Registry(s.inference_live_s)
         self.metrics = Metrics(self.db, self.registry, s.origin)
+        # the writer verifies every record it did not write, here on open and at each catch-up
+        self.log = AuditLog(self.store, s.origin, self.key,
+                            LogConfig(checkpoint_every=s.checkpoint_every, checkpoint_interval_ms=s.checkpoint_ms,
+                                      sign_process=s.audit_sign_process), on_halt=self._halted)
+        self.metrics.audit_log = self.log
+        self.pseudonyms = Pseudonymizer(self.store, index_key)
+        self.ingest = Ingestor(self.log, self.pseudonyms, self.sessions)
         self._socket: tuple[Path, tuple[int, int] | None] | None = None
         log.info("sidecar ready", origin=s.origin, key_id=self.key.key_id, database=self.engine.url.get_backend_name())
+
+    def _halted(self, exc: TamperedLogError) -> None:
+        f = exc.failure
+        log.critical("audit writer halted: a stored record it did not write fails verification; nothing "
+                     "more is signed or acknowledged until the store is repaired and the sidecar restarted",
+                     origin=f.origin, seq=f.seq, check=f.check, reason=f.message)
 
     def db(self) -> Session:
         return self.sessions()
@@ -151,6 +160,9 @@ class Sidecar:
         except Exception as e:  # noqa: BLE001
             out["migrations"] = str(e)[:200]
         out["signing_key"] = "ok" if self.key is not None else "missing"
+        halted = self.log.halted
+        out["audit_writer"] = "ok" if halted is None else (
+            f"halted: record {halted.failure.record} fails {halted.failure.check}")
         if self._socket is not None:  # another process may have replaced or removed it
             path, identity = self._socket
             try:
