@@ -75,9 +75,6 @@ def export_bundle(store: AuditStore, origin: str, out_path: str, key: SigningKey
         signed = open_checkpoint(cp.note, [key.public_key], origin)
     except VerificationError as exc:
         raise _refused(exc.check, f"checkpoint {origin}@{size}: {exc.message}", origin, size - 1) from None
-    if signed.size != size or tree.root() != signed.root:
-        raise _refused("merkle_root", f"stored leaf hashes do not hash to the root of checkpoint {origin}@{size}",
-                       origin, size - 1)
     checkpoints = store.checkpoints(origin, min_size=first, max_size=size)
     keys = [k for k in store.keys(origin) if k.valid_from_seq <= size]  # incl. the key that signs `size`
     verifier = _body_verifier(store, origin, first, keys, tree)
@@ -89,6 +86,10 @@ def export_bundle(store: AuditStore, origin: str, out_path: str, key: SigningKey
     try:
         with zipfile.ZipFile(tmp, "w", allowZip64=True) as zf:
             erases = _write_records(zf, store, origin, first, end, digests, progress, verifier)
+            # after the records, so that a body edited with its leaf hash is named by its own check
+            if signed.size != size or tree.root() != signed.root:
+                raise _refused("merkle_root", f"stored leaf hashes do not hash to the root of checkpoint "
+                               f"{origin}@{size}", origin, size - 1)
             _write(zf, CHECKPOINTS, canonical({"checkpoints": [
                 {"tree_size": c.size, "note": c.note} for c in checkpoints]}) + b"\n", digests)
             _write(zf, PROOFS, canonical({

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from kvguard.audit import ops
 from kvguard.audit.canonical import MAX_SAFE_INTEGER, canonical, loads
 from kvguard.audit.errors import AuditError
 from kvguard.audit.fields import MAX_ARRAY
@@ -257,7 +258,7 @@ class ErasureService:
             return self.sc.store.record(origin, row.record_seq)
         column = RecordRow.user_pseudonym if row.scope == "user" else RecordRow.session_pseudonym
         query = select(RecordRow.seq, RecordRow.body).where(
-            RecordRow.origin == origin, RecordRow.op == "erase", column == row.subject_pseudonym
+            RecordRow.origin == origin, RecordRow.op == ops.ERASE, column == row.subject_pseudonym
         ).order_by(RecordRow.seq)
         with self.sc.store.read() as conn:
             for seq, body in conn.execute(query):
@@ -297,7 +298,7 @@ class ErasureService:
         }
         if row.reason_sha256:
             details["reason_sha256"] = row.reason_sha256
-        record = self.sc.log.append("erase", subject, details)
+        record = self.sc.log.append(ops.ERASE, subject, details)
         self._save_record_seq(request_id, record.seq)
         return record
 
