@@ -18,6 +18,7 @@ from .errors import (
     ReceiptError,
     RecordFormatError,
     StoreError,
+    TamperedLogError,
     VerificationError,
 )
 
@@ -29,5 +30,6 @@ __all__ = [
     "ReceiptError",
     "RecordFormatError",
     "StoreError",
+    "TamperedLogError",
     "VerificationError",
 ]

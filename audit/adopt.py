@@ -17,6 +17,7 @@ checkpoint every record is verified from #0 under the keys table's first key.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass
 
 from .checkpoint import open_checkpoint
@@ -72,28 +73,33 @@ def _digest_at(store: AuditStore, origin: str, tree: HashTree, size: int) -> str
 def adopt(store: AuditStore, origin: str, tail: Tail, tree: HashTree) -> None:
     """Verify every stored record from `tail.size` on and append its leaf to `tree`,
     advancing `tail`; raises TamperedLogError at the first that fails."""
-    for row in store.iter_rows(origin, tail.size):
-        seq = row.seq
-        if seq != tail.size:
-            raise _tampered("sequence", f"record {origin}#{tail.size} is missing (found #{seq})", origin, tail.size)
-        try:
-            record = Record.from_leaf_bytes(row.body.encode("utf-8"))
-        except RecordFormatError as exc:
-            raise _tampered("format", str(exc), origin, seq) from None
-        try:
-            if record.origin != origin or record.seq != seq:
-                raise VerificationError("sequence", f"the body is record {record.origin}#{record.seq}")
-            if record.prev != tail.prev:
-                raise VerificationError("chain", "prev is not the hash of the previous record")
-            tail.keys.key_for(record).verify(record.signature, record.signing_bytes_from_leaf())
-            if stored_columns(row) != _row(record):
-                check = "leaf_hash" if bytes(row.leaf_hash) != record.leaf_hash else "columns"
-                raise VerificationError(check, "stored columns disagree with the signed body")
-            tail.keys.observe(record)
-        except VerificationError as exc:
-            raise _tampered(exc.check, exc.message, origin, seq) from None
-        tree.append(record.leaf_hash)
-        tail.size, tail.prev = seq + 1, record.digest
+    with closing(store.iter_rows(origin, tail.size)) as rows:  # a failure ends the read at once
+        for row in rows:
+            _adopt_row(origin, tail, tree, row)
+
+
+def _adopt_row(origin: str, tail: Tail, tree: HashTree, row) -> None:
+    seq = row.seq
+    if seq != tail.size:
+        raise _tampered("sequence", f"record {origin}#{tail.size} is missing (found #{seq})", origin, tail.size)
+    try:
+        record = Record.from_leaf_bytes(row.body.encode("utf-8"))
+    except RecordFormatError as exc:
+        raise _tampered("format", str(exc), origin, seq) from None
+    try:
+        if record.origin != origin or record.seq != seq:
+            raise VerificationError("sequence", f"the body is record {record.origin}#{record.seq}")
+        if record.prev != tail.prev:
+            raise VerificationError("chain", "prev is not the hash of the previous record")
+        tail.keys.key_for(record).verify(record.signature, record.signing_bytes_from_leaf())
+        if stored_columns(row) != _row(record):
+            check = "leaf_hash" if bytes(row.leaf_hash) != record.leaf_hash else "columns"
+            raise VerificationError(check, "stored columns disagree with the signed body")
+        tail.keys.observe(record)
+    except VerificationError as exc:
+        raise _tampered(exc.check, exc.message, origin, seq) from None
+    tree.append(record.leaf_hash)
+    tail.size, tail.prev = seq + 1, record.digest
 
 
 def _tampered(check: str, message: str, origin: str, seq: int) -> TamperedLogError:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import closing
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -97,17 +98,18 @@ def _check_log(store: AuditStore, origin: str, trusted: list[PublicKey],
     def records() -> Iterator[Record]:  # (1), noting what (3) and (4) need on the way
         nonlocal erases
         done = 0
-        for record in _checked_rows(store, origin):
-            if record.op == KEY_ROTATION:
-                rotations.append(record)
-            elif record.op in ERASE_OPS:
-                erases += 1
-                for tag in _tags(record):
-                    shredded.setdefault(tag, (origin, record.seq))
-            yield record
-            done += 1
-            if progress is not None and done % PROGRESS_EVERY == 0:
-                progress(PROGRESS_EVERY)
+        with closing(_checked_rows(store, origin)) as rows:
+            for record in rows:
+                if record.op == KEY_ROTATION:
+                    rotations.append(record)
+                elif record.op in ERASE_OPS:
+                    erases += 1
+                    for tag in _tags(record):
+                        shredded.setdefault(tag, (origin, record.seq))
+                yield record
+                done += 1
+                if progress is not None and done % PROGRESS_EVERY == 0:
+                    progress(PROGRESS_EVERY)
         if progress is not None and done % PROGRESS_EVERY:
             progress(done % PROGRESS_EVERY)
 
@@ -116,6 +118,7 @@ def _check_log(store: AuditStore, origin: str, trusted: list[PublicKey],
     schedule = _schedule(first_key, rotations)
     for cp in checkpoints:  # (2)
         _check_checkpoint_row(cp, schedule)
+    rows = _key_rows(store, origin)  # again: a live writer may have rotated during the pass
     _check_keys(store, origin, rows, first_key, rotations, summary.size)  # (3)
     return summary.size, len(checkpoints), len(rows), erases
 

@@ -32,7 +32,7 @@ class _UsageError(Exception):
 
 def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=prog, description="Export and verify kvguard's sealed audit bundles.",
+        prog=prog, description="Export and verify kvguard's sealed audit bundles; check an audit store in place.",
         epilog="exit status: 0 ok, 1 not verified / export refused, 2 usage error or unreadable file")
     sub = p.add_subparsers(dest="command", required=True, metavar="{export,verify,check}")
 

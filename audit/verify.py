@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Iterable
+from contextlib import closing
 from dataclasses import dataclass
 
 from .checkpoint import Checkpoint, open_checkpoint
@@ -213,6 +214,9 @@ def verify_records(records: Iterable[Record | bytes], public_keys: Iterable[Publ
         raise verifier.earliest(exc) from None
     finally:
         verifier.signatures.close()
+        close = getattr(stream, "close", None)
+        if close is not None:  # a generator over the store: end its read now, not at GC
+            close()
 
 
 def verify_store(url_or_store, origin: str, public_keys: Iterable[PublicKey]) -> Summary:
@@ -225,10 +229,15 @@ def verify_store(url_or_store, origin: str, public_keys: Iterable[PublicKey]) ->
 
 
 def _checked_rows(store, origin: str) -> Iterable[Record]:
+    with closing(store.iter_rows(origin)) as rows:  # a failure ends the read at once
+        yield from _checked(rows, origin)
+
+
+def _checked(rows, origin: str) -> Iterable[Record]:
     from .store import _row, stored_columns
 
     expected = 0
-    for row in store.iter_rows(origin):
+    for row in rows:
         data = row.body.encode("utf-8")
         try:
             record = Record.from_leaf_bytes(data)

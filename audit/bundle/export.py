@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,9 +203,10 @@ def _write_records(zf, store, origin, first, end, digests, progress, verifier: L
     bar = tqdm(total=end - first, unit="rec", unit_scale=True, desc=f"export {origin}",
                file=sys.stderr, disable=not progress, mininterval=0.5)
     try:
-        with zf.open(_info(RECORDS), "w", force_zip64=True) as out:
+        with zf.open(_info(RECORDS), "w", force_zip64=True) as out, \
+                closing(store.iter_bodies(origin, first, end)) as bodies:  # a refusal ends the read
             chunk: list[bytes] = []
-            for seq, body, _sig, leaf in store.iter_bodies(origin, first, end):
+            for seq, body, _sig, leaf in bodies:
                 line = body.encode("utf-8") + b"\n"
                 record = verifier.add_bytes(line[:-1])
                 if record.leaf_hash != leaf:
@@ -219,6 +221,8 @@ def _write_records(zf, store, origin, first, end, digests, progress, verifier: L
             if verifier.size != end:
                 raise _refused("sequence", f"record {origin}#{verifier.size} is missing", origin, verifier.size)
     except VerificationError as exc:
+        if exc.message.endswith(_REFUSED):
+            raise
         raise _refused(exc.check, exc.message, origin, exc.seq) from None
     finally:
         verifier.signatures.close()
@@ -241,9 +245,11 @@ def _body_verifier(store: AuditStore, origin: str, first: int, keys, tree: HashT
                        prefix=tree.compact(0, first), prev=prev)
 
 
+_REFUSED = "; nothing was exported: run `kvguard audit check`"
+
+
 def _refused(check: str, message: str, origin: str, seq: int | None) -> VerificationError:
-    return VerificationError(check, f"{message}; nothing was exported: run `kvguard audit check`",
-                             origin=origin, seq=seq)
+    return VerificationError(check, message + _REFUSED, origin=origin, seq=seq)
 
 
 def _flush(out, sha, chunk: list[bytes], bar) -> None:
