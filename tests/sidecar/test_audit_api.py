@@ -90,8 +90,17 @@ def test_a_forged_tail_record_halts_the_sidecar_and_a_restart_refuses(settings, 
         record = f"{settings.origin}#{seq}"
         assert err.value.failure.record == record
         assert sc.readiness()["audit_writer"] == f"halted: record {record} fails signature"
-        with TestClient(create_app(sc)) as c:
+        with sc.db() as db:
+            ingest_token = create_token(db, "pod", ["ingest"])
+            db.commit()
+        app = create_app(sc)
+        with TestClient(app) as c:
             assert c.get("/readyz").status_code == 503
+        with TestClient(app.state.ingest_app) as c:  # an event batch: refused with the record, never a 500
+            r = c.post("/internal/v1/events", headers={"Authorization": f"Bearer {ingest_token}"},
+                       json={"client": "pod", "instance": "c" * 16, "events": [
+                           {"n": 0, "op": "free", "subject": {"tenant": "t", "user": "u", "session": "s"}}]})
+            assert r.status_code == 503 and r.json()["record"] == record, r.text
         assert (f'kvguard_audit_writer_halted{{check="signature",origin="{settings.origin}",seq="{seq}"}} 1.0'
                 in sc.metrics.render().decode())
         lines = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
