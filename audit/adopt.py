@@ -49,6 +49,11 @@ def open_tail(store: AuditStore, origin: str, own: PublicKey,
             continue  # another key's (before a rotation), or edited: `kvguard audit check` names it
         tree = new_tree()
         tree.extend(leaf for _, leaf in store.iter_leaves(origin, 0, signed.size))
+        stored = store.size(origin)
+        if stored < signed.size:  # records cut below a checkpoint this key signed: never sign them anew
+            raise _tampered("truncation", f"checkpoint {origin}@{signed.size}, signed by this writer's key, "
+                            f"covers records up to #{signed.size - 1} but the log ends at #{stored - 1}",
+                            origin, stored)
         if tree.size == signed.size and tree.root() == signed.root:
             return tree, Tail(signed.size, _digest_at(store, origin, tree, signed.size), KeySchedule([own], own))
         break  # leaf hashes edited under a signed checkpoint: verify every record from #0
@@ -73,9 +78,13 @@ def _digest_at(store: AuditStore, origin: str, tree: HashTree, size: int) -> str
 def adopt(store: AuditStore, origin: str, tail: Tail, tree: HashTree) -> None:
     """Verify every stored record from `tail.size` on and append its leaf to `tree`,
     advancing `tail`; raises TamperedLogError at the first that fails."""
+    start = tail.size
     with closing(store.iter_rows(origin, tail.size)) as rows:  # a failure ends the read at once
         for row in rows:
             _adopt_row(origin, tail, tree, row)
+    if tail.size == start and start and store.size(origin) < start:
+        raise _tampered("truncation", f"records this writer holds from #{store.size(origin)} on are gone",
+                        origin, store.size(origin))
 
 
 def _adopt_row(origin: str, tail: Tail, tree: HashTree, row) -> None:

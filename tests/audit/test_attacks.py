@@ -241,6 +241,21 @@ def test_a_running_writer_halts_on_a_forged_tail_record_and_a_restarted_one_refu
     assert err.value.failure.record == f"{log20.origin}#20"
 
 
+def test_a_writer_never_signs_anew_over_a_cut_tail(log20):
+    writer = open_log(log20.store, log20.origin, log20.key)
+    try:
+        delete_the_tail(log20)
+        with pytest.raises(TamperedLogError) as err:  # running: its append finds the log shorter
+            fill(writer, 1)
+        assert (err.value.failure.check, err.value.failure.record) == ("truncation", f"{log20.origin}#15")
+    finally:
+        writer.close()
+    with pytest.raises(TamperedLogError) as err:  # restarted: its own checkpoint covers #19
+        open_log(log20.store, log20.origin, log20.key)
+    assert (err.value.failure.check, err.value.failure.record) == ("truncation", f"{log20.origin}#15")
+    assert log20.store.size(log20.origin) == 15
+
+
 def test_a_restarted_writer_refuses_rows_edited_under_its_last_checkpoint(log20):
     edit_body_and_leaf_hash(log20)  # the stored leaves no longer hash to the signed root
     with pytest.raises(TamperedLogError) as err:
