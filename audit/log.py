@@ -183,6 +183,14 @@ class AuditLog:
         self._enqueue([item])
         return item.future.result()
 
+    def verify_tail(self, timeout: float | None = None) -> int:
+        """Adopt, verifying each, the records stored past this writer's tail (by another writer
+        of the log, or forged): the size then. Raises TamperedLogError, halting the writer, if
+        one fails, and concurrent.futures.TimeoutError if the writer is too busy to look."""
+        item = Item("", {}, {}, Future(), sync=True)
+        self._enqueue([item])
+        return item.future.result(timeout)
+
     def root(self, size: int | None = None) -> bytes:
         return self.tree.root(size)
 
@@ -328,6 +336,11 @@ class AuditLog:
         self._next_seq, self._next_prev = self.tree.size, self._prev
 
     def _control(self, item: Item) -> None:
+        if item.sync:
+            self._catch_up()
+            self._next_seq, self._next_prev = self.tree.size, self._prev
+            item.resolve(self.tree.size)
+            return
         if item.checkpoint:
             item.resolve(self._checkpoint(force=True))
             return

@@ -85,11 +85,12 @@ def test_a_forged_tail_record_halts_the_sidecar_and_a_restart_refuses(settings, 
     try:
         sc.log.append("evict", {}, {"pages": [0]})
         seq = forge_tail(sc)
+        record = f"{settings.origin}#{seq}"
+        # an idle writer: the readiness probe has it verify the tail
+        assert sc.readiness()["audit_writer"] == f"halted: record {record} fails signature"
         with pytest.raises(TamperedLogError) as err:
             sc.log.append("evict", {}, {"pages": [1]})
-        record = f"{settings.origin}#{seq}"
         assert err.value.failure.record == record
-        assert sc.readiness()["audit_writer"] == f"halted: record {record} fails signature"
         with sc.db() as db:
             ingest_token = create_token(db, "pod", ["ingest"])
             db.commit()
