@@ -271,3 +271,18 @@ def test_check_exit_status_and_scope(log20, capsys, monkeypatch):
     assert "no log 'no.such/log'" in capsys.readouterr().err
     monkeypatch.delenv("KVGUARD_DATABASE_URL", raising=False)
     assert cli.main(["check"]) == cli.EXIT_USAGE
+
+
+def test_a_rotated_log_checks_and_a_moved_key_row_is_named(store, origin, signing_key):
+    with open_log(store, origin, signing_key) as log:
+        fill(log, 3)
+        rotation = log.rotate_key(SigningKey.generate())
+        fill(log, 3)
+        log.checkpoint()
+    summary = check_store(store, [origin], [signing_key.public_key])
+    assert (summary.records, summary.keys) == (7, 2)
+    tamper(store, "UPDATE keys SET valid_from_seq = 2 WHERE origin = :o AND rotation_seq = :r",
+           o=origin, r=rotation.seq)
+    with pytest.raises(VerificationError) as err:
+        check_store(store, [origin], [signing_key.public_key])
+    assert (err.value.check, err.value.record) == ("keys", f"{origin}#{rotation.seq}")
