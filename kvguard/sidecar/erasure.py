@@ -169,6 +169,8 @@ class ErasureService:
         attempt (and fails after the last) without keeping the others from running."""
         if self.sc.registry.reconnect_wait_s() > 0:
             return  # right after a start: the processes may not have reconnected yet
+        if self.sc.log.halted is not None:
+            return  # nothing can be signed until the store is repaired: requests wait, no attempt counted
         with self.sc.db() as db:
             ids = db.scalars(select(ErasureRequest.id).where(
                 ErasureRequest.origin == self.sc.settings.origin,

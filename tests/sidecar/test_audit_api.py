@@ -3,6 +3,7 @@ in hex, the store check for periodic runs, and a writer halted by a forged recor
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
@@ -16,7 +17,9 @@ from sqlalchemy import text
 
 from kvguard.sidecar.app import create_app
 from kvguard.sidecar.auth import create_token
+from kvguard.sidecar.erasure import ErasureService, NewRequest
 from kvguard.sidecar.logs import configure
+from kvguard.sidecar.models import ErasureRequest
 from kvguard.sidecar.service import Sidecar
 from kvguard.sidecar.settings import Settings
 
@@ -104,6 +107,12 @@ def test_a_forged_tail_record_halts_the_sidecar_and_a_restart_refuses(settings, 
             assert r.status_code == 503 and r.json()["record"] == record, r.text
         assert (f'kvguard_audit_writer_halted{{check="signature",origin="{settings.origin}",seq="{seq}"}} 1.0'
                 in sc.metrics.render().decode())
+        sc.registry.started -= sc.registry.live_s  # past the start's reconnect window
+        service = ErasureService(sc)
+        row, _ = service.create(NewRequest("acme", "u-1", None, "gdpr-art17", None), uuid.uuid4().hex, "tester")
+        asyncio.run(service.run_pending())  # waits for the repair: not attempted, so not failed after three
+        with sc.db() as db:
+            assert (db.get(ErasureRequest, row.id).state, db.get(ErasureRequest, row.id).attempts) == ("received", 0)
         lines = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
         halted = [x for x in lines if x["event"].startswith("audit writer halted")]
         assert [(x["origin"], x["seq"], x["level"]) for x in halted] == [(settings.origin, seq, "critical")]
