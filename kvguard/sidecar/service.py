@@ -104,9 +104,13 @@ class Sidecar:
         self.registry = Registry(s.inference_live_s)
         self.metrics = Metrics(self.db, self.registry, s.origin)
         # the writer verifies every record it did not write, here on open and at each catch-up
-        self.log = AuditLog(self.store, s.origin, self.key,
-                            LogConfig(checkpoint_every=s.checkpoint_every, checkpoint_interval_ms=s.checkpoint_ms,
-                                      sign_process=s.audit_sign_process), on_halt=self._halted)
+        try:
+            self.log = AuditLog(self.store, s.origin, self.key,
+                                LogConfig(checkpoint_every=s.checkpoint_every, checkpoint_interval_ms=s.checkpoint_ms,
+                                          sign_process=s.audit_sign_process), on_halt=self._halted)
+        except BaseException:  # e.g. a forged record: the sidecar does not start, and holds no connection
+            self.engine.dispose()
+            raise
         self.metrics.audit_log = self.log
         self.pseudonyms = Pseudonymizer(self.store, index_key)
         self.ingest = Ingestor(self.log, self.pseudonyms, self.sessions)
