@@ -25,7 +25,7 @@ from .errors import RecordFormatError, TamperedLogError, VerificationError
 from .fields import ZERO_HASH
 from .keys import PublicKey
 from .record import Record
-from .store import AuditStore, _row, stored_columns
+from .store import AuditStore, CheckpointEntry, _row, stored_columns
 from .tree import HashTree
 from .verify import KeySchedule
 
@@ -37,6 +37,7 @@ class Tail:
     size: int
     prev: str
     keys: KeySchedule
+    checkpoint: CheckpointEntry | None = None  # the one by the writer's key that open_tail started from
 
 
 def open_tail(store: AuditStore, origin: str, own: PublicKey,
@@ -55,7 +56,8 @@ def open_tail(store: AuditStore, origin: str, own: PublicKey,
                             f"covers records up to #{signed.size - 1} but the log ends at #{stored - 1}",
                             origin, stored)
         if tree.size == signed.size and tree.root() == signed.root:
-            return tree, Tail(signed.size, _digest_at(store, origin, tree, signed.size), KeySchedule([own], own))
+            return tree, Tail(signed.size, _digest_at(store, origin, tree, signed.size), KeySchedule([own], own),
+                              CheckpointEntry(origin, signed.size, signed.root, cp.time_ms, own.key_id, cp.note))
         break  # leaf hashes edited under a signed checkpoint: verify every record from #0
     first = [k.key for k in store.keys(origin) if k.valid_from_seq == 0][:1] or [own]
     return new_tree(), Tail(0, ZERO_HASH, KeySchedule(first, first[0]))

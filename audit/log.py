@@ -9,6 +9,8 @@ acknowledged records survive kill -9.
 
 If another writer appended first, the committer loads its records and re-signs
 the batch on the new tail; the signer then restarts from the committed tail.
+Records the writer did not write are verified before it chains onto them
+(audit.adopt); one that fails halts the writer (TamperedLogError, `halted`).
 Key rotations and forced checkpoints wait for the committer to go idle, so they
 act on a settled tail. Checkpoints are issued every `checkpoint_every` records
 or `checkpoint_interval_ms`, and before a rotation (so every record has a
@@ -107,15 +109,18 @@ class AuditLog:
                     raise
         self._halted: TamperedLogError | None = None
         self._on_halt = on_halt
-        self.tree, self._tail = open_tail(
-            store, origin, key.public_key, lambda: HashTree(config.cache_level, lambda a, b: store.leaf_hashes(origin, a, b)))
+        def new_tree() -> HashTree:
+            return HashTree(config.cache_level, lambda a, b: store.leaf_hashes(origin, a, b))
+
+        self.tree, self._tail = open_tail(store, origin, key.public_key, new_tree)
         self._prev, self._active_key_id = self._tail.prev, ""
         self._catch_up()
         if self._active_key_id != key.key_id:
             raise StoreError(
                 f"log {origin} is signed by key {self._active_key_id} now; open it with that key")
+        # the latest checkpoint its own key signed, as verified on open: never a row it did not check
         self._checkpoints = Checkpointer(origin, config.checkpoint_every, config.checkpoint_interval_ms,
-                                         store.latest_checkpoint(origin), clock())
+                                         self._tail.checkpoint, clock())
         self._next_seq, self._next_prev = self.tree.size, self._prev  # the signer's (tentative) tail
         self._resync = threading.Event()
         self._failed: BaseException | None = None

@@ -286,3 +286,15 @@ def test_a_rotated_log_checks_and_a_moved_key_row_is_named(store, origin, signin
     with pytest.raises(VerificationError) as err:
         check_store(store, [origin], [signing_key.public_key])
     assert (err.value.check, err.value.record) == ("keys", f"{origin}#{rotation.seq}")
+
+
+def test_a_restarted_writer_never_hands_out_a_checkpoint_row_it_did_not_verify(log20):
+    from kvguard.audit.checkpoint import open_checkpoint
+
+    forged_note = Checkpoint(log20.origin, 20, bytes(32)).sign(ATTACKER)
+    tamper(log20.store, "DELETE FROM checkpoints WHERE origin = :o AND tree_size = 20",
+           "INSERT INTO checkpoints (origin, tree_size, root_hash, time_ms, key_id, note) "
+           "VALUES (:o, 20, :r, 0, :k, :n)", o=log20.origin, r=bytes(32), k=log20.key.key_id, n=forged_note)
+    with open_log(log20.store, log20.origin, log20.key) as writer:  # opens from its checkpoint at 10
+        cp = writer.checkpoint()
+    assert open_checkpoint(cp.note, [log20.key.public_key], log20.origin).size == 20
