@@ -19,6 +19,7 @@ from .errors import (
     ReceiptError,
     RecordFormatError,
     StoreError,
+    TamperedLogError,
     VerificationError,
 )
 
@@ -30,5 +31,6 @@ __all__ = [
     "ReceiptError",
     "RecordFormatError",
     "StoreError",
+    "TamperedLogError",
     "VerificationError",
 ]

@@ -4,9 +4,11 @@
     kvguard-audit verify BUNDLE --public-key KEY [--previous OLD_BUNDLE] [--witness-key VKEY [--witnesses N]]
                          [--json] [--[no-]progress]
     kvguard-audit verify-receipt RECEIPT --public-key KEY [--witness-key VKEY [--witnesses N]]
+    kvguard-audit check --database-url URL [--origin LOG ...] [--public-key KEY ...] [--json]
 
-Exit status: 0 exported / verified; 1 not verified (or export refused), naming the
-first failure; 2 usage error or unreadable file. `main(argv)` returns the status
+Exit status: 0 exported / verified / consistent; 1 not verified (or export refused, or
+the store inconsistent), naming the first failure; 2 usage error, unreadable file or
+unreachable store. `main(argv)` returns the status
 and never exits the interpreter, so `kvguard audit ...` can call it.
 """
 
@@ -32,9 +34,9 @@ class _UsageError(Exception):
 
 def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=prog, description="Export and verify kvguard's sealed audit bundles.",
+        prog=prog, description="Export and verify kvguard's sealed audit bundles; check an audit store in place.",
         epilog="exit status: 0 ok, 1 not verified / export refused, 2 usage error or unreadable file")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{export,verify,verify-receipt}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{export,verify,verify-receipt,check}")
 
     e = sub.add_parser("export", help="write a signed bundle of a log range (needs kvguard[store])",
                        description="Write one bundle file: records, checkpoints, proofs, keys, erasure "
@@ -86,6 +88,24 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                    help="the log's public key that signed the erase record (PEM, base64 or hex)")
     _witness_arguments(r)
     r.add_argument("--json", action="store_true", help="print the result as JSON")
+    c = sub.add_parser("check", help="check a whole audit store in place (needs kvguard[store])",
+                       description="Check a store as an attacker with database access could have left it: "
+                       "every record's signature, chain, key, leaf hash and query columns, every checkpoint "
+                       "(signature, root, columns), the keys table against the key_rotation records, and "
+                       "that no subject secret an erase record destroyed is stored again. Streams each "
+                       "log; stops at the first failure and names it by origin and sequence number.")
+    c.add_argument("--database-url", default=os.environ.get("KVGUARD_DATABASE_URL"),
+                   help="SQLAlchemy URL of the audit store (default: $KVGUARD_DATABASE_URL)")
+    c.add_argument("--origin", action="append", dest="origins", metavar="LOG",
+                   help="a log to check (repeatable; default: every log in the store)")
+    c.add_argument("--public-key", action="append", dest="public_keys", metavar="KEY", default=[],
+                   help="a trusted key a log may start with (repeatable); without one, the keys table's "
+                   "first key is trusted")
+    c.add_argument("--json", action="store_true", help="print the result as JSON")
+    shown = c.add_mutually_exclusive_group()
+    shown.add_argument("--progress", action="store_true", default=None,
+                       help="a progress bar on stderr (default: when stderr is a terminal and not --json)")
+    shown.add_argument("--no-progress", action="store_false", dest="progress", help="no progress bar")
     return p
 
 
@@ -118,6 +138,8 @@ def main(argv: list[str] | None = None, prog: str = "kvguard-audit") -> int:
     except SystemExit as exc:  # argparse exits on --help (0) and on usage errors (2)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
+        if args.command == "check":
+            return _check(args, prog)
         if args.command == "export":
             return _export(args, prog)
         return _verify(args) if args.command == "verify" else _verify_receipt(args)
@@ -181,6 +203,69 @@ def _verify(args: argparse.Namespace) -> int:
             progress.close()
     _report(args, True, summary=summary)
     return EXIT_OK
+
+
+def _check(args: argparse.Namespace, prog: str) -> int:
+    if not args.database_url:
+        raise _UsageError("--database-url (or KVGUARD_DATABASE_URL) is required")
+    keys = [PublicKey.load(path) for path in args.public_keys]
+    try:
+        from tqdm import tqdm
+
+        from .check import check_store, store_size
+        from .store import AuditStore
+    except ImportError as exc:
+        raise _UsageError(f"check needs the store extra (pip install 'kvguard[store]'): {exc}") from None
+    show = args.progress if args.progress is not None else sys.stderr.isatty() and not args.json
+    store = AuditStore(args.database_url)
+    bar = None
+    try:
+        total = store_size(store, args.origins) if show else None
+        bar = tqdm(total=total, unit="rec", unit_scale=True, desc="check", file=sys.stderr,
+                   disable=not show, mininterval=0.5)
+        summary = check_store(store, args.origins, keys, progress=bar.update)
+    except VerificationError as exc:
+        if bar is not None:
+            bar.close()
+        _report_check(args, False, error=exc)
+        return EXIT_FAILED
+    except AuditError as exc:  # e.g. no such log
+        raise _UsageError(str(exc)) from None
+    except Exception as exc:  # the database itself: unreachable, no schema
+        raise _UsageError(f"cannot read the store: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+    finally:
+        if bar is not None:
+            bar.close()
+        store.dispose()
+    _report_check(args, True, summary=summary)
+    return EXIT_OK
+
+
+def _report_check(args, ok: bool, summary: Any = None, error: VerificationError | None = None) -> None:
+    if args.json:
+        out: dict[str, Any] = {"consistent": ok}
+        if ok:
+            out.update({k: getattr(summary, k) for k in summary.__slots__})
+        else:
+            out["error"] = error.to_dict()
+        print(json.dumps(out, indent=2))
+        return
+    if not ok:
+        print("NOT CONSISTENT")
+        for label, value in (("record", error.record), ("check", error.check), ("reason", error.message)):
+            if value:
+                print(f"  {label:<13}{value}")
+        return
+    s = summary
+    print("CONSISTENT")
+    print(f"  {'logs':<13}{s.origins}")
+    print(f"  {'records':<13}{s.records} ({s.erase_records} erase records)")
+    print(f"  {'checkpoints':<13}{s.checkpoints}")
+    print(f"  {'keys':<13}{s.keys} key rows, each matching its rotation record")
+    print(f"  {'secrets':<13}{s.secrets} subject secrets, none destroyed by an erase record")
+    print(f"  {'time':<13}{s.seconds:.1f}s")
+    if not args.public_keys:
+        print("  note         the keys table's first key was trusted; pass --public-key to pin it")
 
 
 class _Progress:

@@ -90,3 +90,16 @@ class VerificationError(AuditError):
 
 def _rebuild(check, message, origin, seq, member) -> VerificationError:
     return VerificationError(check, message, origin=origin, seq=seq, member=member)
+
+
+class TamperedLogError(StoreError):
+    """A stored record that this writer did not write fails verification (signature, key,
+    chain, leaf hash or query columns): the writer stops signing and acknowledges nothing
+    until an operator has repaired the store and restarted it. `failure` names the record."""
+
+    def __init__(self, failure: VerificationError) -> None:
+        self.failure = failure
+        super().__init__(
+            f"record {failure.record or failure.origin} fails verification ({failure.check}: "
+            f"{failure.message}); the audit writer stopped signing: run `kvguard audit check`, "
+            "repair the store (docs/audit-format.md, \"When the writer stops\") and restart")

@@ -9,6 +9,8 @@ acknowledged records survive kill -9.
 
 If another writer appended first, the committer loads its records and re-signs
 the batch on the new tail; the signer then restarts from the committed tail.
+Records the writer did not write are verified before it chains onto them
+(audit.adopt); one that fails halts the writer (TamperedLogError, `halted`).
 Key rotations and forced checkpoints wait for the committer to go idle, so they
 act on a settled tail. Checkpoints are issued every `checkpoint_every` records
 or `checkpoint_interval_ms`, and before a rotation (so every record has a
@@ -17,6 +19,7 @@ checkpoint signed by its own key).
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -28,14 +31,17 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import fields, ops
+from .adopt import adopt, open_tail
 from .checkpointer import Checkpointer
-from .errors import AuditError, ChainConflictError, StoreError
+from .errors import AuditError, ChainConflictError, StoreError, TamperedLogError
 from .keys import SigningKey, rotation_details
 from .pending import STOP, Item, Waiter, refuse_all, resolve_all, take_batch
 from .record import Record, encode_parts
 from .signproc import SignerProcess, sign_chain
 from .store import AuditStore, CheckpointEntry
 from .tree import HashTree
+
+_log = logging.getLogger("kvguard.audit.log")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +97,8 @@ def _now_ms() -> int:
 
 class AuditLog:
     def __init__(self, store: AuditStore, origin: str, key: SigningKey,
-                 config: LogConfig = LogConfig(), *, clock: Callable[[], int] = _now_ms) -> None:
+                 config: LogConfig = LogConfig(), *, clock: Callable[[], int] = _now_ms,
+                 on_halt: Callable[[TamperedLogError], None] | None = None) -> None:
         self.store, self.origin, self.config = store, fields.check_origin(origin), config
         self._key, self._clock = key, clock
         if not store.has_log(origin):
@@ -100,14 +107,20 @@ class AuditLog:
             except Exception:
                 if not store.has_log(origin):  # not a lost creation race: a real failure
                     raise
-        self.tree = HashTree(config.cache_level, lambda a, b: store.leaf_hashes(origin, a, b))
-        self._prev, self._active_key_id = fields.ZERO_HASH, ""
+        self._halted: TamperedLogError | None = None
+        self._on_halt = on_halt
+        def new_tree() -> HashTree:
+            return HashTree(config.cache_level, lambda a, b: store.leaf_hashes(origin, a, b))
+
+        self.tree, self._tail = open_tail(store, origin, key.public_key, new_tree)
+        self._prev, self._active_key_id = self._tail.prev, ""
         self._catch_up()
         if self._active_key_id != key.key_id:
             raise StoreError(
                 f"log {origin} is signed by key {self._active_key_id} now; open it with that key")
+        # the latest checkpoint its own key signed, as verified on open: never a row it did not check
         self._checkpoints = Checkpointer(origin, config.checkpoint_every, config.checkpoint_interval_ms,
-                                         store.latest_checkpoint(origin), clock())
+                                         self._tail.checkpoint, clock())
         self._next_seq, self._next_prev = self.tree.size, self._prev  # the signer's (tentative) tail
         self._resync = threading.Event()
         self._failed: BaseException | None = None
@@ -175,6 +188,14 @@ class AuditLog:
         self._enqueue([item])
         return item.future.result()
 
+    def verify_tail(self, timeout: float | None = None) -> int:
+        """Adopt, verifying each, the records stored past this writer's tail (by another writer
+        of the log, or forged): the size then. Raises TamperedLogError, halting the writer, if
+        one fails, and concurrent.futures.TimeoutError if the writer is too busy to look."""
+        item = Item("", {}, {}, Future(), sync=True)
+        self._enqueue([item])
+        return item.future.result(timeout)
+
     def root(self, size: int | None = None) -> bytes:
         return self.tree.root(size)
 
@@ -208,6 +229,8 @@ class AuditLog:
             self._queued += n
         try:
             with self._gate:  # against _refuse: an item is either drained or refused, never stranded
+                if self._halted is not None:
+                    raise self._halted
                 if self._failed is not None:
                     raise StoreError(f"audit writer for {self.origin} stopped: {self._failed}")
                 if self._closed:
@@ -234,7 +257,7 @@ class AuditLog:
     def _sign_loop(self) -> None:
         try:
             while True:
-                pending = self._next_seq > self._checkpoints.size
+                pending = self._next_seq > self._checkpoints.size and self._halted is None
                 timeout = self._checkpoints.wait_s(self._clock()) if pending else None
                 try:
                     first = self._queue.get(timeout=timeout)
@@ -318,6 +341,11 @@ class AuditLog:
         self._next_seq, self._next_prev = self.tree.size, self._prev
 
     def _control(self, item: Item) -> None:
+        if item.sync:
+            self._catch_up()
+            self._next_seq, self._next_prev = self.tree.size, self._prev
+            item.resolve(self.tree.size)
+            return
         if item.checkpoint:
             item.resolve(self._checkpoint(force=True))
             return
@@ -329,6 +357,8 @@ class AuditLog:
         """Sign `items` as records seq, seq + 1, ... chained from prev; `here` signs in this
         thread even with a signer process (the committer must never wait on the process,
         whose answers wait on the committer's queue)."""
+        if self._halted is not None:
+            raise self._halted
         when = fields.format_time(self._clock())
         if self._signproc is not None and not here:
             return self._signproc.sign(self._key, self.origin, seq, when, prev, _parts(items))
@@ -357,6 +387,8 @@ class AuditLog:
 
     def _commit(self, items: list[Item], records: list[Record]) -> None:
         for _ in range(self.config.conflict_retries):
+            if self._halted is not None:
+                raise self._halted
             if self._active_key_id != self._key.key_id:
                 raise StoreError(
                     f"log {self.origin} was rotated to key {self._active_key_id} by another writer")
@@ -383,6 +415,9 @@ class AuditLog:
                 f"log {self.origin}: gave up after {self.config.conflict_retries} conflicts")
         self.tree.extend([r.leaf_hash for r in records])
         self._prev = records[-1].digest
+        self._tail.size, self._tail.prev = self.tree.size, self._prev  # ours: verified by making them
+        if rotation is not None:
+            self._tail.keys.observe(records[-1])
         if cp is not None:
             self._checkpoints.issued(cp)
         if rotation is not None:
@@ -392,21 +427,37 @@ class AuditLog:
             self._checkpoint()
 
     def _catch_up(self) -> None:
-        """Load what other writers appended since our tail (or the whole log on open):
-        leaf hashes into the tree, the last record's digest, the active key."""
-        start = self.tree.size
-        for seq, leaf in self.store.iter_leaves(self.origin, start):
-            if seq != self.tree.size:
-                raise StoreError(f"log {self.origin} has a gap at seq {self.tree.size}: run verify_store")
-            self.tree.append(leaf)
-        if self.tree.size > start:
-            self._prev = self.store.record(self.origin, self.tree.size - 1).digest
-        # a key row is written with its rotation record; take the one in force at our tail
-        keys = [k for k in self.store.keys(self.origin) if k.valid_from_seq <= self.tree.size]
-        self._active_key_id = keys[-1].key.key_id
+        """Adopt what other writers appended since our tail (or the whole log on open), each
+        record verified first (audit.adopt): leaf hashes into the tree, the last record's
+        digest, the active key. A record that fails halts the writer for good."""
+        if self._halted is not None:
+            raise self._halted
+        try:
+            adopt(self.store, self.origin, self._tail, self.tree)
+        except TamperedLogError as exc:
+            self._halt(exc)
+            raise
+        finally:
+            self._prev = self._tail.prev
+            self._active_key_id = self._tail.keys.active.key_id if self._tail.keys.active else ""
+
+    def _halt(self, exc: TamperedLogError) -> None:
+        self._halted = exc
+        f = exc.failure
+        _log.critical("audit writer halted: record %s#%s fails %s (%s); nothing more is signed",
+                      f.origin, f.seq, f.check, f.message)
+        if self._on_halt is not None:
+            self._on_halt(exc)
+
+    @property
+    def halted(self) -> TamperedLogError | None:
+        """Why the writer stopped signing, naming the record; None while it signs."""
+        return self._halted
 
     def _checkpoint(self, force: bool = False) -> CheckpointEntry | None:
         """A checkpoint of its own (idle timer, forced, around a rotation), if due or forced."""
+        if self._halted is not None:
+            raise self._halted
         size, now, cps = self.tree.size, self._clock(), self._checkpoints
         if cps.latest is not None and cps.latest.size == size:
             return cps.latest

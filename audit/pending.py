@@ -51,12 +51,13 @@ class Item:
     result: Record | None = None
     new_key: SigningKey | None = None  # a key rotation
     checkpoint: bool = False  # a forced checkpoint
+    sync: bool = False  # adopt what others stored past the tail (AuditLog.verify_tail)
     done: bool = False  # answered
     encoded: tuple[bytes, bytes] | None = None  # (details, subject) JSON, set as it is queued
 
     @property
     def control(self) -> bool:
-        return self.new_key is not None or self.checkpoint
+        return self.new_key is not None or self.checkpoint or self.sync
 
     def resolve(self, record: Any = None, error: BaseException | None = None) -> None:
         """Answer the caller, once."""

@@ -68,6 +68,13 @@ def index_of(index_key: bytes, data: bytes) -> bytes:
     return hmac.new(index_key, data, hashlib.sha256).digest()
 
 
+def shred_tag(stored_secret: bytes) -> str:
+    """What an erase record keeps of a secret it destroyed: 128 bits of a domain-separated
+    SHA-256 of the secret as stored. It reveals nothing once the secret is gone (a 2^256
+    preimage search) and matches the row again if anyone puts the row back."""
+    return hashlib.sha256(b"kvguard shredded secret\x00" + stored_secret).hexdigest()[:32]
+
+
 def pseudonym_of(secret: bytes, data: bytes) -> str:
     return hmac.new(secret, data, hashlib.sha256).hexdigest()[:32]
 

@@ -22,6 +22,7 @@ from .errors import ChainConflictError, StoreError
 from .fields import parse_time
 from .keys import PublicKey
 from .models import CheckpointRow, Kek, Log, LogKey, RecordRow, SubjectKey
+from .pseudonym import shred_tag
 from .record import Record
 
 
@@ -161,9 +162,11 @@ class AuditStore:
             for row in result:
                 yield row[0], row[1], row[2], bytes(row[3])
 
-    def iter_rows(self, origin: str, start: int = 0, batch: int = 5000) -> Iterator:
+    def iter_rows(self, origin: str, start: int = 0, batch: int = 5000, end: int | None = None) -> Iterator:
         """Whole rows, for verification of the query columns against each body."""
         query = select(RecordRow).where(RecordRow.origin == origin, RecordRow.seq >= start)
+        if end is not None:
+            query = query.where(RecordRow.seq < end)
         with self.read() as conn:
             result = conn.execution_options(yield_per=batch).execute(query.order_by(RecordRow.seq))
             yield from result
@@ -334,11 +337,23 @@ class AuditStore:
         """Delete the secret under `idx`; True if there was one. On SQLite the WAL is then
         truncated (`truncate_wal`), also when nothing was deleted, so that calling again
         finishes a shred whose truncation a reader blocked."""
+        return self.shred_subject_secret(idx, truncate_wal=truncate_wal) is not None
+
+    def shred_subject_secret(self, idx: bytes, *, truncate_wal: bool = True) -> str | None:
+        """Delete the secret under `idx` as `delete_subject_secret` does; returns the shred
+        tag of the row deleted (audit.pseudonym.shred_tag), None if there was none. An erase
+        record carries the tags, so `kvguard audit check` finds a destroyed secret put back."""
         with self.write() as conn:
-            deleted = conn.execute(delete(SubjectKey).where(SubjectKey.idx == idx)).rowcount > 0
+            stored = conn.scalar(delete(SubjectKey).where(SubjectKey.idx == idx).returning(SubjectKey.secret))
         if truncate_wal:
             self.truncate_wal()
-        return deleted
+        return None if stored is None else shred_tag(bytes(stored))
+
+    def iter_subject_secrets(self, batch: int = 5000) -> Iterator[bytes]:
+        """Every stored subject secret (as stored), streamed: the erasure-consistency check."""
+        with self.read() as conn:
+            yield from (bytes(s) for s in conn.execution_options(yield_per=batch).scalars(
+                select(SubjectKey.secret)))
 
     def truncate_wal(self) -> None:
         """SQLite: checkpoint the WAL and truncate it to zero bytes, so no frame keeps the
@@ -379,6 +394,12 @@ _COLUMNS = (
     "origin", "seq", "time_ms", "op", "tenant_pseudonym", "user_pseudonym", "session_pseudonym",
     "key_id", "prev", "leaf_hash", "sig", "body",
 )
+
+
+def stored_columns(row) -> tuple:
+    """A records row as the tuple `_row` makes of the record its body holds."""
+    return (row.origin, row.seq, row.time_ms, row.op, row.tenant_pseudonym, row.user_pseudonym,
+            row.session_pseudonym, row.key_id, row.prev, bytes(row.leaf_hash), row.sig, row.body)
 
 
 def _row(r: Record) -> tuple:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Iterable
+from contextlib import closing
 from dataclasses import dataclass
 
 from .checkpoint import Checkpoint, open_checkpoint
@@ -213,6 +214,9 @@ def verify_records(records: Iterable[Record | bytes], public_keys: Iterable[Publ
         raise verifier.earliest(exc) from None
     finally:
         verifier.signatures.close()
+        close = getattr(stream, "close", None)
+        if close is not None:  # a generator over the store: end its read now, not at GC
+            close()
 
 
 def verify_store(url_or_store, origin: str, public_keys: Iterable[PublicKey]) -> Summary:
@@ -225,19 +229,22 @@ def verify_store(url_or_store, origin: str, public_keys: Iterable[PublicKey]) ->
 
 
 def _checked_rows(store, origin: str) -> Iterable[Record]:
-    from .store import _row
+    with closing(store.iter_rows(origin)) as rows:  # a failure ends the read at once
+        yield from _checked(rows, origin)
+
+
+def _checked(rows, origin: str) -> Iterable[Record]:
+    from .store import _row, stored_columns
 
     expected = 0
-    for row in store.iter_rows(origin):
+    for row in rows:
         data = row.body.encode("utf-8")
         try:
             record = Record.from_leaf_bytes(data)
         except RecordFormatError as exc:
             raise VerificationError("format", str(exc), origin=origin, seq=row.seq) from None
         yield record  # checks (1)-(7) run on it before the generator resumes here
-        stored = (row.origin, row.seq, row.time_ms, row.op, row.tenant_pseudonym, row.user_pseudonym,
-                  row.session_pseudonym, row.key_id, row.prev, bytes(row.leaf_hash), row.sig, row.body)
-        if row.seq != expected or stored != _row(record):
+        if row.seq != expected or stored_columns(row) != _row(record):
             raise VerificationError("columns", "query columns disagree with the signed body",
                                     origin=origin, seq=record.seq)
         expected += 1

@@ -7,8 +7,9 @@ key) and bulk-inserted 10,000 at a time into SQLite and, unless --no-postgres,
 a scratch PostgreSQL database (dropped afterwards), with a checkpoint every
 10,000 records and an erasure every 100,000. Then times a whole-log export
 from each store through `python -m audit export` (with the peak RSS of that
-process: the export streams, so it holds a small fraction of the log) and the
-offline verification of the bundle in this process.
+process: the export streams, so it holds a small fraction of the log; it
+verifies every record it seals), the store check (`check`, also a child
+process) and the offline verification of the bundle in this process.
 """
 
 from __future__ import annotations
@@ -117,6 +118,12 @@ def main() -> None:
                 peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
                 rows.append((f"export whole log from {label} (CLI)", n / seconds, seconds,
                              f"{os.path.getsize(bundle) / 2**20:.0f} MiB bundle, peak RSS {peak:.0f} MiB"))
+            for label, url in urls.items():  # the store check (kvguard audit check), also a child process
+                t = time.perf_counter()
+                subprocess.run([sys.executable, "-m", "kvguard.audit", "check", "--database-url", url,
+                                "--no-progress"], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+                seconds = time.perf_counter() - t
+                rows.append((f"check whole store, {label} (CLI)", n / seconds, seconds, ""))
             raw_before = raw_verify_rate(key)
             t = time.perf_counter()
             result = verify_bundle(bundle, [key.public_key])

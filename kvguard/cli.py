@@ -5,7 +5,7 @@
     kvguard keygen           create an Ed25519 signing key (mode 0600)
     kvguard db upgrade|grant migrate the audit store as its owner; grant the sidecar's role
     kvguard keys rotate      rotate the log's signing key (running sidecar, or --offline)
-    kvguard audit ...        export and verify sealed audit bundles (offline)
+    kvguard audit ...        export and verify sealed audit bundles (offline), check a store
     kvguard witness ...      a C2SP tlog-witness cosigning the sidecars' checkpoints
     kvguard eval ...         measure fidelity of codecs, evictors and policies on a real model
     kvguard demo             what each scenario policy saves and costs on a real model, then the sidecar
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"kvguard {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("audit", help="export and verify sealed audit bundles (see 'kvguard audit --help')")
+    sub.add_parser("audit", help="export, verify and check audit logs (see 'kvguard audit --help')")
     _add_demo(sub)
     for register_path, extra, commands in _OPTIONAL:
         _optional(register_path, extra, commands, sub)

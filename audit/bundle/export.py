@@ -2,7 +2,10 @@
 
 Streams: records go from a server-side cursor straight into the zip member
 while their digest is computed, so a million-record export holds one batch in
-memory (plus the tree's cached upper levels, audit.tree).
+memory (plus the tree's cached upper levels, audit.tree). Every record is
+verified on the way (signature, key, chain, leaf hash) and the covering
+checkpoint's note against the exporting key: an export refuses, naming the
+first bad record, rather than seal what it did not check.
 """
 
 from __future__ import annotations
@@ -13,18 +16,21 @@ import sys
 import tempfile
 import time
 import zipfile
+from contextlib import closing
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ..canonical import canonical
+from ..checkpoint import open_checkpoint
 from ..cosignature import with_cosignatures
-from ..errors import BundleError
-from ..fields import format_time
+from ..errors import BundleError, VerificationError
+from ..fields import ZERO_HASH, format_time
 from ..keys import SigningKey
 from ..receipt import ERASE_OPS, build_receipt, receipt_parts
 from ..record import Record
 from ..store import AuditStore, CheckpointEntry
 from ..tree import HashTree
+from ..verify import KeySchedule, LogVerifier
 from .dsse import sign_envelope
 from .layout import (
     BUNDLE_FORMAT,
@@ -40,9 +46,6 @@ from .layout import (
     STATEMENT_TYPE,
     ZIP_TIME,
 )
-
-# A cheap look at each body before parsing it: only erase records carry receipts.
-_ERASE_MARKERS = tuple(f'"op":"{op}"' for op in sorted(ERASE_OPS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,11 +79,14 @@ def export_bundle(store: AuditStore, origin: str, out_path: str, key: SigningKey
     end, size = last + 1, cp.size
     tree = HashTree(8, lambda a, b: store.leaf_hashes(origin, a, b))
     tree.extend(leaf for _, leaf in store.iter_leaves(origin, 0, size))
-    if tree.root() != cp.root:
-        raise BundleError(f"stored leaf hashes of {origin} do not match checkpoint {size}; verify the store")
+    try:  # the note's root, under the key that signs the manifest: not the root_hash column
+        signed = open_checkpoint(cp.note, [key.public_key], origin)
+    except VerificationError as exc:
+        raise _refused(exc.check, f"checkpoint {origin}@{size}: {exc.message}", origin, size - 1) from None
     cosigned = cosignature_lines(store, origin, min_size=first, max_size=size)  # those of listed checkpoints
     checkpoints = [_cosigned(c, cosigned) for c in store.checkpoints(origin, min_size=first, max_size=size)]
     keys = [k for k in store.keys(origin) if k.valid_from_seq <= size]  # incl. the key that signs `size`
+    verifier = _body_verifier(store, origin, first, keys, tree)
 
     directory = os.path.dirname(os.path.abspath(out_path))
     fd, tmp = tempfile.mkstemp(prefix=".bundle-", dir=directory)
@@ -88,7 +94,11 @@ def export_bundle(store: AuditStore, origin: str, out_path: str, key: SigningKey
     digests: dict[str, str] = {}
     try:
         with zipfile.ZipFile(tmp, "w", allowZip64=True) as zf:
-            erases = _write_records(zf, store, origin, first, end, digests, progress)
+            erases = _write_records(zf, store, origin, first, end, digests, progress, verifier)
+            # after the records, so that a body edited with its leaf hash is named by its own check
+            if signed.size != size or tree.root() != signed.root:
+                raise _refused("merkle_root", f"stored leaf hashes do not hash to the root of checkpoint "
+                               f"{origin}@{size}", origin, size - 1)
             _write(zf, CHECKPOINTS, canonical({"checkpoints": [
                 {"tree_size": c.size, "note": c.note} for c in checkpoints]}) + b"\n", digests)
             _write(zf, PROOFS, canonical({
@@ -191,27 +201,63 @@ def _info(name: str) -> zipfile.ZipInfo:
     return info
 
 
-def _write_records(zf, store, origin, first, end, digests, progress) -> list[Record]:
+def _write_records(zf, store, origin, first, end, digests, progress, verifier: LogVerifier) -> list[Record]:
+    """Stream the bodies into the records member, each verified before it is written (a
+    bundle is sealed over nothing unchecked): checks (1)-(6) of §7 and its stored leaf
+    hash, which the checkpoint's root binds."""
     from tqdm import tqdm
 
     sha, erases = hashlib.sha256(), []
     bar = tqdm(total=end - first, unit="rec", unit_scale=True, desc=f"export {origin}",
                file=sys.stderr, disable=not progress, mininterval=0.5)
-    with zf.open(_info(RECORDS), "w", force_zip64=True) as out:
-        chunk: list[bytes] = []
-        for _seq, body, _sig, _leaf in store.iter_bodies(origin, first, end):
-            line = body.encode("utf-8") + b"\n"
-            chunk.append(line)
-            if any(marker in body for marker in _ERASE_MARKERS):
-                record = Record.from_leaf_bytes(line[:-1])
+    try:
+        with zf.open(_info(RECORDS), "w", force_zip64=True) as out, \
+                closing(store.iter_bodies(origin, first, end)) as bodies:  # a refusal ends the read
+            chunk: list[bytes] = []
+            for seq, body, _sig, leaf in bodies:
+                line = body.encode("utf-8") + b"\n"
+                record = verifier.add_bytes(line[:-1])
+                if record.leaf_hash != leaf:
+                    raise _refused("leaf_hash", "the body does not hash to the stored leaf", origin, seq)
+                chunk.append(line)
                 if record.op in ERASE_OPS:
                     erases.append(record)
-            if len(chunk) == 4096:
-                _flush(out, sha, chunk, bar)
-        _flush(out, sha, chunk, bar)
-    bar.close()
+                if len(chunk) == 4096:
+                    _flush(out, sha, chunk, bar)
+            _flush(out, sha, chunk, bar)
+            verifier.finish()
+            if verifier.size != end:
+                raise _refused("sequence", f"record {origin}#{verifier.size} is missing", origin, verifier.size)
+    except VerificationError as exc:
+        if exc.message.endswith(_REFUSED):
+            raise
+        raise _refused(exc.check, exc.message, origin, exc.seq) from None
+    finally:
+        verifier.signatures.close()
+        bar.close()
     digests[RECORDS] = sha.hexdigest()
     return erases
+
+
+def _body_verifier(store: AuditStore, origin: str, first: int, keys, tree: HashTree) -> LogVerifier:
+    """A verifier positioned at record `first`: the key in force there, and the chain's tail
+    (the digest of record first - 1, whose leaf the checkpoint's root binds)."""
+    active = [k.key for k in keys if k.valid_from_seq <= first][-1]
+    prev = ZERO_HASH
+    if first > 0:
+        before = store.record(origin, first - 1)
+        if before.leaf_hash != tree.leaf(first - 1):
+            raise _refused("leaf_hash", "the body does not hash to the stored leaf", origin, first - 1)
+        prev = before.digest
+    return LogVerifier(origin, KeySchedule([k.key for k in keys], active), start=first,
+                       prefix=tree.compact(0, first), prev=prev)
+
+
+_REFUSED = "; nothing was exported: run `kvguard audit check`"
+
+
+def _refused(check: str, message: str, origin: str, seq: int | None) -> VerificationError:
+    return VerificationError(check, message + _REFUSED, origin=origin, seq=seq)
 
 
 def _flush(out, sha, chunk: list[bytes], bar) -> None:

@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from kvguard.audit import ops
 from kvguard.audit.canonical import MAX_SAFE_INTEGER, canonical, loads
 from kvguard.audit.errors import AuditError
+from kvguard.audit.fields import MAX_ARRAY
 from kvguard.audit.models import RecordRow
 from kvguard.audit.pseudonym import subject_data
 from kvguard.audit.record import Record
@@ -171,6 +173,8 @@ class ErasureService:
         attempt (and fails after the last) without keeping the others from running."""
         if self.sc.registry.reconnect_wait_s() > 0:
             return  # right after a start: the processes may not have reconnected yet
+        if self.sc.log.halted is not None:
+            return  # nothing can be signed until the store is repaired: requests wait, no attempt counted
         with self.sc.db() as db:
             ids = db.scalars(select(ErasureRequest.id).where(
                 ErasureRequest.origin == self.sc.settings.origin,
@@ -219,7 +223,9 @@ class ErasureService:
                 return
             # (2) crypto-shred: the subject's pseudonym secrets, counted before the WAL
             # truncation that may still fail (a retry then truncates and destroys none)
-            progress["secrets_destroyed"] += await asyncio.to_thread(self._shred, scope, tenant, target)
+            tags = await asyncio.to_thread(self._shred, scope, tenant, target)
+            progress["secrets_destroyed"] += len(tags)
+            progress["shredded"] = progress.get("shredded", []) + tags
             self._save_progress(request_id, progress)
             await asyncio.to_thread(self.sc.store.truncate_wal)
             # (3) one signed erase record for the request, attesting (1) and (2)
@@ -258,7 +264,7 @@ class ErasureService:
             return self.sc.store.record(origin, row.record_seq)
         column = RecordRow.user_pseudonym if row.scope == "user" else RecordRow.session_pseudonym
         query = select(RecordRow.seq, RecordRow.body).where(
-            RecordRow.origin == origin, RecordRow.op == "erase", column == row.subject_pseudonym
+            RecordRow.origin == origin, RecordRow.op == ops.ERASE, column == row.subject_pseudonym
         ).order_by(RecordRow.seq)
         with self.sc.store.read() as conn:
             for seq, body in conn.execute(query):
@@ -292,22 +298,26 @@ class ErasureService:
             "shared_pages_released": _total(acks, "shared_pages"),
             "prefix_entries_removed": _total(acks, "prefix_entries"),
             "secrets_destroyed": progress["secrets_destroyed"],
+            # what `kvguard audit check` matches stored secrets against (audit.pseudonym.shred_tag);
+            # a user seen with more sessions than an array holds keeps the first MAX_ARRAY
+            "shredded": sorted(progress.get("shredded", []))[:MAX_ARRAY],
         }
         if row.reason_hmac:
             details["reason_hmac"] = row.reason_hmac
-        record = self.sc.log.append("erase", subject, details)
+        record = self.sc.log.append(ops.ERASE, subject, details)
         self._save_record_seq(request_id, record.seq)
         return record
 
-    def _shred(self, scope: str, tenant: str, target: str) -> int:
-        """Delete the secrets (the caller truncates SQLite's WAL once, afterwards)."""
+    def _shred(self, scope: str, tenant: str, target: str) -> list[str]:
+        """Delete the secrets; the shred tag of each one deleted (the caller truncates
+        SQLite's WAL once, afterwards)."""
         p, store = self.sc.pseudonyms, self.sc.store
-        n = int(store.delete_subject_secret(p.index(subject_data(scope, target, tenant)), truncate_wal=False))
+        found = [store.shred_subject_secret(p.index(subject_data(scope, target, tenant)), truncate_wal=False)]
         if scope == "user":  # every session the user was seen with goes too
             for session_idx in self.sc.ingest.sessions_of(tenant, target):
-                n += int(store.delete_subject_secret(session_idx, truncate_wal=False))
+                found.append(store.shred_subject_secret(session_idx, truncate_wal=False))
             self.sc.ingest.forget_user(tenant, target)
-        return n
+        return [tag for tag in found if tag is not None]
 
     def _receipt(self, seq: int) -> dict:
         from kvguard.audit.receipt import make_receipt

@@ -59,6 +59,17 @@ class Metrics:
                                         ["witness", "reason"], registry=r)
         self.processes = Gauge("kvguard_inference_processes_live", "Inference processes seen recently",
                                registry=r)
+        self.audit_log = None  # the sidecar's AuditLog, once opened
+        self.writer_halted = Gauge("kvguard_audit_writer_halted", "1 while the audit writer is stopped by a "
+                                   "stored record that fails verification, labelled with that record",
+                                   ["origin", "seq", "check"], registry=r)
+        self.check_runs = Counter("kvguard_audit_check_runs", "Runs of the store check (POST /v1/audit/check) by "
+                                  "result", ["result"], registry=r)
+        self.check_last = Gauge("kvguard_audit_check_last_run_timestamp_seconds",
+                                "When the last store check finished", registry=r)
+        self.check_failure = Gauge("kvguard_audit_check_failed", "1 if the last store check found a failure, "
+                                   "labelled with the first record it names; absent after a passing check",
+                                   ["origin", "seq", "check"], registry=r)
         # a KEK older than its rotation period means rotation is stuck: shredded secrets stay
         # readable in WAL and backups past the bound docs/audit-format.md §6 states
         self.kek_age = Gauge("kvguard_kek_age_seconds", "Age of the key-encryption key that wraps new secrets",
@@ -105,7 +116,22 @@ class Metrics:
                 totals[(tier, codec)] = totals.get((tier, codec), 0) + n
         for (tier, codec), n in totals.items():
             self.pages.labels(tier, codec).set(n)
+        self.writer_halted.clear()
+        halted = None if self.audit_log is None else self.audit_log.halted
+        if halted is not None:
+            f = halted.failure
+            self.writer_halted.labels(f.origin, str(f.seq), f.check).set(1)
         return generate_latest(self.registry)
+
+    def checked(self, failure) -> None:
+        """Note a store check's result: None, or the VerificationError it raised."""
+        self.check_last.set(time.time())
+        self.check_failure.clear()
+        if failure is None:
+            self.check_runs.labels("consistent").inc()
+        else:
+            self.check_runs.labels("inconsistent").inc()
+            self.check_failure.labels(failure.origin or "", str(failure.seq), failure.check).set(1)
 
 
 TIERS = ("device", "cpu", "disk", "redis")

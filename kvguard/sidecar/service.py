@@ -21,6 +21,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from kvguard.audit.errors import TamperedLogError
 from kvguard.audit.keyring import Keyring
 from kvguard.audit.keys import SigningKey
 from kvguard.audit.log import AuditLog, LogConfig
@@ -36,6 +37,8 @@ from .registry import Registry
 from .roles import check_runtime_role
 from .settings import Settings, check_secure
 from .signing import finish_rotation
+
+READY_VERIFY_S = 2.0  # how long /readyz waits for the writer to verify the log's tail
 
 
 def load_or_create_secret(path: Path) -> bytes:
@@ -107,16 +110,22 @@ class Sidecar:
         self.key = SigningKey.load(key_path)  # refuses a file others can read
         self._index_key = index_key = load_or_create_secret(s.index_key_path)
         self._seal = AESGCM(load_or_create_secret(s.seal_key_path))
+        self.registry = Registry(s.inference_live_s)
+        self.metrics = Metrics(self.db, self.registry, s.origin)
         self.keyring = Keyring(s.kek_path, self.store)
         self.rotate_kek_if_due(wrap_only=True)  # the first KEK; secrets stored before wrapping
-        self.log = AuditLog(self.store, s.origin, self.key,
-                            LogConfig(checkpoint_every=s.checkpoint_every, checkpoint_interval_ms=s.checkpoint_ms,
-                                      sign_process=s.audit_sign_process))
+        # the writer verifies every record it did not write, here on open and at each catch-up
+        try:
+            self.log = AuditLog(self.store, s.origin, self.key,
+                                LogConfig(checkpoint_every=s.checkpoint_every, checkpoint_interval_ms=s.checkpoint_ms,
+                                          sign_process=s.audit_sign_process), on_halt=self._halted)
+        except BaseException:  # e.g. a forged record: the sidecar does not start, and holds no connection
+            self.engine.dispose()
+            raise
+        self.metrics.audit_log = self.log
         self.pseudonyms = Pseudonymizer(self.store, index_key, self.keyring)
         self.key_lock = threading.Lock()  # one signing-key rotation at a time
         self.ingest = Ingestor(self.log, self.pseudonyms, self.sessions)
-        self.registry = Registry(s.inference_live_s)
-        self.metrics = Metrics(self.db, self.registry, s.origin)
         self.witnessing = None
         if s.witnesses:
             from kvguard.audit.cosignature import Witness
@@ -130,6 +139,12 @@ class Sidecar:
         self.metrics.kek_created_ms = self.store.current_kek_created_ms
         self._socket: tuple[Path, tuple[int, int] | None] | None = None
         log.info("sidecar ready", origin=s.origin, key_id=self.key.key_id, database=self.engine.url.get_backend_name())
+
+    def _halted(self, exc: TamperedLogError) -> None:
+        f = exc.failure
+        log.critical("audit writer halted: a stored record it did not write fails verification; nothing "
+                     "more is signed or acknowledged until the store is repaired and the sidecar restarted",
+                     origin=f.origin, seq=f.seq, check=f.check, reason=f.message)
 
     def db(self) -> Session:
         return self.sessions()
@@ -210,6 +225,13 @@ class Sidecar:
             out["kek"] = "ok"
         except Exception as e:  # noqa: BLE001
             out["kek"] = str(e)[:200]
+        if self.log.halted is None and out["database"] == "ok":
+            # what was stored past the writer's tail is verified now, not at the next append
+            with contextlib.suppress(Exception):  # a failure halts the writer; anything else: below
+                self.log.verify_tail(timeout=READY_VERIFY_S)
+        halted = self.log.halted
+        out["audit_writer"] = "ok" if halted is None else (
+            f"halted: record {halted.failure.record} fails {halted.failure.check}")
         if self._socket is not None:  # another process may have replaced or removed it
             path, identity = self._socket
             try:

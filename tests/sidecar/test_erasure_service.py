@@ -283,7 +283,9 @@ def test_the_signed_record_counts_the_destroyed_secrets(sidecar):
     done = state(sidecar, row.id)
     assert done.state == "completed"
     assert json.loads(done.result_json)["secrets_destroyed"] == 2  # the user's and the session's
-    assert json.loads(done.receipt_json)["record"]["details"]["secrets_destroyed"] == 2
+    details = json.loads(done.receipt_json)["record"]["details"]
+    assert details["secrets_destroyed"] == 2
+    assert len(details["shredded"]) == 2  # their shred tags, which `kvguard audit check` matches
     assert sidecar.pseudonyms.existing("user", "u-9", tenant="acme") is None
 
 

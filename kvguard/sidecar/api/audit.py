@@ -1,9 +1,11 @@
 """Audit queries: records (filtered, paginated), the latest signed checkpoint, inclusion
-and consistency proofs, and the log's public keys."""
+and consistency proofs (hashes in hex, as docs/audit-format.md §4 writes them in JSON),
+the log's public keys, and the store check for periodic runs."""
 
 from __future__ import annotations
 
-import base64
+import threading
+import time
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
@@ -15,7 +17,8 @@ from kvguard.audit import ops
 from kvguard.audit.canonical import loads
 from kvguard.audit.models import RecordRow
 
-from .deps import AuditRead, SidecarDep
+from ..logs import log
+from .deps import Admin, AuditRead, SidecarDep
 from .problems import Problem, documented
 
 router = APIRouter(prefix="/v1/audit", tags=["audit"], responses=documented(401, 403, 503))
@@ -57,7 +60,7 @@ def records(sidecar: SidecarDep, _: AuditRead,
 class CheckpointOut(BaseModel):
     origin: str
     tree_size: int
-    root_hash: str  # base64
+    root_hash: str  # hex (the note itself carries it in base64, as C2SP checkpoints do)
     note: str  # the C2SP signed note
 
 
@@ -65,7 +68,7 @@ class CheckpointOut(BaseModel):
 def checkpoint(sidecar: SidecarDep, _: AuditRead) -> CheckpointOut:
     cp = sidecar.log.checkpoint()
     return CheckpointOut(origin=sidecar.settings.origin, tree_size=cp.size,
-                         root_hash=base64.b64encode(cp.root).decode(), note=cp.note)
+                         root_hash=cp.root.hex(), note=cp.note)
 
 
 @router.get("/checkpoint.txt", response_class=PlainTextResponse, summary="The latest checkpoint as a signed note")
@@ -75,7 +78,7 @@ def checkpoint_note(sidecar: SidecarDep, _: AuditRead) -> str:
 
 class Proof(BaseModel):
     tree_size: int
-    hashes: list[str]  # base64, RFC 9162 order
+    hashes: list[str]  # hex, RFC 9162 order
 
 
 def _size(sidecar, size: int | None) -> int:
@@ -93,7 +96,7 @@ def inclusion(sidecar: SidecarDep, _: AuditRead, seq: Annotated[int, Query(ge=0,
     size = _size(sidecar, tree_size)
     if seq >= size:
         raise Problem(422, "Unprocessable Content", f"record {seq} is not in a tree of size {size}")
-    return Proof(tree_size=size, hashes=[base64.b64encode(h).decode() for h in sidecar.log.inclusion_proof(seq, size)])
+    return Proof(tree_size=size, hashes=[h.hex() for h in sidecar.log.inclusion_proof(seq, size)])
 
 
 @router.get("/proofs/consistency", response_model=Proof, summary="Consistency proof between two sizes (RFC 9162 2.1.4)")
@@ -103,10 +106,49 @@ def consistency(sidecar: SidecarDep, _: AuditRead, first: Annotated[int, Query(g
     if first > size:
         raise Problem(422, "Unprocessable Content", f"first {first} is larger than second {size}")
     return Proof(tree_size=size,
-                 hashes=[base64.b64encode(h).decode() for h in sidecar.log.consistency_proof(first, size)])
+                 hashes=[h.hex() for h in sidecar.log.consistency_proof(first, size)])
 
 
 @router.get("/public-keys", summary="The log's public keys, with the record each is valid from")
 def public_keys(sidecar: SidecarDep, _: AuditRead) -> list[dict]:
     return [{"key_id": k.key.key_id, "public_key_pem": k.key.to_pem(), "valid_from_seq": k.valid_from_seq}
             for k in sidecar.store.keys(sidecar.settings.origin)]
+
+
+class CheckResult(BaseModel):
+    consistent: bool
+    origin: str
+    records: int  # records checked (up to the failure, when one is found)
+    seconds: float
+    failure: dict | None = None  # check, message, origin, seq, record: the first failure
+
+
+_checking = threading.Lock()
+
+
+@router.post("/check", response_model=CheckResult, responses=documented(409),
+             summary="Check this sidecar's log in the store (kvguard audit check), for periodic runs")
+def check(sidecar: SidecarDep, _: Admin) -> CheckResult:
+    """Every record's signature, chain, key, leaf hash and query columns, every checkpoint,
+    the keys table against the rotation records, and that no subject secret an erase record
+    destroyed is stored again. Answers 200 either way (`consistent`); the result also goes to
+    the kvguard_audit_check_* metrics. One run at a time: 409 while one is running."""
+    from kvguard.audit.check import check_store
+    from kvguard.audit.errors import VerificationError
+
+    if not _checking.acquire(blocking=False):
+        raise Problem(409, "Conflict", "a store check is running; wait for its result (see /metrics)")
+    origin, started, seen = sidecar.settings.origin, time.perf_counter(), [0]
+    try:
+        try:
+            summary = check_store(sidecar.store, [origin], progress=lambda n: seen.__setitem__(0, seen[0] + n))
+        except VerificationError as exc:
+            sidecar.metrics.checked(exc)
+            log.error("audit store check failed", origin=exc.origin, seq=exc.seq, check=exc.check,
+                      reason=exc.message)
+            return CheckResult(consistent=False, origin=origin, records=seen[0],
+                               seconds=time.perf_counter() - started, failure=exc.to_dict())
+        sidecar.metrics.checked(None)
+        return CheckResult(consistent=True, origin=origin, records=summary.records, seconds=summary.seconds)
+    finally:
+        _checking.release()

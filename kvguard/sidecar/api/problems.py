@@ -10,6 +10,8 @@ from pydantic import BaseModel
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvguard.audit.errors import TamperedLogError
+
 from ...errors import InputError, KVGuardError, UnknownSequence
 from .. import outage
 from ..logs import log
@@ -39,7 +41,7 @@ WHY = {
     401: "No usable token: missing, unknown, revoked or expired",
     403: "The token lacks the scope this route needs",
     404: "No such resource",
-    409: "Another sidecar is doing the same thing now: try again when it is done",
+    409: "Another run of the same operation is in progress (here or on another sidecar): try again when it is done",
     415: "The body is not JSON: send 'Content-Type: application/json'",
     422: "A parameter or the body is not valid",
     503: "The audit store is unreachable or the sidecar is not ready",
@@ -122,6 +124,14 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(KVGuardError)
     async def _kvguard(request: Request, exc: KVGuardError):
         return problem_response(400, "Bad Request", str(exc), request)
+
+    @app.exception_handler(TamperedLogError)
+    async def _halted(request: Request, exc: TamperedLogError):
+        f = exc.failure
+        return problem_response(503, "Service Unavailable", "the audit writer stopped: a stored record it did "
+                                "not write fails verification; nothing of this request was recorded until an "
+                                "operator repairs the store and restarts the sidecar", request,
+                                record=f.record, check=f.check)
 
     @app.exception_handler(SQLAlchemyError)  # here, not as a crash below, which uvicorn logs again
     async def _database(request: Request, exc: SQLAlchemyError):
