@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import subprocess
@@ -149,6 +150,13 @@ def start_server(tmp: Path, db_url: str, *, tokens: dict | None = None, extra_en
         proc.kill()
         raise AssertionError("kvguard serve did not become ready")
     return Server(url, data / "ingest.sock", data, owner_url, tokens, proc, env)
+
+
+@pytest.fixture(scope="session")
+def kek_dirs(tmp_path_factory):
+    """One key-encryption key directory per database, as every sidecar of a database shares it."""
+    root = tmp_path_factory.mktemp("kek")
+    return lambda url: root / hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -25,8 +25,9 @@ from kvguard.sidecar.settings import Settings
 
 
 @pytest.fixture
-def settings(tmp_path, db_url) -> Settings:
+def settings(tmp_path, db_url, kek_dirs) -> Settings:
     return Settings(environment="development", data_dir=tmp_path / "data", database_url=db_url,
+                    kek_dir=kek_dirs(db_url),
                     origin=f"test.kvguard/{uuid.uuid4().hex[:8]}", audit_sign_process=False)
 
 

@@ -24,13 +24,6 @@ from kvguard.sidecar.settings import Settings
 GOOD = {"pages": 3, "bytes": 3072, "sequences": 1, "shared_pages": 0, "tier_copies": 1, "prefix_entries": 2}
 
 
-@pytest.fixture(scope="session")
-def kek_dirs(tmp_path_factory):
-    """One key-encryption key directory per database, as every sidecar of a database shares it."""
-    root = tmp_path_factory.mktemp("kek")
-    return lambda url: root / hashlib.sha256(url.encode()).hexdigest()[:16]
-
-
 @pytest.fixture
 def make_sidecar(tmp_path, db_url, kek_dirs):
     made = []
