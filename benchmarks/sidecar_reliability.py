@@ -167,7 +167,7 @@ def matrix(server, report: Report, label: str) -> None:
                 r = other.request(method, concrete, headers=admin, timeout=10)
             right, wrong = right + (r.status_code == 404), wrong + (r.status_code != 404)
             needed = ("ingest" if path.startswith("/internal/") else "audit:read" if path == "/metrics"
-                      else "admin" if path == "/v1/audit/check"
+                      else "admin" if path == "/v1/audit/check" or path.startswith("/v1/keys/")
                       else "erasure:write" if method == "post" else
                       "erasure:read" if path.startswith("/v1/erasure") else "audit:read")
             params = {"client": "m", "instance": "0" * 16, "wait": 0} if path.endswith("/commands") else None
