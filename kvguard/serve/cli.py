@@ -66,8 +66,9 @@ def load(model: str, device: str | None, dtype: str | None):
 def build(model, tokenizer, *, model_name: str, socket, ingest_token: str, policy: Path | None = None,
           codec: str | None = None, num_pages: int = 2048, max_seqs: int = 64, chunk: int = 256,
           max_model_len: int | None = None, default_user: str | None = None, max_body_bytes: int = 1 << 20,
-          client_options: dict | None = None):
-    """(app, engine, client): the engine started, the sidecar client started."""
+          num_hot_pages: int | None = None, ignore_eos: bool = False, client_options: dict | None = None):
+    """(app, engine, client): the engine started, the sidecar client started. num_hot_pages: the
+    16-bit pool beside a codec's (default: as many pages as the codec's pool)."""
     from ..cache import CacheConfig, CacheManager
     from ..client import SidecarClient
     from ..hf.cache import shape_fields
@@ -88,13 +89,13 @@ def build(model, tokenizer, *, model_name: str, socket, ingest_token: str, polic
         if codec != "int8" or "codec_options" not in opts:
             opts["codec_options"] = {}
         name = f"{name}+codec={codec}"
-    cfg = CacheConfig(**shape_fields(model.config), **opts, num_pages=num_pages, device=param.device,
-                      dtype=param.dtype)
+    cfg = CacheConfig(**shape_fields(model.config), **opts, num_pages=num_pages, num_hot_pages=num_hot_pages,
+                      device=param.device, dtype=param.dtype)
     manager = CacheManager(cfg)
     client = SidecarClient(manager, token=ingest_token, socket=socket, on_full="refuse",
                            **(client_options or {})).start()
     engine = Engine(model, tokenizer, manager, client=client, chunk=chunk, max_seqs=max_seqs,
-                    max_model_len=max_model_len).start()
+                    max_model_len=max_model_len, ignore_eos=ignore_eos).start()
     keys = KeyChecker(token=ingest_token, socket=socket)
     app = create_app(engine, keys, model_name=model_name, policy_name=name, default_user=default_user,
                      max_body_bytes=max_body_bytes, client=client)

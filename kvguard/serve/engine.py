@@ -37,7 +37,7 @@ class Engine:
     events reach the audit log), None only in tests of the engine alone."""
 
     def __init__(self, model, tokenizer, manager, *, client=None, chunk: int = 256, max_seqs: int = 64,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, ignore_eos: bool = False):
         self.model, self.tokenizer, self.manager, self.client = model, tokenizer, manager, client
         self.cache = KVGuardCache(model.config, _NOBODY, manager=manager)
         self.kwarg = cache_kwarg(model)
@@ -51,7 +51,8 @@ class Engine:
         self.max_model_len = min(limit, max_model_len or limit)
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = eos if isinstance(eos, list) else [eos]
-        self.eos = {e for e in [*eos, tokenizer.eos_token_id] if e is not None}
+        # ignore_eos: every request runs to max_tokens (a benchmark's fixed output length)
+        self.eos = set() if ignore_eos else {e for e in [*eos, tokenizer.eos_token_id] if e is not None}
         self.steps = self.decode_steps = self.tokens_out = self.prefill_tokens = 0
         self.step_seconds = 0.0
         self._wake = threading.Event()

@@ -60,7 +60,8 @@ def start_llm(sidecar: Server, model, tok, **options) -> Llm:
     from kvguard.serve.cli import build
 
     app, engine, client = build(model, tok, model_name="smollm2", socket=sidecar.socket,
-                                ingest_token=sidecar.tokens["ingest"], **options)
+                                ingest_token=sidecar.tokens["ingest"],
+                                client_options={"poll_wait_s": 1.0}, **options)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
