@@ -173,12 +173,73 @@ def run_server(args, model, tok, codec: str, sock: Path, ingest: str, prompts: l
     while not server.started:
         time.sleep(0.05)
     try:
+        # a first request compiles the kernels and fills their caches: not timed
+        asyncio.run(load(f"http://127.0.0.1:{port}", args.key, prompts[:1], 2, 1))
+        engine.scheduler.peak = 0
         out = asyncio.run(load(f"http://127.0.0.1:{port}", args.key, prompts, args.output, args.clients))
     finally:
         server.should_exit = True
         th.join(60)
         engine.stop()
         client.close()
+    out["peak"] = engine.scheduler.peak
+    out["pages"] = main
+    return out
+
+
+async def load_engine(engine, tok, prompts: list[str], output: int, clients: int) -> dict:
+    """The same load submitted to the engine in this process: no HTTP, no sidecar."""
+    import uuid
+
+    from kvguard.serve.scheduler import Request, SamplingParams
+    from kvguard.types import Subject
+
+    loop = asyncio.get_running_loop()
+    todo = list(prompts)
+    ttft, itl, done_tokens = [], [], 0
+    t0 = time.perf_counter()
+
+    async def client():
+        nonlocal done_tokens
+        while todo:
+            ids = tok(todo.pop(0)).input_ids
+            rid = uuid.uuid4().hex
+            req = Request(rid, Subject("bench", "bench", rid), ids, SamplingParams(max_tokens=output, temperature=0),
+                          loop, asyncio.Queue())
+            start = last = time.perf_counter()
+            await asyncio.to_thread(engine.submit, req)
+            first = True
+            while True:
+                item = await req.queue.get()
+                now = time.perf_counter()
+                if item[0] == "text":
+                    (ttft.append(now - start) if first else itl.append(now - last))
+                    first, last = False, now
+                elif item[0] == "done":
+                    done_tokens += item[2]["completion_tokens"]
+                    break
+                else:
+                    raise SystemExit(f"the engine ended a request: {item[1]} {item[2]}")
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    wall = time.perf_counter() - t0
+    return {"wall": wall, "tokens": done_tokens, "requests": len(prompts), "ttft": ttft, "itl": itl}
+
+
+def run_engine(args, model, tok, codec: str, prompts: list[str]) -> dict:
+    from kvguard.serve.cli import cache_manager
+    from kvguard.serve.engine import Engine
+
+    main, hot = pages_for(model, codec, int(args.kv_gb * 2**30), args.clients)
+    manager, _ = cache_manager(model, codec=codec, num_pages=main, num_hot_pages=hot)
+    engine = Engine(model, tok, manager, chunk=args.chunk, max_seqs=args.clients, ignore_eos=True,
+                    max_model_len=model.config.max_position_embeddings).start()
+    try:
+        asyncio.run(load_engine(engine, tok, prompts[:1], 2, 1))  # compiles the kernels: not timed
+        engine.scheduler.peak = 0
+        out = asyncio.run(load_engine(engine, tok, prompts, args.output, args.clients))
+    finally:
+        engine.stop()
     out["peak"] = engine.scheduler.peak
     out["pages"] = main
     return out
@@ -200,6 +261,7 @@ def run_stock(args, model, prompts_ids: list[list[int]], kv_pages16: int) -> dic
             for k, v in (kw | {"block_size": 16}).items():
                 setattr(gen, k, v)
             extra = {}
+        model.generate_batch(prompts_ids[:1], generation_config=gen, **extra)  # its set-up and warm-up: not timed
         t0 = time.perf_counter()
         res = model.generate_batch(prompts_ids, generation_config=gen, record_timestamps=True, **extra)
         wall = time.perf_counter() - t0
@@ -236,14 +298,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-gb", type=float, default=40.0, help="KV memory budget of every run, GiB")
     p.add_argument("--chunk", type=int, default=2048, help="prefill tokens per step (both engines)")
     p.add_argument("--no-stock", action="store_true", help="skip transformers' generate_batch")
+    p.add_argument("--in-process", action="store_true",
+                   help="submit to the engine directly: no HTTP server, no sidecar (torch and transformers only)")
     p.add_argument("--small", action="store_true", help="a tiny model on the CPU: seconds, for the test")
     args = p.parse_args(argv)
     import logging
 
-    import structlog
     import torch
 
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))  # no line per request
+    if not args.in_process:
+        import structlog
+
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))  # no request lines
 
     if args.small:
         args.shape, args.codecs, args.prompt_lens, args.output = "tiny", "fp16,int8", "48", 8
@@ -264,19 +330,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.kv_gb:g} GiB, {args.clients} clients, {args.requests} requests of {args.output} output tokens",
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        proc, sock, ingest = start_sidecar(Path(tmp))
+        proc, sock, ingest = (None, None, None) if args.in_process else start_sidecar(Path(tmp))
         try:
-            from kvguard.audit.store import make_engine
-            from sqlalchemy.orm import Session
+            if not args.in_process:
+                from kvguard.audit.store import make_engine
+                from sqlalchemy.orm import Session
 
-            from kvguard.sidecar.auth import create_token
-            from kvguard.sidecar.service import load_or_create_secret
+                from kvguard.sidecar.auth import create_token
+                from kvguard.sidecar.service import load_or_create_secret
 
-            engine = make_engine(f"sqlite:///{Path(tmp) / 'data' / 'audit.db'}")
-            with Session(engine) as db:
-                args.key = create_token(db, "bench-key", ["infer"], tenants=["bench"],
-                                        index_key=load_or_create_secret(Path(tmp) / "data" / "index.key"))
-            engine.dispose()
+                engine = make_engine(f"sqlite:///{Path(tmp) / 'data' / 'audit.db'}")
+                with Session(engine) as db:
+                    args.key = create_token(db, "bench-key", ["infer"], tenants=["bench"],
+                                            index_key=load_or_create_secret(Path(tmp) / "data" / "index.key"))
+                engine.dispose()
             lines = ["| server | prompt | output tok/s | req/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | peak seqs "
                      "| vs stock |", "|---|---|---|---|---|---|---|---|"]
             for plen in lens:
@@ -290,12 +357,18 @@ def main(argv: list[str] | None = None) -> int:
                     lines.append(row("transformers generate_batch (paged, sdpa)", plen, base, None))
                     print(lines[-1], flush=True)
                 for codec in codecs:
-                    r = run_server(args, model, tok, codec, sock, ingest, prompts)
-                    lines.append(row(f"kvguard serve-llm {codec} ({r['pages']} pages)", plen, r, base))
+                    if args.in_process:
+                        r = run_engine(args, model, tok, codec, prompts)
+                        name = f"kvguard engine {codec} ({r['pages']} pages)"
+                    else:
+                        r = run_server(args, model, tok, codec, sock, ingest, prompts)
+                        name = f"kvguard serve-llm {codec} ({r['pages']} pages)"
+                    lines.append(row(name, plen, r, base))
                     print(lines[-1], flush=True)
         finally:
-            proc.terminate()
-            proc.wait(30)
+            if proc is not None:
+                proc.terminate()
+                proc.wait(30)
     print("\n".join(lines))
     return 0
 

@@ -63,19 +63,13 @@ def load(model: str, device: str | None, dtype: str | None):
     return m.to(dev), tok, Path(path).stem if path.endswith(".gguf") else Path(path).name
 
 
-def build(model, tokenizer, *, model_name: str, socket, ingest_token: str, policy: Path | None = None,
-          codec: str | None = None, num_pages: int = 2048, max_seqs: int = 64, chunk: int = 256,
-          max_model_len: int | None = None, default_user: str | None = None, max_body_bytes: int = 1 << 20,
-          num_hot_pages: int | None = None, ignore_eos: bool = False, client_options: dict | None = None):
-    """(app, engine, client): the engine started, the sidecar client started. num_hot_pages: the
-    16-bit pool beside a codec's (default: as many pages as the codec's pool)."""
+def cache_manager(model, *, policy: Path | None = None, codec: str | None = None, num_pages: int = 2048,
+                  num_hot_pages: int | None = None):
+    """(the CacheManager for a model's K/V, the name of the policy in force). Without a policy:
+    16-bit pages, prompt pages shared within a tenant."""
     from ..cache import CacheConfig, CacheManager
-    from ..client import SidecarClient
     from ..hf.cache import shape_fields
     from ..policy.schema import load_policy
-    from .app import create_app
-    from .engine import Engine
-    from .keys import KeyChecker
 
     param = next(model.parameters())
     opts: dict = {"prefix_sharing": True}
@@ -91,7 +85,22 @@ def build(model, tokenizer, *, model_name: str, socket, ingest_token: str, polic
         name = f"{name}+codec={codec}"
     cfg = CacheConfig(**shape_fields(model.config), **opts, num_pages=num_pages, num_hot_pages=num_hot_pages,
                       device=param.device, dtype=param.dtype)
-    manager = CacheManager(cfg)
+    return CacheManager(cfg), name
+
+
+def build(model, tokenizer, *, model_name: str, socket, ingest_token: str, policy: Path | None = None,
+          codec: str | None = None, num_pages: int = 2048, max_seqs: int = 64, chunk: int = 256,
+          max_model_len: int | None = None, default_user: str | None = None, max_body_bytes: int = 1 << 20,
+          num_hot_pages: int | None = None, ignore_eos: bool = False, client_options: dict | None = None):
+    """(app, engine, client): the engine started, the sidecar client started. num_hot_pages: the
+    16-bit pool beside a codec's (default: as many pages as the codec's pool)."""
+    from ..client import SidecarClient
+    from .app import create_app
+    from .engine import Engine
+    from .keys import KeyChecker
+
+    manager, name = cache_manager(model, policy=policy, codec=codec, num_pages=num_pages,
+                                  num_hot_pages=num_hot_pages)
     client = SidecarClient(manager, token=ingest_token, socket=socket, on_full="refuse",
                            **(client_options or {})).start()
     engine = Engine(model, tokenizer, manager, client=client, chunk=chunk, max_seqs=max_seqs,
