@@ -104,7 +104,7 @@ def build(model, tokenizer, *, model_name: str, socket, ingest_token: str, polic
     client = SidecarClient(manager, token=ingest_token, socket=socket, on_full="refuse",
                            **(client_options or {})).start()
     engine = Engine(model, tokenizer, manager, client=client, chunk=chunk, max_seqs=max_seqs,
-                    max_model_len=max_model_len, ignore_eos=ignore_eos).start()
+                    max_model_len=max_model_len, ignore_eos=ignore_eos, policy_name=name).start()
     keys = KeyChecker(token=ingest_token, socket=socket)
     app = create_app(engine, keys, model_name=model_name, policy_name=name, default_user=default_user,
                      max_body_bytes=max_body_bytes, client=client)

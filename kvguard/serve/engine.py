@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from ..cache.events import SequenceOpened
+from ..cache.sequence import page_name
 from ..errors import InputError
 from ..hf import CacheFullError, KVGuardCache, cache_kwarg
 from ..types import Subject
@@ -37,7 +39,7 @@ class Engine:
     events reach the audit log), None only in tests of the engine alone."""
 
     def __init__(self, model, tokenizer, manager, *, client=None, chunk: int = 256, max_seqs: int = 64,
-                 max_model_len: int | None = None, ignore_eos: bool = False):
+                 max_model_len: int | None = None, ignore_eos: bool = False, policy_name: str = "none"):
         self.model, self.tokenizer, self.manager, self.client = model, tokenizer, manager, client
         self.cache = KVGuardCache(model.config, _NOBODY, manager=manager)
         self.kwarg = cache_kwarg(model)
@@ -47,6 +49,7 @@ class Engine:
         capacity = {"hot": cfg.num_hot_pages} | ({"main": cfg.num_pages} if self.quantized else {})
         self.scheduler = Scheduler(capacity, max_seqs)
         self.chunk = chunk
+        self.policy_name = policy_name  # named in each request's `open` record
         limit = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(limit, max_model_len or limit)
         eos = model.generation_config.eos_token_id if model.generation_config else None
@@ -94,6 +97,11 @@ class Engine:
             self.scheduler.release(req)
             raise
         req.cached = req.fed = self.manager.length(req.seq)
+        with self.manager.lock:  # its record names the policy and the prefix pages it shares
+            refs = self.manager._seq(req.seq).pages
+            names = tuple(page_name(r.where, r.page) for r in refs)
+            self.manager.events.emit(SequenceOpened(req.seq, req.subject, names, req.cached,
+                                                    self.manager.store.bytes_of(names), policy=self.policy_name))
         if req.params.temperature > 0:
             seed = req.params.seed if req.params.seed is not None else secrets.randbits(63)
             req.generator = torch.Generator().manual_seed(seed)
