@@ -69,7 +69,8 @@ class Metrics:
 
 
 def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name: str,
-               default_user: str | None = None, max_body_bytes: int = 1 << 20, client=None) -> FastAPI:
+               default_user: str | None = None, max_body_bytes: int = 1 << 20, client=None,
+               default_max_tokens: int = 1024) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         yield
@@ -201,8 +202,8 @@ def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name
         else:
             prompt = tok(data.prompt).input_ids
         max_tokens = data.limit()
-        if max_tokens is None:
-            max_tokens = max(1, engine.max_model_len - len(prompt))
+        if max_tokens is None:  # what is left of the context, within the default
+            max_tokens = max(1, min(default_max_tokens, engine.max_model_len - len(prompt)))
         params = SamplingParams(max_tokens=max_tokens, temperature=data.temperature, top_p=data.top_p,
                                 seed=data.seed, stop=data.stops())
         req = EngineRequest(uuid.uuid4().hex, Subject(key.tenant, user, session), prompt, params,
