@@ -23,8 +23,8 @@ import torch
 
 from ..cache.events import SequenceOpened
 from ..cache.sequence import page_name
-from ..errors import InputError
-from ..hf import CacheFullError, KVGuardCache, cache_kwarg
+from ..errors import InputError, OutOfPages
+from ..hf import CacheFullError, DecodeGraph, KVGuardCache, cache_kwarg
 from ..types import Subject
 from .scheduler import Request, Scheduler, pages_needed
 
@@ -39,7 +39,8 @@ class Engine:
     events reach the audit log), None only in tests of the engine alone."""
 
     def __init__(self, model, tokenizer, manager, *, client=None, chunk: int = 256, max_seqs: int = 64,
-                 max_model_len: int | None = None, ignore_eos: bool = False, policy_name: str = "none"):
+                 max_model_len: int | None = None, ignore_eos: bool = False, policy_name: str = "none",
+                 use_graphs: bool = True):
         self.model, self.tokenizer, self.manager, self.client = model, tokenizer, manager, client
         self.cache = KVGuardCache(model.config, _NOBODY, manager=manager)
         self.kwarg = cache_kwarg(model)
@@ -50,6 +51,10 @@ class Engine:
         self.scheduler = Scheduler(capacity, max_seqs)
         self.chunk = chunk
         self.policy_name = policy_name  # named in each request's `open` record
+        # on the kernel path, decode steps replay from a CUDA graph per batch size (one bucket per
+        # number of rows), rebound to each step's rows; capture=False runs them eagerly through
+        # the same fixed buffers (a CPU under Triton's interpreter)
+        self.graphs: dict[int, DecodeGraph] | None = {} if manager.cfg.use_kernels and use_graphs else None
         limit = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(limit, max_model_len or limit)
         eos = model.generation_config.eos_token_id if model.generation_config else None
@@ -200,8 +205,11 @@ class Engine:
         ids = torch.tensor([[r.output[-1]] for r in rows])
         pos = torch.tensor([[r.fed] for r in rows])
         try:
-            logits = self._forward(rows, ids, pos)
-        except CacheFullError:  # nothing of the step was written: the newest request gives way
+            if self.graphs is None:
+                logits = self._forward(rows, ids, pos)
+            else:
+                logits = self._replay(rows, ids, pos)
+        except (CacheFullError, OutOfPages):  # nothing of the step was written: the newest request gives way
             self._finish(rows[-1], error=(503, "the KV page pool ran out; retry later"))
             return
         self.decode_steps += 1
@@ -209,6 +217,17 @@ class Engine:
             r.fed += 1
         for r, tok in zip(rows, self._sample(rows, logits)):
             self._accept(r, tok)
+
+    def _replay(self, rows: list[Request], ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """A decode step through the graph of its batch size, made at the first step of that size."""
+        seqs = [r.seq for r in rows]
+        self.cache.set_rows(seqs)
+        graph = self.graphs.get(len(rows))
+        if graph is None:
+            graph = self.graphs[len(rows)] = DecodeGraph(self.model, self.cache, self.max_model_len)
+        else:
+            graph.rebind(seqs)
+        return graph.step(ids[:, 0].to(self.device), pos[:, 0].to(self.device)).float()
 
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[int]:
         greedy = logits.argmax(-1).tolist()
