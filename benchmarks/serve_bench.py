@@ -98,9 +98,10 @@ def make_model(shape: str, device, dtype, max_len: int):
     return model.eval()
 
 
-def pages_for(model, codec: str, kv_bytes: int, max_seqs: int) -> tuple[int, int]:
+def pages_for(model, codec: str, kv_bytes: int, max_seqs: int, chunk: int) -> tuple[int, int]:
     """(codec pool pages, 16-bit pool pages) that fill kv_bytes: with a codec, the 16-bit pool
-    holds each sequence's page being written and the one waiting to be quantized."""
+    holds each sequence's page being written and the one waiting to be quantized, and a
+    prefill chunk on its way to the codec."""
     from kvguard.cache import CacheConfig, CacheManager
     from kvguard.hf.cache import shape_fields
 
@@ -110,7 +111,7 @@ def pages_for(model, codec: str, kv_bytes: int, max_seqs: int) -> tuple[int, int
     hot_bytes = probe.pools["hot"].page_bytes
     if "main" not in probe.pools:
         return kv_bytes // hot_bytes, kv_bytes // hot_bytes
-    hot = 2 * max_seqs + 2
+    hot = 3 * max_seqs + -(-chunk // 16) + 2
     return (kv_bytes - hot * hot_bytes) // probe.pools["main"].page_bytes, hot
 
 
@@ -160,7 +161,7 @@ def run_server(args, model, tok, codec: str, sock: Path, ingest: str, prompts: l
 
     from kvguard.serve.cli import build
 
-    main, hot = pages_for(model, codec, int(args.kv_gb * 2**30), args.clients)
+    main, hot = pages_for(model, codec, int(args.kv_gb * 2**30), args.clients, args.chunk)
     # an infer key for the run: made through the sidecar's store
     app, engine, client = build(model, tok, model_name="bench", socket=sock, ingest_token=ingest, codec=codec,
                                 num_pages=main, num_hot_pages=hot, max_seqs=args.clients, chunk=args.chunk,
@@ -230,7 +231,7 @@ def run_engine(args, model, tok, codec: str, prompts: list[str]) -> dict:
     from kvguard.serve.cli import cache_manager
     from kvguard.serve.engine import Engine
 
-    main, hot = pages_for(model, codec, int(args.kv_gb * 2**30), args.clients)
+    main, hot = pages_for(model, codec, int(args.kv_gb * 2**30), args.clients, args.chunk)
     manager, _ = cache_manager(model, codec=codec, num_pages=main, num_hot_pages=hot)
     engine = Engine(model, tok, manager, chunk=args.chunk, max_seqs=args.clients, ignore_eos=True,
                     max_model_len=model.config.max_position_embeddings).start()
@@ -352,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                 ids = [tok(x).input_ids for x in prompts]
                 base = None
                 if not args.no_stock:
-                    pages16 = pages_for(model, "fp16", int(args.kv_gb * 2**30), args.clients)[0]
+                    pages16 = pages_for(model, "fp16", int(args.kv_gb * 2**30), args.clients, args.chunk)[0]
                     base = run_stock(args, model, ids, pages16)
                     lines.append(row("transformers generate_batch (paged, sdpa)", plen, base, None))
                     print(lines[-1], flush=True)

@@ -197,7 +197,11 @@ def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name
         if kind == "chat":
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                         for m in data.messages]
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            try:
+                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except Exception:  # noqa: BLE001 - a template that refuses these messages (jinja raise_exception)
+                raise Problem(400, "the model's chat template refuses these messages (their roles or "
+                                   "order)") from None
             prompt = tok(text, add_special_tokens=False).input_ids
         else:
             prompt = tok(data.prompt).input_ids

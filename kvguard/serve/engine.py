@@ -15,6 +15,7 @@ the model each row's position (position_ids).
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 import time
@@ -23,7 +24,7 @@ import torch
 
 from ..cache.events import SequenceOpened
 from ..cache.sequence import page_name
-from ..errors import InputError, OutOfPages
+from ..errors import ConfigError, InputError, OutOfPages
 from ..hf import CacheFullError, DecodeGraph, KVGuardCache, cache_kwarg
 from ..types import Subject
 from .scheduler import Request, Scheduler, pages_needed
@@ -48,6 +49,15 @@ class Engine:
         self.quantized = "main" in manager.pools
         cfg = manager.cfg
         capacity = {"hot": cfg.num_hot_pages} | ({"main": cfg.num_pages} if self.quantized else {})
+        if self.quantized:
+            # a prefill chunk's tokens pass through 16-bit pages before they are quantized: the
+            # pages of one chunk, and each row's partly filled page, are kept free for that
+            transient = math.ceil(chunk / cfg.page_size) + max_seqs
+            if cfg.num_hot_pages - transient < 2:
+                raise ConfigError(f"num_hot_pages {cfg.num_hot_pages} is too small: a prefill chunk of {chunk} "
+                                  f"tokens for up to {max_seqs} rows passes through {transient} 16-bit pages; "
+                                  f"give at least {transient + 2 * max_seqs}")
+            capacity["hot"] -= transient
         self.scheduler = Scheduler(capacity, max_seqs)
         self.chunk = chunk
         self.policy_name = policy_name  # named in each request's `open` record

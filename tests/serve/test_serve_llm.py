@@ -42,7 +42,7 @@ N = 4
 def llms(sidecar, smollm2):
     model, tok = smollm2
     fp16 = start_llm(sidecar, model, tok, num_pages=64, max_seqs=16)
-    int8 = start_llm(sidecar, model, tok, policy=POLICY, num_pages=64, max_seqs=16)
+    int8 = start_llm(sidecar, model, tok, policy=POLICY, num_pages=128, max_seqs=16)
     yield {"fp16": fp16, "int8": int8}
     int8.stop()
     fp16.stop()
