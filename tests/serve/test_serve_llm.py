@@ -76,7 +76,7 @@ def test_the_openai_client_gets_chat_streams_completions_and_models(llms, sideca
     raw = c.chat.completions.with_raw_response.create(
         model="smollm2", messages=[{"role": "user", "content": "Say hi"}], max_tokens=N, user=USERS[0],
         temperature=0)
-    assert raw.headers["x-kvguard-policy"] == "chat-small"
+    assert raw.headers["x-kvguard-policy"] == "chat-small (not measured)"  # no --fidelity report given
     chat = raw.parse()
     assert chat.choices[0].message.content and chat.usage.completion_tokens == N
     assert chat.usage.prompt_tokens > 0 and chat.usage.total_tokens == chat.usage.prompt_tokens + N
@@ -300,7 +300,7 @@ def test_erasure_mid_stream_audit_chain_and_no_raw_ids(llms, sidecar, smollm2, t
     ops = {r["op"] for r in records}
     assert {"open", "free", "quantize", "evict", "erase"} <= ops  # quantize, evict: the int8 engine's
     opens = [r for r in records if r["op"] == "open"]
-    assert {r["details"]["policy"] for r in opens} == {"none", "chat-small"}  # the policy in force, per engine
+    assert {r["details"]["policy"] for r in opens} == {"none", "chat-small (not measured)"}  # the policy in force, per engine
     frees = [r for r in records if r["op"] == "free"]
     assert all(set(r["subject"]) >= {"tenant", "user", "session"} for r in frees)
 
