@@ -264,14 +264,18 @@ def run_stock(args, model, prompts_ids: list[list[int]], kv_pages16: int) -> dic
             extra = {}
         model.generate_batch(prompts_ids[:1], generation_config=gen, **extra)  # its set-up and warm-up: not timed
         t0 = time.perf_counter()
-        res = model.generate_batch(prompts_ids, generation_config=gen, record_timestamps=True, **extra)
+        try:
+            res = model.generate_batch(prompts_ids, generation_config=gen, record_timestamps=True, **extra)
+        except TypeError:  # a transformers without per-token timestamps: no TTFT or ITL for it
+            t0 = time.perf_counter()
+            res = model.generate_batch(prompts_ids, generation_config=gen, **extra)
         wall = time.perf_counter() - t0
     finally:
         model.set_attn_implementation("kvguard")
     ttft, itl, tokens = [], [], 0
     for r in res.values():
         tokens += len(r.generated_tokens)
-        ts = r.timestamps or []
+        ts = getattr(r, "timestamps", None) or []
         if ts:
             ttft.append(ts[0] - r.created_time)
             itl += [b - a for a, b in zip(ts, ts[1:])]

@@ -52,7 +52,7 @@ def run(graphs, codec):
     assert m.sequences() == []
     return [r.output for r in reqs], sorted(e.graphs or {})
 
-for codec in ("fp16", "int8"):
+for codec in ("int8",):  # int8 pages: the 16-bit window's pages and the codec's, both through the graph
     eager, none = run(False, codec)
     replayed, sizes = run(True, codec)
     assert none == [] and sizes == [1, 2, 3], sizes

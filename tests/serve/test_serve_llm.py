@@ -116,12 +116,14 @@ def test_concurrent_greedy_requests_match_sequential_runs(llms, sidecar, smollm2
                                  user=USERS[i % 2])
         return tokens(tok, r.choices[0].text), time.perf_counter() - t0
 
-    sequential = [ask(i) for i in range(len(PROMPTS))]
+    # the wall time against one request after another (16-bit pages: the same engine either way)
+    sequential = [ask(i) for i in range(len(PROMPTS))] if pages == "fp16" else None
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
         together = list(pool.map(ask, range(len(PROMPTS))))
     wall = time.perf_counter() - t0
-    assert wall < sum(t for _, t in sequential), (wall, [t for _, t in sequential])
+    if sequential is not None:
+        assert wall < sum(t for _, t in sequential), (wall, [t for _, t in sequential])
     policy = load_policy(POLICY)
     for i, prompt in enumerate(PROMPTS):
         if pages == "fp16":
@@ -132,7 +134,7 @@ def test_concurrent_greedy_requests_match_sequential_runs(llms, sidecar, smollm2
             cache.free()
         want_text = tok.decode(want, skip_special_tokens=True)
         assert tok.decode(together[i][0]) == want_text, (pages, prompt)
-        assert together[i][0] == sequential[i][0]
+        assert sequential is None or together[i][0] == sequential[i][0]
 
 
 def test_prefix_pages_are_shared_within_a_tenant_only(llms, sidecar):
