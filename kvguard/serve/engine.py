@@ -104,19 +104,20 @@ class Engine:
         n = len(req.prompt)
         self.check_length(n, req.params.max_tokens)
         self.scheduler.admit(req, pages_needed(self.manager.cfg, self.quantized, n + req.params.max_tokens))
+        share = req.prompt[:-1] if self.manager.cfg.prefix_sharing else None  # the last token makes logits
+        open_ = self.client.open if self.client is not None else self.manager.open
         try:
-            share = req.prompt[:-1] if self.manager.cfg.prefix_sharing else None  # the last token makes logits
-            open_ = self.client.open if self.client is not None else self.manager.open
-            req.seq = open_(req.subject, share)
+            # under the lock, so that no erasure comes between the open and its record; an erasure
+            # after it finds the request in the loop's next step
+            with self.manager.lock:
+                req.seq = open_(req.subject, share)
+                req.cached = req.fed = self.manager.length(req.seq)
+                names = tuple(page_name(r.where, r.page) for r in self.manager._seq(req.seq).pages)
+                self.manager.events.emit(SequenceOpened(req.seq, req.subject, names, req.cached,
+                                                        self.manager.store.bytes_of(names), policy=self.policy_name))
         except BaseException:
             self.scheduler.release(req)
             raise
-        req.cached = req.fed = self.manager.length(req.seq)
-        with self.manager.lock:  # its record names the policy and the prefix pages it shares
-            refs = self.manager._seq(req.seq).pages
-            names = tuple(page_name(r.where, r.page) for r in refs)
-            self.manager.events.emit(SequenceOpened(req.seq, req.subject, names, req.cached,
-                                                    self.manager.store.bytes_of(names), policy=self.policy_name))
         if req.params.temperature > 0:
             seed = req.params.seed if req.params.seed is not None else secrets.randbits(63)
             req.generator = torch.Generator().manual_seed(seed)
