@@ -1,6 +1,7 @@
 """The `kvguard` command line.
 
     kvguard serve            run the sidecar (admin API, audit log, erasure)
+    kvguard serve-llm        an OpenAI-compatible inference server whose KV cache is kvguard's
     kvguard token create     create an admin API token (printed once)
     kvguard keygen           create an Ed25519 signing key (mode 0600)
     kvguard db upgrade|grant migrate the audit store as its owner; grant the sidecar's role
@@ -40,10 +41,13 @@ _OPTIONAL = (
     ("kvguard.eval.cli:register", "models", {
         "eval": "measure fidelity of codecs, evictors and policies on a real model",
     }),
+    ("kvguard.serve.cli:register", "models", {
+        "serve-llm": "serve a model over an OpenAI-compatible API, its KV cache kvguard's",
+    }),
 )
 # The extra each command needs when it runs (its --help needs none).
 EXTRAS = {"serve": "serve", "token": "serve", "keygen": "serve", "witness": "serve", "db": "serve", "keys": "serve",
-          "eval": "models", "demo": "models"}
+          "eval": "models", "demo": "models", "serve-llm": "models"}
 
 
 def _install_hint(extra: str) -> str:

@@ -47,7 +47,7 @@ class SidecarClient:
     def __init__(self, cache: CacheManager, *, token: str, socket: str | Path | None = None,
                  url: str | None = None, client_id: str | None = None, max_pending: int = 50_000,
                  on_full: Literal["block", "refuse"] = "block", batch: int = 1024, interval_s: float = 0.05,
-                 block_timeout_s: float = 60.0):
+                 block_timeout_s: float = 60.0, poll_wait_s: float = 5.0):
         if (socket is None) == (url is None):
             # the sidecar serves the ingest API on its Unix socket only; a url must reach that API
             # (e.g. a proxy to the socket), never the admin API's TCP port, which answers it 404
@@ -63,6 +63,7 @@ class SidecarClient:
                                   headers={"Authorization": f"Bearer {token}"})
         self.max_pending, self.on_full, self.batch = max_pending, on_full, batch
         self.interval_s, self.block_timeout_s = interval_s, block_timeout_s
+        self.poll_wait_s = poll_wait_s  # a command poll's wait, and so the longest `close` waits for it
         self._pending: deque[dict] = deque()
         self._next_no = 0
         self._durable_no = -1
@@ -215,7 +216,8 @@ class SidecarClient:
         while not self._stop.is_set():
             try:
                 r = self._http.get("/internal/v1/commands",
-                                   params={"client": self.client_id, "instance": self.instance, "wait": 5})
+                                   params={"client": self.client_id, "instance": self.instance,
+                                           "wait": self.poll_wait_s})
                 r.raise_for_status()
                 for cmd in r.json():
                     self._execute(cmd)

@@ -119,3 +119,24 @@ def test_step_clock_times_each_step_between_ticks():
         clock.tick()
     steps = clock.steps_ms(skip=2)
     assert len(steps) == 3 and all(ms >= 0 for ms in steps)
+
+
+def test_serve_bench_small_runs_both_servers():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "benchmarks/serve_bench.py", "--small"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = r.stdout[r.stdout.index("| server |"):].splitlines()[2:]
+    assert [line.split("|")[1].split("(")[0].strip() for line in table] == [
+        "transformers generate_batch", "kvguard serve-llm fp16", "kvguard serve-llm int8"]
+    for line in table:
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        assert float(cells[2]) > 0 and float(cells[3]) > 0  # output tokens/s, requests/s
+    assert table[1].split("|")[7].strip() == "4"  # peak concurrent sequences: every client at once
+    # the engine alone (no HTTP, no sidecar), for a GPU machine without the server's extras
+    r = subprocess.run([sys.executable, "benchmarks/serve_bench.py", "--small", "--in-process", "--no-stock"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = r.stdout[r.stdout.index("| server |"):].splitlines()[2:]
+    assert [line.split("|")[1].split("(")[0].strip() for line in table] == ["kvguard engine fp16",
+                                                                            "kvguard engine int8"]

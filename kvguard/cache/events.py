@@ -38,6 +38,17 @@ class CacheEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class SequenceOpened(CacheEvent):
+    """A sequence opened for a subject under a policy (a served request began): `pages` are the
+    prompt pages it shares from its tenant's prefix cache, `n_tokens` the tokens they hold.
+    The cache's `open` emits none; a serving process that wants its requests' starts in the log
+    (kvguard.serve) emits it."""
+
+    op = ops.OPEN
+    policy: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class PagesQuantized(CacheEvent):
     """Full 16-bit pages re-encoded into the codec (bytes: after; bytes_before: before)."""
 

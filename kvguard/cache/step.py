@@ -81,6 +81,26 @@ class StaticStep:
         self._mass_at: tuple | None = None
         self._open = False
 
+    def rebind(self, seq_ids: Seq[SeqId]) -> None:
+        """Serve another batch of as many rows from the next step on (a serving loop's rows
+        change between steps): the buffers keep their shape and address, so a graph captured
+        over this step replays for the new rows; `begin` refills them from the new rows' pages."""
+        if self._open:
+            raise InputError("rebind between steps, not inside one")
+        m = self.manager
+        with m.lock:
+            seqs = m.seqs.batch(seq_ids)
+            if len(seqs) != len(self.seq_ids):
+                raise InputError(f"this step serves {len(self.seq_ids)} rows; {len(seqs)} were given")
+            for seq in seqs:
+                self._check_between_steps(seq)
+                if seq.lengths[0] >= self.max_tokens:
+                    raise InputError(f"sequence {seq.id} already holds {seq.lengths[0]} tokens; "
+                                     f"max_tokens is {self.max_tokens}")
+        self.seq_ids = [seq.id for seq in seqs]
+        self._versions = None  # other sequences' layouts: their versions say nothing about the tables
+        self._mass_at = None
+
     # --- host, between steps --------------------------------------------------------------------
 
     def _check_between_steps(self, seq: Sequence) -> None:

@@ -180,6 +180,19 @@ class KVGuardCache(Cache):
         elif batch != len(self.seqs):
             raise InputError(f"this cache holds {len(self.seqs)} rows; a forward pass brought {batch}")
 
+    def set_rows(self, seqs: Sequence[SeqId]) -> None:
+        """The rows of the next forward pass: open sequences of the shared manager, one per row,
+        in batch order. A serving loop calls it before each step, as requests join and leave;
+        each row's positions are the caller's (pass position_ids to the model), so the layers'
+        token counts mean nothing here. The cache does not own these rows: `free` leaves them."""
+        if self._manager is None:
+            raise InputError("set_rows needs a cache made with manager= (the pool the rows are open in)")
+        seqs = list(seqs)
+        if not seqs:
+            raise InputError("set_rows needs at least one open sequence")
+        self.seqs = seqs
+        self._mask = None
+
     def free(self) -> None:
         """End every row's sequence: pages are overwritten and freed (one `free` event each)."""
         for seq in self.seqs:

@@ -66,6 +66,12 @@ class DecodeGraph:
         self._out: torch.Tensor | None = None
         self._warm = False
 
+    def rebind(self, seq_ids) -> None:
+        """Step another batch of as many open sequences of the cache's manager from now on (a
+        serving loop's rows, which change between steps): the captured graph replays for them."""
+        self.static.rebind(seq_ids)
+        self.cache.set_rows(self.static.seq_ids)
+
     def _ints(self, x, name: str) -> torch.Tensor:
         t = torch.as_tensor(x)
         if t.dtype not in (torch.int32, torch.int64) or t.numel() != self.batch or t.dim() > 2:

@@ -9,10 +9,18 @@ An `ingest` token may be bound to tenants: its processes may then send events of
 those tenants only, and receive only their erase commands (which carry raw ids).
 The token row keeps the tenants' keyed indexes (HMAC under the index key), never
 their names.
+
+An `infer` token is an API key of the inference server (`kvguard serve-llm`), bound
+to exactly one tenant, whose requests it makes. The serving process needs that
+tenant's name (its cache subjects are raw ids), which the row does not keep: the
+token carries it, `kvg_<base64url(tenant)>.<secret>`, and since only the whole
+token's digest is stored, an altered tenant part authenticates nothing.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import secrets
@@ -29,8 +37,12 @@ from kvguard.audit.pseudonym import index_of, subject_data
 from ..errors import ConfigError
 from .models import ApiToken
 
-SCOPES = ("erasure:write", "erasure:read", "audit:read", "admin", "ingest")
+SCOPES = ("erasure:write", "erasure:read", "audit:read", "admin", "ingest", "infer")
 PREFIX = "kvg_"
+MAX_TOKEN_CHARS = 200
+MAX_INFER_TENANT_BYTES = 96  # so that an infer token stays within MAX_TOKEN_CHARS
+# scopes that "admin" does not imply: a process's event stream, and an end-user API key of one tenant
+OWN_SCOPES = ("ingest", "infer")
 MAX_LIFETIME_S = 10 * 365 * 86_400
 
 
@@ -42,7 +54,7 @@ class Principal:
     tenants: frozenset[str] | None = None  # an ingest token's tenants (their indexes); None: all
 
     def allows(self, scope: str) -> bool:
-        return scope in self.scopes or "admin" in self.scopes and scope != "ingest"
+        return scope in self.scopes or "admin" in self.scopes and scope not in OWN_SCOPES
 
 
 def digest(token: str) -> str:
@@ -68,9 +80,15 @@ def create_token(session: Session, name: str, scopes: list[str], *, tenants: lis
     if expires_in_s is not None and not 0 < expires_in_s <= MAX_LIFETIME_S:
         raise ConfigError("--expires-in must be more than 0 s and at most 10 years")
     bound = None
+    infer = "infer" in scopes
+    if infer and (set(scopes) != {"infer"} or tenants is None or len(set(tenants)) != 1):
+        raise ConfigError("an infer token is bound to exactly one tenant: give --scope infer alone and one --tenant")
+    if infer and not 0 < len(tenants[0].encode()) <= MAX_INFER_TENANT_BYTES:
+        raise ConfigError(f"an infer token's tenant id must be 1 to {MAX_INFER_TENANT_BYTES} bytes")
     if tenants is not None:
-        if set(scopes) != {"ingest"}:
-            raise ConfigError("only an ingest token can be bound to tenants (--tenant): give --scope ingest alone")
+        if set(scopes) not in ({"ingest"}, {"infer"}):
+            raise ConfigError("only an ingest token can be bound to tenants (--tenant), or an infer token to one: "
+                              "give --scope ingest or --scope infer alone")
         if not tenants or len(tenants) > 1000 or index_key is None:
             raise ConfigError("bind a token to 1 to 1000 tenants")
         try:
@@ -78,6 +96,8 @@ def create_token(session: Session, name: str, scopes: list[str], *, tenants: lis
         except RecordFormatError:
             raise ConfigError("a tenant id must be a non-empty string without NUL") from None
     token = PREFIX + secrets.token_urlsafe(32)
+    if infer:
+        token = PREFIX + base64.urlsafe_b64encode(tenants[0].encode()).decode().rstrip("=") + "." + token[len(PREFIX):]
     now = _now_ms()
     expires = None if expires_in_s is None else now + int(expires_in_s * 1000)
     session.add(ApiToken(id=uuid.uuid4().hex, name=name, token_sha256=digest(token),
@@ -87,7 +107,7 @@ def create_token(session: Session, name: str, scopes: list[str], *, tenants: lis
 
 
 def authenticate(session: Session, token: str) -> Principal | None:
-    if not token.startswith(PREFIX) or len(token) > 100:
+    if not token.startswith(PREFIX) or len(token) > MAX_TOKEN_CHARS:
         return None
     d = digest(token)
     row = session.scalar(select(ApiToken).where(ApiToken.token_sha256 == d))
@@ -95,6 +115,19 @@ def authenticate(session: Session, token: str) -> Principal | None:
         return None
     return Principal(row.id, row.name, frozenset(row.scopes.split()),
                      None if row.tenants is None else frozenset(row.tenants.split()))
+
+
+def token_tenant(token: str) -> str | None:
+    """The tenant an infer token carries (see the module's docstring), or None for a token of
+    another kind or one that is malformed. Trust it only once the token has authenticated."""
+    head, dot, _ = token.removeprefix(PREFIX).partition(".")
+    if not token.startswith(PREFIX) or not dot or not head:
+        return None
+    try:
+        tenant = base64.urlsafe_b64decode(head + "=" * (-len(head) % 4)).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return None
+    return tenant if tenant and "\x00" not in tenant else None
 
 
 def _usable(row: ApiToken, now_ms: int) -> bool:

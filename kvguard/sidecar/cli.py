@@ -148,7 +148,7 @@ def register(sub) -> None:
     p.add_argument("--dev", action="store_true", help="development mode: allows starting without admin tokens")
     p.set_defaults(func=_cmd_serve)
 
-    t = sub.add_parser("token", help="manage admin API tokens")
+    t = sub.add_parser("token", help="manage API tokens (admin API, ingest, inference keys)")
     tsub = t.add_subparsers(dest="token_command", metavar="ACTION", required=True)
     c = tsub.add_parser("create", help="create a token and print it once",
                         description="Create a bearer token for the admin API. It is printed once; only its "
@@ -160,7 +160,8 @@ def register(sub) -> None:
     c.add_argument("--tenant", action="append", metavar="TENANT",
                    help="bind an ingest token to this tenant (repeat for several): its processes may send "
                         "events of these tenants only and receive only their erase commands; stored as keyed "
-                        "indexes under the index key, so give the sidecar's index key (--data-dir)")
+                        "indexes under the index key, so give the sidecar's index key (--data-dir). An infer "
+                        "token (an API key of 'kvguard serve-llm') takes exactly one: the tenant of its requests")
     c.add_argument("--expires-in", type=duration, metavar="DURATION",
                    help="the token stops working after this long: 90s, 15m, 12h, 30d (default: never)")
     c.set_defaults(func=_cmd_token)

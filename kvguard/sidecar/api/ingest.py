@@ -16,6 +16,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from kvguard.audit.canonical import MAX_SAFE_INTEGER
 
+from ..auth import authenticate, token_tenant
 from ..logs import log
 from .deps import Ingest, JsonBody, SidecarDep
 from .problems import Problem, documented
@@ -168,3 +169,30 @@ class GoodbyeIn(BaseModel):
              dependencies=[JsonBody], responses=documented(415))
 def goodbye(body: GoodbyeIn, sidecar: SidecarDep, principal: Ingest) -> dict:
     return {"left": sidecar.registry.leave(body.client, body.instance, principal.token_id)}
+
+
+class KeyIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    token: Annotated[str, Field(min_length=1, max_length=200)]
+
+
+class KeyOut(BaseModel):
+    id: str
+    scopes: list[str]
+    tenant: str | None = None  # an infer token's tenant (raw, as erase commands carry it)
+
+
+@router.post("/keys/check", response_model=KeyOut, summary="Who an end user's API key is (the inference server's "
+             "bearer keys)", dependencies=[JsonBody], responses=documented(404, 415))
+def check_key(body: KeyIn, sidecar: SidecarDep, principal: Ingest) -> KeyOut:
+    """The scopes of a token that an inference server was sent, and the tenant of an `infer`
+    token. Unknown, revoked or expired: 404. A tenant outside this ingest token's tenants is
+    answered as unknown, so a process learns nothing of keys it does not serve."""
+    with sidecar.db() as db:
+        found = authenticate(db, body.token)
+    if found is None:
+        raise Problem(404, "Not Found", "no usable token")
+    tenant = token_tenant(body.token) if "infer" in found.scopes else None
+    if principal.tenants is not None and (tenant is None or sidecar.tenant_index(tenant) not in principal.tenants):
+        raise Problem(404, "Not Found", "no usable token")
+    return KeyOut(id=found.token_id, scopes=sorted(found.scopes), tenant=tenant)

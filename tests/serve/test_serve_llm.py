@@ -1,0 +1,320 @@
+"""`kvguard serve-llm` end to end: the stock openai client against it, continuous batching
+against sequential runs, the audit chain, erasure mid-stream, keys, admission and faults.
+
+One SmolLM2 (float32, CPU) serves two engines beside one real sidecar: 16-bit pages, and the
+chat policy's int8 pages. Prompts are short and outputs a few tokens, to keep this quick."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import sqlite3
+import time
+import uuid
+import zipfile
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from kvguard.audit.cli import main as audit_main
+from kvguard.audit.keys import PublicKey, SigningKey
+from kvguard.audit.receipt import verify_receipt
+from transformers import DynamicCache
+
+from kvguard.hf import KVGuardCache, cache_kwarg
+from kvguard.policy.schema import load_policy
+from kvguard.types import Subject
+
+from .conftest import start_llm
+
+ROOT = Path(__file__).resolve().parents[2]
+POLICY = Path(__file__).with_name("chat-small.yaml")  # the chat policy with budgets a short run reaches
+PROMPTS = ["def add(a, b):", "The capital of France is", "Once upon a time there was", "import numpy as np\n",
+           "SELECT name FROM", "The quick brown fox", "class Stack:\n    def", "Water boils at"]
+USERS = ("alice-7f3a", "bob-22c1")  # raw end-user ids: never in a log, metric or record
+SECRET = "Our refund policy is confidential"  # prompt text: never in a log or record
+N = 4
+
+
+@pytest.fixture(scope="module")
+def llms(sidecar, smollm2):
+    model, tok = smollm2
+    fp16 = start_llm(sidecar, model, tok, num_pages=64, max_seqs=16)
+    int8 = start_llm(sidecar, model, tok, policy=POLICY, num_pages=128, max_seqs=16)
+    yield {"fp16": fp16, "int8": int8}
+    int8.stop()
+    fp16.stop()
+
+
+def oai(llm, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=llm.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def reference(model, tok, prompt: str, n: int, cache=None) -> list[int]:
+    """Greedy tokens of one sequential run: DynamicCache with SDPA, or the cache given."""
+    ids = torch.tensor([tok(prompt).input_ids])
+    impl = model.config._attn_implementation
+    if cache is None:
+        model.set_attn_implementation("sdpa")
+        cache = DynamicCache(config=model.config)
+    try:
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, **{cache_kwarg(model): cache})
+    finally:
+        model.set_attn_implementation(impl)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def tokens(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False).input_ids
+
+
+def test_the_openai_client_gets_chat_streams_completions_and_models(llms, sidecar):
+    llm = llms["int8"]
+    c = oai(llm, sidecar.tokens["acme"])
+    raw = c.chat.completions.with_raw_response.create(
+        model="smollm2", messages=[{"role": "user", "content": "Say hi"}], max_tokens=N, user=USERS[0],
+        temperature=0)
+    assert raw.headers["x-kvguard-policy"] == "chat-small (not measured)"  # no --fidelity report given
+    chat = raw.parse()
+    assert chat.choices[0].message.content and chat.usage.completion_tokens == N
+    assert chat.usage.prompt_tokens > 0 and chat.usage.total_tokens == chat.usage.prompt_tokens + N
+    stream = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Say hi"}],
+                                       max_tokens=N, user=USERS[0], stream=True, temperature=0,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == chat.choices[0].message.content  # greedy: the same tokens either way
+    assert chunks[-1].usage.completion_tokens == N
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    comp = c.completions.create(model="smollm2", prompt="def add(a, b):", max_tokens=N, user=USERS[1],
+                                temperature=0)
+    assert comp.choices[0].text and comp.usage.completion_tokens == N
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="smollm2", prompt="def add(a, b):", max_tokens=N, user=USERS[1], temperature=0, stream=True))
+    assert streamed == comp.choices[0].text
+    assert [m.id for m in c.models.list().data] == ["smollm2"]
+    # sampling with a seed repeats itself; a stop string ends the text before it
+    kw = dict(model="smollm2", prompt="Once upon a time", max_tokens=N, user=USERS[1], temperature=0.9, seed=7)
+    assert c.completions.create(**kw).choices[0].text == c.completions.create(**kw).choices[0].text
+    first = comp.choices[0].text.strip()[:2]
+    stopped = c.completions.create(model="smollm2", prompt="def add(a, b):", max_tokens=N, user=USERS[1],
+                                   temperature=0, stop=[first])
+    assert first not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("pages", ["fp16", "int8"])
+def test_concurrent_greedy_requests_match_sequential_runs(llms, sidecar, smollm2, pages):
+    model, tok = smollm2
+    llm = llms[pages]
+    c = oai(llm, sidecar.tokens["acme"])
+
+    def ask(i: int) -> tuple[list[int], float]:
+        t0 = time.perf_counter()
+        r = c.completions.create(model="smollm2", prompt=PROMPTS[i], max_tokens=N, temperature=0,
+                                 user=USERS[i % 2])
+        return tokens(tok, r.choices[0].text), time.perf_counter() - t0
+
+    # the wall time against one request after another (16-bit pages: the same engine either way)
+    sequential = [ask(i) for i in range(len(PROMPTS))] if pages == "fp16" else None
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(ask, range(len(PROMPTS))))
+    wall = time.perf_counter() - t0
+    if sequential is not None:
+        assert wall < sum(t for _, t in sequential), (wall, [t for _, t in sequential])
+    policy = load_policy(POLICY)
+    for i, prompt in enumerate(PROMPTS):
+        if pages == "fp16":
+            want = reference(model, tok, prompt, N)
+        else:
+            cache = KVGuardCache.from_policy(model.config, Subject("t", "u", "s"), policy, tiers=None)
+            want = reference(model, tok, prompt, N, cache)
+            cache.free()
+        want_text = tok.decode(want, skip_special_tokens=True)
+        assert tok.decode(together[i][0]) == want_text, (pages, prompt)
+        assert sequential is None or together[i][0] == sequential[i][0]
+
+
+def test_prefix_pages_are_shared_within_a_tenant_only(llms, sidecar):
+    """Pages are shared while a sequence of the tenant holds them (a freed page is overwritten)."""
+    llm = llms["fp16"]
+    system = "You are the support assistant of a shop. " * 6  # several full pages
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+
+    def cached(key: str) -> tuple[int, int]:
+        """(prompt tokens found cached, prompt tokens the engine prefilled): the prefill is the work,
+        and so the time, that another tenant could observe"""
+        before = llm.engine.prefill_tokens
+        r = oai(llm, sidecar.tokens[key]).chat.completions.create(model="smollm2", messages=msgs, max_tokens=1,
+                                                                 user="u1", temperature=0)
+        assert llm.engine.prefill_tokens - before + r.usage.prompt_tokens_details.cached_tokens == \
+            r.usage.prompt_tokens
+        return r.usage.prompt_tokens_details.cached_tokens, llm.engine.prefill_tokens - before
+
+    holder = oai(llm, sidecar.tokens["acme"]).chat.completions.create(
+        model="smollm2", messages=msgs, max_tokens=400, user="u0", temperature=0, stream=True)
+    try:
+        chunks = iter(holder)
+        while not next(chunks).choices[0].delta.content:  # the first text: its prompt's pages are indexed
+            pass
+        again, t_hit = cached("acme")
+        other, t_other = cached("globex")
+        msgs[0]["content"] = "You are the helpdesk assistant of a bank. " * 6
+        fresh, t_fresh = cached("globex")
+    finally:
+        holder.close()
+    assert again >= 48 and other == 0
+    # the other tenant's request prefills its whole prompt, as one nobody has sent: nothing to time
+    assert t_other == t_hit + again
+
+
+def test_keys_users_and_limits(llms, sidecar):
+    llm = llms["fp16"]
+    body = {"model": "smollm2", "prompt": "Hi", "max_tokens": 2, "user": "u1"}
+    url = llm.url + "/v1/completions"
+
+    def post(key: str | None, json_body=None, **kw) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(url, json=json_body if json_body is not None else body,
+                          headers=headers | kw.pop("headers", {}), timeout=60, **kw)
+
+    def is_problem(r: httpx.Response, status: int) -> dict:
+        assert r.status_code == status, r.text
+        assert r.headers["content-type"].startswith("application/problem+json")
+        return r.json()
+
+    assert is_problem(post(None), 401) and post(None).headers["www-authenticate"] == "Bearer"
+    is_problem(post("kvg_not-a-key"), 401)
+    is_problem(post(sidecar.tokens["admin"]), 403)  # a key of another scope
+    is_problem(post(sidecar.tokens["ingest"]), 403)
+    acme = sidecar.tokens["acme"]
+    assert "user" in is_problem(post(acme, {**body, "user": None}), 400)["detail"]
+    is_problem(post(acme, content=b"{not json", headers={"Content-Type": "application/json"}), 400)
+    is_problem(post(acme, {**body, "max_tokens": "many"}), 422)
+    is_problem(post(acme, {**body, "temperature": [1]}), 422)
+    is_problem(post(acme, {**body, "n": 3}), 422)
+    is_problem(post(acme, {**body, "model": "gpt-9"}), 404)
+    is_problem(post(acme, content=b"x" * (2 << 20), headers={"Content-Type": "application/json"}), 413)
+    assert "context limit" in is_problem(post(acme, {**body, "max_tokens": 10**6}), 400)["detail"]
+    is_problem(httpx.get(llm.url + "/v1/models"), 401)
+    # a header cannot change the key's tenant
+    ok = post(acme, headers={"X-Tenant": "globex", "X-Session-ID": "s-1"})
+    assert ok.status_code == 200 and ok.headers["x-session-id"] == "s-1"
+
+    # a full pool: 429 with Retry-After while the running request goes on and finishes
+    long = {**body, "max_tokens": 700, "stream": True, "temperature": 0}
+    with httpx.stream("POST", url, json=long, headers={"Authorization": f"Bearer {acme}"}, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        full = post(acme, long)
+        assert is_problem(full, 429) and full.headers["retry-after"] == "1"
+        assert next(lines) == "" and next(lines).startswith("data: ")  # still streaming
+        # the client leaves mid-stream: its sequence is freed at once
+    deadline = time.monotonic() + 2
+    while llm.engine.manager.sequences() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert llm.engine.manager.sequences() == [] and llm.engine.scheduler.reserved == {"hot": 0}
+    assert post(acme).status_code == 200
+
+
+def test_erasure_mid_stream_audit_chain_and_no_raw_ids(llms, sidecar, smollm2, tmp_path, capfd):
+    model, tok = smollm2
+    llm = llms["fp16"]
+    engine = llm.engine
+    marks = {}
+    erase_user, finish = engine.manager.erase_user, engine._finish
+
+    def erase(*a):
+        with engine.manager.lock:  # between two steps, as the erasure runs
+            marks["erased_at"] = engine.decode_steps
+            return erase_user(*a)
+
+    def finished(r, *a, **kw):
+        if r.subject.user == USERS[0]:
+            marks.setdefault("ended_at", engine.decode_steps)
+        return finish(r, *a, **kw)
+
+    engine.manager.erase_user, engine._finish = erase, finished
+    c = oai(llm, sidecar.tokens["acme"])
+    bob_prompt, bob_n = "def add(a, b):", 24
+    try:
+        def alice() -> str:
+            got = []
+            with pytest.raises(openai.APIError) as err:
+                for ch in c.chat.completions.create(model="smollm2", user=USERS[0], max_tokens=300, stream=True,
+                                                    messages=[{"role": "user", "content": SECRET}]):
+                    got.append(ch)
+                    if len(got) == 3:
+                        marks["alice_streaming"] = True
+            return str(err.value)
+
+        with cf.ThreadPoolExecutor(2) as pool:
+            a = pool.submit(alice)
+            b = pool.submit(lambda: c.completions.create(model="smollm2", prompt=bob_prompt, max_tokens=bob_n,
+                                                         temperature=0, user=USERS[1]))
+            while "alice_streaming" not in marks:
+                time.sleep(0.01)
+            with sidecar.client("admin") as admin:
+                r = admin.post("/v1/erasure-requests", json={"tenant": "acme", "user": USERS[0],
+                                                             "legal_basis": "gdpr-art17"},
+                               headers={"Idempotency-Key": uuid.uuid4().hex})
+                assert r.status_code == 202, r.text
+                request_id = r.json()["id"]
+                deadline = time.monotonic() + 60
+                while (done := admin.get(f"/v1/erasure-requests/{request_id}").json())["state"] != "completed":
+                    assert time.monotonic() < deadline, done
+                    time.sleep(0.1)
+            message = a.result(60)
+            bob = b.result(60)
+    finally:
+        engine.manager.erase_user, engine._finish = erase_user, finish
+    assert "erasure" in message and USERS[0] not in message
+    assert marks["ended_at"] == marks["erased_at"]  # ended before the next decode step
+    assert tokens(tok, bob.choices[0].text) == reference(model, tok, bob_prompt, bob_n) or \
+        bob.choices[0].text == tok.decode(reference(model, tok, bob_prompt, bob_n), skip_special_tokens=True)
+    results = done["result"]["processes"].values()  # both engines' processes acknowledged it
+    assert len(results) == 2 and sum(r["sequences"] for r in results) == 1 and sum(r["pages"] for r in results) > 0
+    with sidecar.client("audit:read") as auditor:
+        pem = auditor.get("/v1/audit/public-keys").json()[0]["public_key_pem"]
+    verify_receipt(done["receipt"], PublicKey.from_text(pem))
+
+    # a prompt longer than the policy's 16-bit window and its budget: quantized to int8, then evicted
+    long = oai(llms["int8"], sidecar.tokens["acme"]).completions.create(
+        model="smollm2", prompt=" ".join(["word"] * 200), max_tokens=3, user=USERS[1])
+    assert long.usage.prompt_tokens > 160
+
+    # the signed chain of the run: exported and verified offline
+    for llm_ in llms.values():
+        assert llm_.client.flush(30)
+    time.sleep(1.5)  # the next checkpoint
+    key = sidecar.data_dir / "signing.key"
+    pub = tmp_path / "log.pub"
+    pub.write_text(SigningKey.load(key).public_key.to_pem())
+    bundle = tmp_path / "run.zip"
+    assert audit_main(["export", "--database-url", sidecar.db_url, "--origin", sidecar.env["KVGUARD_ORIGIN"],
+                       "--key", str(key), "-o", str(bundle), "--no-progress"]) == 0
+    assert audit_main(["verify", str(bundle), "--public-key", str(pub)]) == 0
+    with zipfile.ZipFile(bundle) as z:
+        records = [json.loads(line) for line in z.read("records.jsonl").splitlines()]
+    ops = {r["op"] for r in records}
+    assert {"open", "free", "quantize", "evict", "erase"} <= ops  # quantize, evict: the int8 engine's
+    opens = [r for r in records if r["op"] == "open"]
+    assert {r["details"]["policy"] for r in opens} == {"none", "chat-small (not measured)"}  # the policy in force, per engine
+    frees = [r for r in records if r["op"] == "free"]
+    assert all(set(r["subject"]) >= {"tenant", "user", "session"} for r in frees)
+
+    # no raw id or prompt text in the database, the sidecar's log, this process's output or metrics
+    metrics = httpx.get(llm.url + "/metrics", headers={"Authorization": f"Bearer {sidecar.tokens['acme']}"}).text
+    assert "kvguard_llm_output_tokens" in metrics
+    con = sqlite3.connect(sidecar.db_url.removeprefix("sqlite:///"))
+    dump = "\n".join(con.iterdump())
+    con.close()
+    out = capfd.readouterr()
+    logged = (sidecar.data_dir.parent / "serve.log").read_text()
+    for where, text in {"database": dump, "sidecar log": logged, "output": out.out + out.err,
+                        "metrics": metrics, "bundle": json.dumps(records)}.items():
+        for raw in [*USERS, SECRET, "acme", "globex"]:
+            assert raw not in text, f"{raw!r} found in the {where}"
