@@ -381,6 +381,16 @@ def test_image_data_volume_belongs_to_the_service_user():
         assert made and made.start() < final.index("\nVOLUME "), f"{folder} is not made {user}'s before VOLUME"
 
 
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_the_inference_container_runs_serve_llm_beside_the_sidecar(deployment):
+    inference = pod_of(DEPLOYMENTS[deployment]())["containers"][0]
+    assert inference["args"][0] == "kvguard"
+    args = build_parser().parse_args(inference["args"][1:])
+    assert args.command == "serve-llm"
+    assert [p["containerPort"] for p in inference["ports"]] == [int(inference["args"][-1])]
+    assert env_of(inference)["KVGUARD_SOCKET"] == "/run/kvguard/ingest.sock"
+
+
 def test_the_witness_manifest_runs_a_command_that_exists():
     from kvguard.cli import build_parser
 
