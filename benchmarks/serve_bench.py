@@ -255,9 +255,13 @@ def run_stock(args, model, prompts_ids: list[list[int]], kv_pages16: int) -> dic
         gen = GenerationConfig(max_new_tokens=args.output, do_sample=False, eos_token_id=-1, pad_token_id=0)
         kw = {"num_blocks": kv_pages16, "max_batch_tokens": args.chunk}
         try:
-            from transformers import ContinuousBatchingConfig  # transformers >= 5.18
+            import inspect
 
-            extra = {"continuous_batching_config": ContinuousBatchingConfig(**kw, page_size=16)}
+            from transformers import ContinuousBatchingConfig  # older: GenerationConfig fields
+
+            names = inspect.signature(ContinuousBatchingConfig).parameters  # page_size, or block_size before it
+            size = {"page_size": 16} if "page_size" in names else {"block_size": 16}
+            extra = {"continuous_batching_config": ContinuousBatchingConfig(**kw, **size)}
         except ImportError:
             for k, v in (kw | {"block_size": 16}).items():
                 setattr(gen, k, v)
