@@ -186,7 +186,18 @@ def run_server(args, model, tok, codec: str, sock: Path, ingest: str, prompts: l
         client.close()
     out["peak"] = engine.scheduler.peak
     out["pages"] = main
+    del app, engine, client, server  # the next run gets the whole budget again
+    _give_back(codec)
     return out
+
+
+def _give_back(codec: str) -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        print(f"# after {codec}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB still allocated", flush=True)
 
 
 async def load_engine(engine, tok, prompts: list[str], output: int, clients: int) -> dict:
@@ -229,8 +240,6 @@ async def load_engine(engine, tok, prompts: list[str], output: int, clients: int
 
 
 def run_engine(args, model, tok, codec: str, prompts: list[str]) -> dict:
-    import torch
-
     from kvguard.serve.cli import cache_manager
     from kvguard.serve.engine import Engine
 
@@ -249,10 +258,7 @@ def run_engine(args, model, tok, codec: str, prompts: list[str]) -> dict:
     out["peak"] = engine.scheduler.peak
     out["pages"] = main
     del engine, manager  # the next run gets the whole budget again
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        print(f"# after {codec}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB still allocated", flush=True)
+    _give_back(codec)
     return out
 
 
