@@ -34,7 +34,8 @@ def create_app(sidecar: Sidecar) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         sidecar.registry.start(asyncio.get_running_loop())
-        tasks = [asyncio.create_task(app.state.erasure.run_forever(), name="erasure")]
+        tasks = [asyncio.create_task(app.state.erasure.run_forever(), name="erasure"),
+                 asyncio.create_task(app.state.erasure.heartbeat_forever(), name="fleet-heartbeat")]
         if sidecar.settings.retention_max_age_s:
             tasks.append(asyncio.create_task(retention_loop(sidecar, app.state.erasure), name="retention"))
         try:

@@ -14,7 +14,7 @@ import stat
 from pathlib import Path
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from sqlalchemy import text
+from sqlalchemy import func, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -25,9 +25,11 @@ from kvguard.audit.store import AuditStore, check_current, make_engine, migrate
 
 from ..errors import ConfigError
 from .auth import any_admin_token, tenant_index
+from .fleet import Fleet
 from .ingest import Ingestor
 from .logs import log
 from .metrics import Metrics
+from .models import ErasurePart, ErasureRequest
 from .registry import Registry
 from .settings import Settings, check_secure
 
@@ -104,7 +106,10 @@ class Sidecar:
         self.pseudonyms = Pseudonymizer(self.store, index_key)
         self.ingest = Ingestor(self.log, self.pseudonyms, self.sessions)
         self.registry = Registry(s.inference_live_s)
-        self.metrics = Metrics(self.db, self.registry, s.origin)
+        self.fleet = Fleet(self.sessions, s.origin, self.key.key_id, heartbeat_s=s.fleet_heartbeat_s,
+                           deadline_s=s.fleet_deadline_s)
+        self.fleet.register()
+        self.metrics = Metrics(self.db, self.registry, s.origin, s.fleet_deadline_s)
         self._socket: tuple[Path, tuple[int, int] | None] | None = None
         log.info("sidecar ready", origin=s.origin, key_id=self.key.key_id, database=self.engine.url.get_backend_name())
 
@@ -159,8 +164,28 @@ class Sidecar:
             except OSError:
                 same = False
             out["ingest_socket"] = "ok" if same else "not the socket this server bound"
+        try:
+            missed = self.missed_erasures()
+            out["erasures"] = "ok" if not missed else f"carrying out {missed} erasure(s) received while it was away"
+        except Exception as e:  # noqa: BLE001
+            out["erasures"] = f"unknown: {type(e).__name__}"
         return out
 
+    def missed_erasures(self) -> int:
+        """Open requests received before this start whose processes here have not erased yet:
+        a sidecar that comes back carries them out before it reports ready."""
+        with self.db() as db:
+            return db.scalar(select(func.count()).select_from(ErasurePart).join(
+                ErasureRequest, ErasureRequest.id == ErasurePart.request_id).where(
+                ErasurePart.origin == self.settings.origin, ErasurePart.state == "pending",
+                ErasurePart.created_ms < self.fleet.started_ms,
+                ErasureRequest.state.in_(("received", "executing")))) or 0
+
     def close(self) -> None:
+        self.fleet.close()
+        try:
+            self.fleet.leave()
+        except Exception as e:  # noqa: BLE001 - the database is away: it counts as down, not as left
+            log.warning("could not leave the fleet", error=type(e).__name__)
         self.log.close()
         self.engine.dispose()
