@@ -2,6 +2,7 @@
 
     kvguard-audit export --database-url URL --origin LOG --key KEY -o FILE [range]
     kvguard-audit verify BUNDLE --public-key KEY [--previous OLD_BUNDLE] [--json] [--[no-]progress]
+    kvguard-audit verify-receipt RECEIPT --public-key KEY [--public-key KEY ...] [--json]
 
 Exit status: 0 exported / verified; 1 not verified (or export refused), naming the
 first failure; 2 usage error or unreadable file. `main(argv)` returns the status
@@ -32,7 +33,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, description="Export and verify kvguard's sealed audit bundles.",
         epilog="exit status: 0 ok, 1 not verified / export refused, 2 usage error or unreadable file")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{export,verify}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{export,verify,verify-receipt}")
 
     e = sub.add_parser("export", help="write a signed bundle of a log range (needs kvguard[store])",
                        description="Write one bundle file: records, checkpoints, proofs, keys, erasure "
@@ -67,6 +68,15 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                        help="show each step's progress on stderr (default: when stderr is a terminal and "
                        "not --json)")
     shown.add_argument("--no-progress", action="store_false", dest="progress", help="no progress on stderr")
+    r = sub.add_parser("verify-receipt", help="verify an erasure receipt offline (one log's, or a fleet's)",
+                       description="Verify an erasure receipt: one log's (its record's signature, the signed "
+                       "checkpoint and the inclusion proof), or a fleet's (every origin's receipt, each record of "
+                       "the request and stating the same fleet, one receipt for each origin it names). The file "
+                       "may also be the erasure request as the admin API returns it.")
+    r.add_argument("receipt", help="receipt file (JSON), or '-' for standard input")
+    r.add_argument("--public-key", required=True, action="append", dest="public_keys", metavar="KEY",
+                   help="trusted public key file (PEM, base64 or hex); for a fleet, every origin's: repeatable")
+    r.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
 
 
@@ -78,7 +88,9 @@ def main(argv: list[str] | None = None, prog: str = "kvguard-audit") -> int:
     except SystemExit as exc:  # argparse exits on --help (0) and on usage errors (2)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
-        return _export(args, prog) if args.command == "export" else _verify(args)
+        if args.command == "export":
+            return _export(args, prog)
+        return _verify_receipt(args) if args.command == "verify-receipt" else _verify(args)
     except (_UsageError, KeyFileError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -135,6 +147,45 @@ def _verify(args: argparse.Namespace) -> int:
         if progress:
             progress.close()
     _report(args, True, summary=summary)
+    return EXIT_OK
+
+
+def _verify_receipt(args: argparse.Namespace) -> int:
+    from .receipt import FLEET_RECEIPT_FORMAT, verify_fleet_receipt, verify_receipt
+
+    keys = [PublicKey.load(path) for path in args.public_keys]
+    try:
+        text = sys.stdin.read() if args.receipt == "-" else open(args.receipt, encoding="utf-8").read()
+        receipt = json.loads(text)
+    except OSError as exc:
+        raise _UsageError(f"cannot read {args.receipt}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise _UsageError(f"{args.receipt} is not JSON: {exc}") from None
+    if isinstance(receipt, dict) and isinstance(receipt.get("receipt"), dict):
+        receipt = receipt["receipt"]  # an erasure request as the admin API returns it
+    try:
+        if isinstance(receipt, dict) and receipt.get("format") == FLEET_RECEIPT_FORMAT:
+            records = verify_fleet_receipt(receipt, keys)
+        else:
+            by_id = {k.key_id: k for k in keys}
+            key_id = receipt.get("record", {}).get("key_id") if isinstance(receipt, dict) else None
+            records = [verify_receipt(receipt, by_id.get(key_id, keys[0]))]
+    except VerificationError as exc:
+        if args.json:
+            print(json.dumps({"verified": False, "receipt": args.receipt, "error": exc.to_dict()}, indent=2))
+        else:
+            print(f"NOT VERIFIED  {args.receipt}")
+            for label, value in (("record", exc.record), ("check", exc.check), ("reason", exc.message)):
+                if value:
+                    print(f"  {label:<11}{value}")
+        return EXIT_FAILED
+    out = [{"origin": r.origin, "seq": r.seq, "request": r.details.get("request"), "time": r.time} for r in records]
+    if args.json:
+        print(json.dumps({"verified": True, "receipt": args.receipt, "records": out}, indent=2))
+    else:
+        print(f"VERIFIED  {args.receipt}: {len(records)} erase record(s)")
+        for o in out:
+            print(f"  {o['origin']}  record #{o['seq']}  request {o['request']}")
     return EXIT_OK
 
 
