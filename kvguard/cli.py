@@ -3,6 +3,8 @@
     kvguard serve            run the sidecar (admin API, audit log, erasure)
     kvguard token create     create an admin API token (printed once)
     kvguard keygen           create an Ed25519 signing key (mode 0600)
+    kvguard erasure exclude  close a fleet erasure without a sidecar gone for good
+    kvguard fleet status     the sidecars sharing the database
     kvguard audit ...        export and verify sealed audit bundles (offline)
     kvguard eval ...         measure fidelity of codecs, evictors and policies on a real model
     kvguard demo             what each scenario policy saves and costs on a real model, then the sidecar
@@ -28,13 +30,15 @@ _OPTIONAL = (
         "serve": "run the sidecar: admin API, audit log, erasure",
         "token": "manage admin API tokens",
         "keygen": "create an Ed25519 signing key file (mode 0600)",
+        "erasure": "operate on fleet erasure requests",
+        "fleet": "the sidecars sharing the database",
     }),
     ("kvguard.eval.cli:register", "models", {
         "eval": "measure fidelity of codecs, evictors and policies on a real model",
     }),
 )
 # The extra each command needs when it runs (its --help needs none).
-EXTRAS = {"serve": "serve", "token": "serve", "keygen": "serve", "eval": "models", "demo": "models"}
+EXTRAS = {"serve": "serve", "token": "serve", "keygen": "serve", "erasure": "serve", "fleet": "serve", "eval": "models", "demo": "models"}
 
 
 def _install_hint(extra: str) -> str:
