@@ -535,7 +535,9 @@ def _result(row: ErasureRequest, parts: list[ErasurePart], down: set[str] | None
     result = {"processes": processes, "secrets_destroyed": row.secrets_destroyed or 0,
               "tiers": _tier_totals(processes), "no_process_acknowledged": not processes,
               "origins": origins,
-              "pending_origins": [p.origin for p in parts if p.state in ("pending", "erased")]}
+              # what the request waits for: processes that have not erased; once shredded, records
+              "pending_origins": [p.origin for p in parts if p.state == "pending"
+                                  or p.state == "erased" and row.shredded_ms is not None]}
     if not processes:
         result["notice"] = NO_PROCESS_NOTICE
     return result
