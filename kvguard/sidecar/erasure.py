@@ -24,6 +24,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ from .service import Sidecar
 BASES = {"gdpr-art17": "GDPR Art. 17", "pipl-art47": "PIPL Art. 47"}
 DAY_MS = 86_400_000
 MAX_ATTEMPTS = 3
+POLL_S = 1.0  # every open part is looked at this often, announced or not
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 # what a process acknowledges: counts, each a non-negative integer a record can hold
 ACK_FIELDS = ("pages", "bytes", "sequences", "shared_pages", "tier_copies", "prefix_entries")
 NO_PROCESS_NOTICE = ("no inference process acknowledged this erasure (none was live that may hold the tenant's "
@@ -91,6 +94,9 @@ class ErasureService:
     def __init__(self, sidecar: Sidecar) -> None:
         self.sc = sidecar
         self._running: dict[str, asyncio.Task] = {}
+        self._again: set[str] = set()
+        self._only: set[str] = set()  # requests announced since the last round
+        self._full = False  # a look at every open request is due
         self._wake = asyncio.Event()
         self._semaphore: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
 
@@ -152,7 +158,7 @@ class ErasureService:
                 return winner, False
         self.sc.metrics.erasures_received.inc()
         log.info("erasure request stored", erasure_id=row.id, scope=row.scope, basis=row.legal_basis)
-        self._wake.set()
+        self.wake(row.id)
         return row, True
 
     def get(self, request_id: str) -> ErasureRequest | None:
@@ -161,28 +167,42 @@ class ErasureService:
 
     # --- execution ------------------------------------------------------------------------------
 
-    def wake(self) -> None:
-        """Run a round now (from any thread: the fleet's listener calls it)."""
+    def wake(self, request_id: str | None = None) -> None:
+        """Look at one request now, or with None at every open one (from any thread: the
+        fleet's listener calls it with each announcement's request id)."""
         loop = self.sc.registry.loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._wake.set)
+            loop.call_soon_threadsafe(self._note, request_id)
+
+    def _note(self, request_id: str | None) -> None:
+        if request_id is not None and _UUID.fullmatch(request_id):
+            self._only.add(request_id)
+        else:
+            self._full = True
+        self._wake.set()
 
     async def run_forever(self) -> None:
         """Carry out this sidecar's parts of open requests, including those a crash
         interrupted or that arrived while it was down; each runs on its own, so a process
         that never answers holds up only the requests that need it."""
         self.sc.fleet.listen(self.sc.settings.db_url, self.wake)
+        next_full = 0.0
         while True:
+            self._wake.clear()  # before the round: a change announced during it starts another
+            # every open part once a second (the polling); in between, the announced requests only
+            full = self._full or time.monotonic() >= next_full
+            only, self._only, self._full = self._only, set(), False
+            if full:
+                next_full = time.monotonic() + POLL_S
             try:
-                await self.run_pending(wait=False)
+                await self.run_pending(wait=False, only=None if full else only)
             except Exception as exc:  # noqa: BLE001 - keep the loop alive; the request records its error
                 if outage.is_outage(exc):  # the database is away: try again, no traceback each second
                     outage.note("erasure loop", exc)
                 else:
                     log.exception("erasure loop error")
-            self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), 1.0)
+                await asyncio.wait_for(self._wake.wait(), max(0.0, next_full - time.monotonic()))
             except TimeoutError:
                 pass
 
@@ -194,21 +214,27 @@ class ErasureService:
             except Exception as exc:  # noqa: BLE001 - the database is away: the fleet sees this sidecar down
                 outage.note("fleet heartbeat", exc)
 
-    async def run_pending(self, wait: bool = True) -> None:
-        """Start an attempt at each of this sidecar's open parts not already running (and,
-        with `wait`, wait for them). A part whose attempt raises counts that attempt (and
-        fails after the last) without keeping the others from running."""
-        if self.sc.registry.reconnect_wait_s() > 0:
+    async def run_pending(self, wait: bool = True, only: set[str] | None = None) -> None:
+        """Start an attempt at each of this sidecar's open parts (of the requests in `only`,
+        when given) not already running, and with `wait` wait for them. A part whose attempt
+        raises counts that attempt (and fails after the last) without keeping the others
+        from running."""
+        if self.sc.registry.reconnect_wait_s() > 0 or only is not None and not only:
             return  # right after a start: the processes may not have reconnected yet
+        query = select(ErasurePart.request_id).join(
+            ErasureRequest, ErasureRequest.id == ErasurePart.request_id).where(
+            ErasurePart.origin == self.sc.settings.origin,
+            ErasurePart.state.in_(("pending", "erased", "done")),
+            ErasureRequest.state.in_(("received", "executing"))).order_by(ErasureRequest.received_ms)
+        if only is not None:
+            query = query.where(ErasurePart.request_id.in_(sorted(only)))
         with self.sc.db() as db:
-            ids = db.scalars(select(ErasurePart.request_id).join(
-                ErasureRequest, ErasureRequest.id == ErasurePart.request_id).where(
-                ErasurePart.origin == self.sc.settings.origin,
-                ErasurePart.state.in_(("pending", "erased", "done")),
-                ErasureRequest.state.in_(("received", "executing"))).order_by(ErasureRequest.received_ms)).all()
+            ids = db.scalars(query).all()
         started = []
         for rid in ids:
-            if rid not in self._running:
+            if rid in self._running:  # a change may have come after its attempt looked: look again after it
+                self._again.add(rid)
+            else:
                 self._running[rid] = task = asyncio.create_task(self._attempt(rid), name=f"erasure-{rid}")
                 started.append(task)
         if wait and started:
@@ -235,6 +261,9 @@ class ErasureService:
                 log.error("could not record a failed erasure attempt", erasure_id=rid, error=type(again).__name__)
         finally:
             self._running.pop(rid, None)
+            if rid in self._again:
+                self._again.discard(rid)
+                self._note(rid)
 
     async def execute(self, request_id: str) -> None:
         """This sidecar's part of one request, as far as the fleet lets it go now:

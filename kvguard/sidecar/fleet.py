@@ -96,14 +96,15 @@ class Fleet:
 
     # --- wake-ups -------------------------------------------------------------------------------
 
-    def listen(self, url: str, wake: Callable[[], None]) -> None:
-        """LISTEN for changes on PostgreSQL in a thread; each calls `wake` (thread-safe)."""
+    def listen(self, url: str, wake: Callable[[str | None], None]) -> None:
+        """LISTEN for changes on PostgreSQL in a thread; each calls `wake` (thread-safe) with
+        the request's id, or None for a look at every request (after a (re)connection)."""
         if make_url(url).get_backend_name() != "postgresql":
             return
         self._listener = threading.Thread(target=self._listen, args=(url, wake), name="fleet-listen", daemon=True)
         self._listener.start()
 
-    def _listen(self, url: str, wake: Callable[[], None]) -> None:
+    def _listen(self, url: str, wake: Callable[[str | None], None]) -> None:
         import psycopg
 
         conninfo = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
@@ -112,11 +113,11 @@ class Fleet:
             try:
                 with psycopg.connect(conninfo, autocommit=True, connect_timeout=5) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
-                    wake()  # anything announced while not listening is found by this round
+                    wake(None)  # anything announced while not listening is found by this round
                     backoff = 0.5
                     while not self._stop.is_set():
-                        if any(True for _ in conn.notifies(timeout=1.0)):
-                            wake()
+                        for n in conn.notifies(timeout=1.0):
+                            wake(n.payload)
             except Exception as exc:  # noqa: BLE001 - polling carries on; listen again later
                 log.warning("fleet listener lost its connection; polling meanwhile", error=type(exc).__name__)
                 self._stop.wait(backoff)
