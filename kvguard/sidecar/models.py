@@ -8,7 +8,7 @@ sealed blob is wiped; queries go by pseudonym.
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Boolean, ForeignKey, Integer, LargeBinary, String, Text
+from sqlalchemy import BigInteger, Boolean, Integer, LargeBinary, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -68,7 +68,7 @@ class ErasurePart(Base):
 
     __tablename__ = "erasure_parts"
 
-    request_id: Mapped[str] = mapped_column(String(36), ForeignKey("erasure_requests.id"), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(36), primary_key=True)  # an erasure_requests.id
     origin: Mapped[str] = mapped_column(String(255), primary_key=True)
     state: Mapped[str] = mapped_column(String(16), index=True)  # pending | erased | done | excluded | failed
     attempts: Mapped[int] = mapped_column(Integer, default=0)

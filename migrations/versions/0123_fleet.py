@@ -17,6 +17,10 @@ depends_on = None
 
 
 def upgrade() -> None:
+    # first: on SQLite the batch rebuilds erasure_requests, which nothing may reference yet
+    with op.batch_alter_table("erasure_requests") as b:
+        b.add_column(sa.Column("secrets_destroyed", sa.Integer, nullable=True))
+        b.add_column(sa.Column("shredded_ms", sa.BigInteger, nullable=True))
     op.create_table(
         "fleet_sidecars",
         sa.Column("origin", sa.String(255), primary_key=True),
@@ -28,7 +32,8 @@ def upgrade() -> None:
     )
     op.create_table(
         "erasure_parts",
-        sa.Column("request_id", sa.String(36), sa.ForeignKey("erasure_requests.id"), primary_key=True),
+        # no foreign key: on SQLite a later batch rebuild of erasure_requests would trip over it
+        sa.Column("request_id", sa.String(36), primary_key=True),
         sa.Column("origin", sa.String(255), primary_key=True),
         sa.Column("state", sa.String(16), nullable=False, index=True),
         sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
@@ -41,15 +46,17 @@ def upgrade() -> None:
         sa.Column("updated_ms", sa.BigInteger, nullable=False),
     )
     op.create_index("ix_erasure_parts_origin_state", "erasure_parts", ["origin", "state"])
-    with op.batch_alter_table("erasure_requests") as b:
-        b.add_column(sa.Column("secrets_destroyed", sa.Integer, nullable=True))
-        b.add_column(sa.Column("shredded_ms", sa.BigInteger, nullable=True))
+    # a request still open was its accepting sidecar's alone: that sidecar's part, to carry out
+    op.execute("INSERT INTO erasure_parts (request_id, origin, state, attempts, created_ms, updated_ms) "
+               "SELECT id, origin, 'pending', 0, received_ms, received_ms FROM erasure_requests "
+               "WHERE state IN ('received', 'executing')")
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("erasure_requests") as b:
-        b.drop_column("shredded_ms")
-        b.drop_column("secrets_destroyed")
+    # the parts first: on SQLite the batch below rebuilds the table they reference
     op.drop_index("ix_erasure_parts_origin_state", "erasure_parts")
     op.drop_table("erasure_parts")
     op.drop_table("fleet_sidecars")
+    with op.batch_alter_table("erasure_requests") as b:
+        b.drop_column("shredded_ms")
+        b.drop_column("secrets_destroyed")
