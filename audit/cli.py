@@ -3,7 +3,8 @@
     kvguard-audit export --database-url URL --origin LOG --key KEY -o FILE [range]
     kvguard-audit verify BUNDLE --public-key KEY [--previous OLD_BUNDLE] [--witness-key VKEY [--witnesses N]]
                          [--json] [--[no-]progress]
-    kvguard-audit verify-receipt RECEIPT --public-key KEY [--witness-key VKEY [--witnesses N]]
+    kvguard-audit verify-receipt RECEIPT --public-key KEY [--public-key KEY ...] [--witness-key VKEY [--witnesses N]]
+                         [--json]
     kvguard-audit check --database-url URL [--origin LOG ...] [--public-key KEY ...] [--json]
 
 Exit status: 0 exported / verified / consistent; 1 not verified (or export refused, or
@@ -26,6 +27,7 @@ from .errors import AuditError, KeyFileError, VerificationError
 from .keys import PublicKey, SigningKey
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+MAX_RECEIPT = 16 << 20  # a fleet receipt of many origins stays far below this
 
 
 class _UsageError(Exception):
@@ -78,14 +80,14 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                        help="show each step's progress on stderr (default: when stderr is a terminal and "
                        "not --json)")
     shown.add_argument("--no-progress", action="store_false", dest="progress", help="no progress on stderr")
-
-    r = sub.add_parser("verify-receipt", help="verify an erasure receipt offline",
-                       description="Verify an erasure receipt (JSON): the erase record's signature, its inclusion "
-                       "in the receipt's checkpoint, the checkpoint's signature and, with --witness-key, the "
-                       "witnesses' cosignatures on that checkpoint.")
-    r.add_argument("receipt", help="receipt file (JSON)")
-    r.add_argument("--public-key", required=True, dest="public_key", metavar="KEY",
-                   help="the log's public key that signed the erase record (PEM, base64 or hex)")
+    r = sub.add_parser("verify-receipt", help="verify an erasure receipt offline (one log's, or a fleet's)",
+                       description="Verify an erasure receipt: one log's (its record's signature, the signed "
+                       "checkpoint and the inclusion proof), or a fleet's (every origin's receipt, each record of "
+                       "the request and stating the same fleet, one receipt for each origin it names). The file "
+                       "may also be the erasure request as the admin API returns it.")
+    r.add_argument("receipt", help="receipt file (JSON), or '-' for standard input")
+    r.add_argument("--public-key", required=True, action="append", dest="public_keys", metavar="KEY",
+                   help="trusted public key file (PEM, base64 or hex); for a fleet, every origin's: repeatable")
     _witness_arguments(r)
     r.add_argument("--json", action="store_true", help="print the result as JSON")
     c = sub.add_parser("check", help="check a whole audit store in place (needs kvguard[store])",
@@ -347,33 +349,54 @@ def _report(args, ok: bool, summary: Any = None, error: VerificationError | None
 def _verify_receipt(args: argparse.Namespace) -> int:
     from .canonical import loads
     from .cosignature import require_cosignatures
-    from .receipt import verify_receipt
+    from .receipt import FLEET_RECEIPT_FORMAT, verify_fleet_receipt, verify_receipt
 
-    key = PublicKey.load(args.public_key)
+    keys = [PublicKey.load(path) for path in args.public_keys]
     witnesses, count = _witnesses(args)
     try:
-        with open(args.receipt, "rb") as fh:
-            receipt = loads(fh.read(1 << 20))
+        data = sys.stdin.buffer.read(MAX_RECEIPT + 1) if args.receipt == "-" else open(args.receipt, "rb").read(
+            MAX_RECEIPT + 1)
+        if len(data) > MAX_RECEIPT:
+            raise _UsageError(f"{args.receipt} is larger than {MAX_RECEIPT >> 20} MiB: not a receipt")
+        receipt = loads(data)
     except OSError as exc:
         raise _UsageError(f"cannot read {args.receipt}: {exc.strerror}") from None
     except ValueError as exc:
         raise _UsageError(f"{args.receipt} is not JSON: {exc}") from None
-    args.bundle = args.receipt  # _report names the file it checked
+    if isinstance(receipt, dict) and isinstance(receipt.get("receipt"), dict):
+        receipt = receipt["receipt"]  # an erasure request as the admin API returns it
+    fleet = isinstance(receipt, dict) and receipt.get("format") == FLEET_RECEIPT_FORMAT
     try:
-        record = verify_receipt(receipt, key)
-        cosigned = len(require_cosignatures(receipt["checkpoint"], witnesses, count)) if count else None
+        if fleet:
+            records = verify_fleet_receipt(receipt, keys)
+            parts = receipt["receipts"]
+        else:
+            by_id = {k.key_id: k for k in keys}
+            key_id = receipt.get("record", {}).get("key_id") if isinstance(receipt, dict) else None
+            records, parts = [verify_receipt(receipt, by_id.get(key_id, keys[0]))], [receipt]
+        # each origin's checkpoint cosigned by the witnesses required
+        cosigned = [len(require_cosignatures(p["checkpoint"], witnesses, count)) for p in parts] if count else None
     except VerificationError as exc:
-        _report(args, False, error=exc)
+        if args.json:
+            print(json.dumps({"verified": False, "receipt": args.receipt, "error": exc.to_dict()}, indent=2))
+        else:
+            print(f"NOT VERIFIED  {args.receipt}")
+            for label, value in (("record", exc.record), ("check", exc.check), ("reason", exc.message)):
+                if value:
+                    print(f"  {label:<11}{value}")
         return EXIT_FAILED
+    out = [{"origin": r.origin, "seq": r.seq, "request": r.details.get("request"), "time": r.time,
+            "tree_size": p["tree_size"], **({"cosignatures": cosigned[i]} if cosigned else {})}
+           for i, (r, p) in enumerate(zip(records, parts))]
     if args.json:
-        print(json.dumps({"verified": True, "receipt": args.receipt, "origin": record.origin, "seq": record.seq,
-                          "tree_size": receipt["tree_size"], "cosignatures": cosigned}, indent=2))
+        print(json.dumps({"verified": True, "receipt": args.receipt, "records": out}, indent=2))
     else:
-        print(f"VERIFIED  {args.receipt}")
-        print(f"  {'record':<11}{record.origin}#{record.seq} ({record.op})")
-        print(f"  {'checkpoint':<11}tree size {receipt['tree_size']}")
-        if cosigned is not None:
-            print(f"  {'witnesses':<11}{cosigned} valid cosignature(s) on the checkpoint")
+        print(f"VERIFIED  {args.receipt}: {len(records)} erase record(s)")
+        for o in out:
+            line = f"  {o['origin']}  record #{o['seq']}  request {o['request']}  checkpoint tree size {o['tree_size']}"
+            if cosigned:
+                line += f"  {o['cosignatures']} valid cosignature(s)"
+            print(line)
     return EXIT_OK
 
 

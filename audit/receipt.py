@@ -106,3 +106,49 @@ def verify_receipt(receipt: dict[str, Any], public_key: PublicKey) -> Record:
     except VerificationError as exc:
         raise fail("inclusion", exc.message, seq) from None
     return record
+
+
+FLEET_RECEIPT_FORMAT = "kvguard-fleet-erasure-receipt/v1"
+
+
+def verify_fleet_receipt(receipt: dict[str, Any], public_keys: list[PublicKey]) -> list[Record]:
+    """Check a fleet receipt (one erasure request carried out by several logs) against the
+    fleet's public keys; returns each origin's erase record. Every origin's receipt must
+    verify under a trusted key, every record must be of this request and state the same
+    fleet (origins taking part, exclusions and their reasons), and the receipt must hold
+    one receipt for each origin that fleet names: none left out, none added."""
+    def fail(check: str, message: str, origin: str | None = None, seq: int | None = None) -> VerificationError:
+        return VerificationError(check, message, origin=origin, seq=seq)
+
+    # (1) shape
+    if not isinstance(receipt, dict) or receipt.get("format") != FLEET_RECEIPT_FORMAT:
+        raise fail("format", f"not a {FLEET_RECEIPT_FORMAT} object")
+    request, origins, excluded, parts = (receipt.get(k) for k in ("request", "origins", "excluded", "receipts"))
+    if not (isinstance(request, str) and isinstance(origins, list) and isinstance(excluded, list)
+            and isinstance(parts, list) and parts):
+        raise fail("format", "malformed fleet receipt: request, origins, excluded and receipts are required")
+    by_id = {k.key_id: k for k in public_keys}
+    records = []
+    for part in parts:
+        # (2) each origin's receipt, under the trusted key that signed its record
+        key_id = part.get("record", {}).get("key_id") if isinstance(part, dict) else None
+        key = by_id.get(key_id)
+        if key is None:
+            raise fail("key", f"no trusted public key with id {str(key_id)[:16]}...: give every origin's key",
+                       part.get("origin") if isinstance(part, dict) else None)
+        record = verify_receipt(part, key)
+        # (3) of this request, stating this fleet
+        details = record.details
+        if details.get("request") != request:
+            raise fail("request", f"the record is of request {details.get('request')!r}, not {request!r}",
+                       record.origin, record.seq)
+        if details.get("fleet") != {"origins": origins, "excluded": excluded}:
+            raise fail("fleet", "the record states another fleet than the receipt", record.origin, record.seq)
+        records.append(record)
+    # (4) one receipt per origin the fleet names
+    got = [r.origin for r in records]
+    if sorted(got) != sorted(origins) or len(set(got)) != len(got):
+        missing, extra = sorted(set(origins) - set(got)), sorted(set(got) - set(origins))
+        raise fail("fleet", f"the receipts do not match the fleet: missing {missing}, unexpected {extra}, "
+                            f"or an origin twice")
+    return records

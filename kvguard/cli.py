@@ -6,6 +6,8 @@
     kvguard keygen           create an Ed25519 signing key (mode 0600)
     kvguard db upgrade|grant migrate the audit store as its owner; grant the sidecar's role
     kvguard keys rotate      rotate the log's signing key (running sidecar, or --offline)
+    kvguard erasure exclude  close a fleet erasure without a sidecar gone for good
+    kvguard fleet status     the sidecars sharing the database
     kvguard audit ...        export and verify sealed audit bundles (offline), check a store
     kvguard witness ...      a C2SP tlog-witness cosigning the sidecars' checkpoints
     kvguard eval ...         measure fidelity of codecs, evictors and policies on a real model
@@ -34,6 +36,8 @@ _OPTIONAL = (
         "keygen": "create an Ed25519 signing key file (mode 0600)",
         "db": "migrate the audit store and grant the sidecar's database role",
         "keys": "rotate the log's signing key",
+        "erasure": "operate on fleet erasure requests",
+        "fleet": "the sidecars sharing the database",
     }),
     ("kvguard.witness.cli:register", "serve", {
         "witness": "run a C2SP tlog-witness that cosigns kvguard checkpoints",
@@ -47,7 +51,7 @@ _OPTIONAL = (
 )
 # The extra each command needs when it runs (its --help needs none).
 EXTRAS = {"serve": "serve", "token": "serve", "keygen": "serve", "witness": "serve", "db": "serve", "keys": "serve",
-          "eval": "models", "demo": "models", "serve-llm": "models"}
+          "erasure": "serve", "fleet": "serve", "eval": "models", "demo": "models", "serve-llm": "models"}
 
 
 def _install_hint(extra: str) -> str:

@@ -68,6 +68,7 @@ class SidecarClient:
         self._next_no = 0
         self._durable_no = -1
         self._opened: dict[SeqId, tuple[Subject, int]] = {}
+        self._opened_lock = threading.Lock()  # the serving thread opens, the sender and command threads prune
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self.connected = False
@@ -115,12 +116,14 @@ class SidecarClient:
                 if not self._cond.wait_for(lambda: len(self._pending) < self.max_pending, self.block_timeout_s):
                     raise SidecarUnavailable("the sidecar did not record pending events in time")
         seq = self.cache.open(subject, tokens)
-        self._opened[seq] = (subject, time.time_ns() // 1_000_000)
+        with self._opened_lock:
+            self._opened[seq] = (subject, time.time_ns() // 1_000_000)
         return seq
 
     def free(self, seq: SeqId) -> None:
         self.cache.free(seq)
-        self._opened.pop(seq, None)
+        with self._opened_lock:
+            self._opened.pop(seq, None)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every event emitted so far is durable in the audit log."""
@@ -152,12 +155,13 @@ class SidecarClient:
             self._collect()
             with self._cond:
                 batch = list(self._pending)[: self.batch]
-            live = [s for s in self._opened if s in set(self.cache.sequences())]
-            self._opened = {s: self._opened[s] for s in live}
+            self._prune_opened()
+            with self._opened_lock:
+                opened = list(self._opened.values())
             body = {"client": self.client_id, "instance": self.instance, "events": batch,
                     "stats": self._stats(),
                     "sessions": [{"subject": {"tenant": sub.tenant, "user": sub.user, "session": sub.session},
-                                  "opened_ms": t} for sub, t in self._opened.values()]}
+                                  "opened_ms": t} for sub, t in opened]}
             try:
                 r = self._http.post("/internal/v1/events", json=body)
                 r.raise_for_status()
@@ -230,6 +234,13 @@ class SidecarClient:
                 _log.error("kvguard: an erase command failed (%s); it will be retried", type(exc).__name__)
                 self._stop.wait(1.0)
 
+    def _prune_opened(self) -> None:
+        """Forget the sequences the cache no longer holds (freed, erased). Under the lock: a
+        sequence opened meanwhile by the serving thread is neither lost nor iterated over."""
+        with self._opened_lock:
+            held = set(self.cache.sequences())
+            self._opened = {s: v for s, v in self._opened.items() if s in held}
+
     def _execute(self, cmd: dict) -> None:
         if cmd.get("kind") != "erase":
             return
@@ -237,7 +248,7 @@ class SidecarClient:
             event = self.cache.erase_user(cmd["tenant"], cmd["target"])
         else:
             event = self.cache.erase_session(cmd["tenant"], cmd["target"])
-        self._opened = {s: v for s, v in self._opened.items() if s in set(self.cache.sequences())}
+        self._prune_opened()
         # acknowledge only once our own erase event is durable in the log: a client closed before
         # that leaves the command unacknowledged, and the sidecar's attempt fails and is retried
         while not self.flush(5.0):

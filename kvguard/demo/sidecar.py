@@ -140,13 +140,15 @@ def _drive(url: str, admin: str, ingest: str, data: Path, root: Path) -> int:
     receipt_file.write_text(json.dumps(body["receipt"], indent=2))
     key_file.write_text(keys[0]["public_key_pem"])
     from kvguard.audit.keys import PublicKey
-    from kvguard.audit.receipt import verify_receipt
+    from kvguard.audit.receipt import verify_fleet_receipt
 
-    verify_receipt(json.loads(receipt_file.read_text()), PublicKey.load(key_file))
-    rec = body["receipt"]["record"]
+    # the fleet receipt: one receipt per sidecar of the database; here the fleet is this one sidecar
+    verify_fleet_receipt(json.loads(receipt_file.read_text()), [PublicKey.load(key_file)])
+    (part,) = body["receipt"]["receipts"]
+    rec = part["record"]
     print(f"receipt verified: record #{rec['seq']} op={rec['op']} subject={rec['subject']} signed by key "
-          f"{rec['key_id'][:16]}…, included in the signed checkpoint of size {body['receipt']['tree_size']}")
-    print("checkpoint:\n  " + body["receipt"]["checkpoint"].replace("\n", "\n  ").rstrip())
+          f"{rec['key_id'][:16]}…, included in the signed checkpoint of size {part['tree_size']}")
+    print("checkpoint:\n  " + part["checkpoint"].replace("\n", "\n  ").rstrip())
 
     _step("seal the whole log into an audit bundle and verify it as an auditor would")
     env = {**os.environ, "KVGUARD_DATABASE_URL": f"sqlite:///{data / 'audit.db'}"}

@@ -38,7 +38,8 @@ def create_app(sidecar: Sidecar) -> FastAPI:
     async def lifespan(app: FastAPI):
         sidecar.registry.start(asyncio.get_running_loop())
         tasks = [asyncio.create_task(app.state.erasure.run_forever(), name="erasure"),
-                 asyncio.create_task(kek_rotation_loop(sidecar), name="kek-rotation")]
+                 asyncio.create_task(kek_rotation_loop(sidecar), name="kek-rotation"),
+                 asyncio.create_task(app.state.erasure.heartbeat_forever(), name="fleet-heartbeat")]
         if sidecar.settings.retention_max_age_s:
             tasks.append(asyncio.create_task(retention_loop(sidecar, app.state.erasure), name="retention"))
         try:

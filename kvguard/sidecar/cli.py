@@ -1,5 +1,5 @@
-"""`kvguard serve`, `kvguard token create|list|revoke`, `kvguard keygen`; `kvguard db` and
-`kvguard keys` are in dbcli."""
+"""`kvguard serve`, `kvguard token create|list|revoke`, `kvguard keygen`, `kvguard erasure exclude`,
+`kvguard fleet status`; `kvguard db` and `kvguard keys` are in dbcli."""
 
 from __future__ import annotations
 
@@ -132,6 +132,86 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fleet_db(args: argparse.Namespace):
+    """A session factory on the settings' database, which must be migrated already (these
+    commands run as the sidecars' role, which may not own the schema)."""
+    from sqlalchemy.orm import sessionmaker
+
+    from kvguard.audit.store import check_current, make_engine
+
+    settings = _settings(args)
+    check_current(settings.db_url)
+    engine = make_engine(settings.db_url)
+    return engine, sessionmaker(engine), settings
+
+
+def _cmd_exclude(args: argparse.Namespace) -> int:
+    from .erasure import exclude
+
+    engine, sessions, _ = _fleet_db(args)
+    try:
+        with sessions() as db:
+            exclude(db, args.request, args.origin, args.reason)
+    finally:
+        engine.dispose()
+    print(f"{args.origin} excluded from request {args.request}; every record of the request states the reason",
+          file=sys.stderr)
+    return 0
+
+
+def _cmd_fleet_status(args: argparse.Namespace) -> int:
+    import time
+
+    from sqlalchemy import func, select
+
+    from .fleet import is_down, now_ms
+    from .models import ErasurePart, ErasureRequest, FleetSidecar
+
+    engine, sessions, settings = _fleet_db(args)
+    try:
+        with sessions() as db:
+            sidecars = db.scalars(select(FleetSidecar).order_by(FleetSidecar.origin)).all()
+            waiting = dict(db.execute(select(ErasurePart.origin, func.count()).join(
+                ErasureRequest, ErasureRequest.id == ErasurePart.request_id).where(
+                ErasurePart.state.in_(("pending", "erased")), ErasureRequest.state.in_(("received", "executing"))
+            ).group_by(ErasurePart.origin)).all())
+    finally:
+        engine.dispose()
+    now = now_ms()
+    rows = [("ORIGIN", "STATE", "LAST HEARTBEAT", "STARTED", "KEY ID", "ERASURES WAITING")]
+    for sc in sidecars:
+        state = "left" if sc.left_ms is not None else "down" if is_down(sc, settings.fleet_deadline_s, now) else "live"
+        rows.append((sc.origin, state, f"{(now - sc.heartbeat_ms) / 1000:.0f}s ago",
+                     time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(sc.started_ms / 1000)), sc.key_id[:16],
+                     str(waiting.get(sc.origin, 0))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def _cmd_fleet_remove(args: argparse.Namespace) -> int:
+    from .fleet import now_ms
+    from .models import FleetSidecar
+
+    engine, sessions, _ = _fleet_db(args)
+    try:
+        with sessions() as db:
+            row = db.get(FleetSidecar, args.origin)
+            if row is None:
+                from ..errors import InputError
+
+                raise InputError(f"no sidecar {args.origin} in this database ('kvguard fleet status' lists them)")
+            if row.left_ms is None:
+                row.left_ms = now_ms()
+                db.commit()
+    finally:
+        engine.dispose()
+    print(f"{args.origin} marked as left: new erasure requests will not wait for it (a start under this origin "
+          "joins again); its open requests still do: 'kvguard erasure exclude' each", file=sys.stderr)
+    return 0
+
+
 def register(sub) -> None:
     from . import dbcli
     from .auth import SCOPES
@@ -178,6 +258,38 @@ def register(sub) -> None:
     _common(rv)
     rv.add_argument("id", help="the token's id (kvguard token list)")
     rv.set_defaults(func=_cmd_token)
+
+    e = sub.add_parser("erasure", help="operate on fleet erasure requests")
+    esub = e.add_subparsers(dest="erasure_command", metavar="ACTION", required=True)
+    x = esub.add_parser("exclude", help="close a request without one origin, for a recorded reason",
+                        description="An erasure request completes when every sidecar of the fleet has carried "
+                                    "out its part. When a sidecar (a pod) is gone for good, its part would wait "
+                                    "forever: exclude it, with a reason that every erase record of the request "
+                                    "states. Refused once that origin's processes have erased, and for the last "
+                                    "origin taking part.")
+    _common(x)
+    x.add_argument("request", help="the request's id")
+    x.add_argument("origin", help="the origin (sidecar) to exclude, as the request's pending_origins name it")
+    x.add_argument("--reason", required=True, help="why (at most 200 characters, stated in the signed records: "
+                                                   "name no person)")
+    x.set_defaults(func=_cmd_exclude)
+
+    f = sub.add_parser("fleet", help="the sidecars sharing the database")
+    fsub = f.add_subparsers(dest="fleet_command", metavar="ACTION", required=True)
+    st = fsub.add_parser("status", help="each sidecar: live, down or left, and the erasures waiting for it",
+                         description="List the sidecars registered in the database: live (heartbeat within "
+                                     "fleet_deadline_s), down (silent longer: erasures wait for it) or left "
+                                     "(stopped cleanly), with the open erasure requests waiting for each.")
+    _common(st)
+    st.set_defaults(func=_cmd_fleet_status)
+    rm = fsub.add_parser("remove", help="mark a sidecar gone for good as left",
+                         description="Mark a sidecar that will not come back as left, as a clean stop would: "
+                                     "new erasure requests no longer wait for it. Requests already waiting for "
+                                     "it are closed one by one with 'kvguard erasure exclude'. A sidecar that "
+                                     "starts again under this origin joins again.")
+    _common(rm)
+    rm.add_argument("origin", help="the sidecar's origin, as 'kvguard fleet status' lists it")
+    rm.set_defaults(func=_cmd_fleet_remove)
 
     k = sub.add_parser("keygen", help="create an Ed25519 signing key file (mode 0600)",
                        description="Create the sidecar's Ed25519 signing key, or with --secret a 32-byte secret "

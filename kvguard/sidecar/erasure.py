@@ -1,16 +1,21 @@
-"""Erasure requests: durable before acknowledged, idempotent, resumed after a crash.
+"""Erasure requests across the fleet: durable before acknowledged, idempotent, resumed
+after a crash, carried out by every sidecar of the database for its own processes.
 
-received → executing: every live inference process erases the subject's pages
-(overwritten, prefix entries dropped) and answers once its own signed `erase`
-event is recorded → the subject's pseudonym secrets are destroyed → one signed
-`erase` record for the request, stating what each process erased and how many
-secrets were destroyed → a signed checkpoint → the receipt (record, inclusion
-proof, checkpoint) → completed.
+A request accepted by any sidecar is stored once, with a part for each sidecar of the
+fleet (fleet.py). Each sidecar carries out its part: (1) every live inference process
+it serves erases the subject's pages and answers once its own `erase` event is recorded
+(pending → erased); (2) once every part has erased (or an operator excluded it, with a
+reason), the coordinator destroys the subject's pseudonym secrets, once; (3) each
+sidecar signs its own `erase` record in its own log, stating what its processes erased,
+the secrets destroyed and the fleet (origins taking part, exclusions), and issues its
+receipt (erased → done); (4) when every part is done the request completes, and its
+receipt is the fleet receipt: every origin's receipt, checked offline together with
+`audit.receipt.verify_fleet_receipt`.
 
-What the processes acknowledged and the secrets destroyed are saved with the
-request as each step ends, so an attempt resumed after a failure or a crash
-signs what every attempt did, not only what was left to do. Nothing runs until
-the processes have had one liveness window to reconnect after a start.
+What the processes acknowledged is saved with each part as it arrives, so a record
+states what every attempt did. Parts run concurrently, so a process that never answers
+holds up only the requests that need it. Nothing runs until the processes have had one
+liveness window to reconnect after a start.
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ import asyncio
 import hashlib
 import hmac
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
 from kvguard.audit import ops
@@ -32,17 +38,21 @@ from kvguard.audit.errors import AuditError
 from kvguard.audit.fields import MAX_ARRAY
 from kvguard.audit.models import RecordRow
 from kvguard.audit.pseudonym import subject_data
+from kvguard.audit.receipt import FLEET_RECEIPT_FORMAT
 from kvguard.audit.record import Record
 
 from ..errors import InputError
 from . import outage
+from .fleet import is_down, notify
 from .logs import log
-from .models import ErasureRequest
+from .models import ErasurePart, ErasureRequest, FleetSidecar
 from .service import Sidecar
 
 BASES = {"gdpr-art17": "GDPR Art. 17", "pipl-art47": "PIPL Art. 47"}
 DAY_MS = 86_400_000
 MAX_ATTEMPTS = 3
+POLL_S = 1.0  # every open part is looked at this often, announced or not
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 # what a process acknowledges: counts, each a non-negative integer a record can hold
 ACK_FIELDS = ("pages", "bytes", "sequences", "shared_pages", "tier_copies", "prefix_entries")
 NO_PROCESS_NOTICE = ("no inference process acknowledged this erasure (none was live that may hold the tenant's "
@@ -85,8 +95,12 @@ class IdempotencyKeyReused(InputError):
 class ErasureService:
     def __init__(self, sidecar: Sidecar) -> None:
         self.sc = sidecar
-        self._running: set[str] = set()
+        self._running: dict[str, asyncio.Task] = {}
+        self._again: set[str] = set()
+        self._only: set[str] = set()  # requests announced since the last round
+        self._full = False  # a look at every open request is due
         self._wake = asyncio.Event()
+        self._semaphore: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
 
     # --- intake ---------------------------------------------------------------------------------
 
@@ -134,6 +148,13 @@ class ErasureService:
                 failed.idempotency_sha256 = hashlib.sha256(f"{idem}\x00retired\x00{retired}".encode()).hexdigest()
                 db.flush()
             db.add(row)
+            db.flush()
+            # a part for every sidecar of the fleet that has not left, down ones included: a
+            # request waits for them, naming them, and is never complete without them
+            origins = {m.origin for m in self.sc.fleet.members(db)} | {s.origin}
+            db.add_all(ErasurePart(request_id=row.id, origin=o, state="pending", attempts=0, created_ms=now,
+                                   updated_ms=now) for o in sorted(origins))
+            notify(db, row.id)
             try:
                 db.commit()  # durable before the 202
             except IntegrityError:  # the same key raced in: answer with the winner
@@ -143,7 +164,7 @@ class ErasureService:
                 return winner, False
         self.sc.metrics.erasures_received.inc()
         log.info("erasure request stored", erasure_id=row.id, scope=row.scope, basis=row.legal_basis)
-        self._wake.set()
+        self.wake(row.id)
         return row, True
 
     def get(self, request_id: str) -> ErasureRequest | None:
@@ -152,116 +173,248 @@ class ErasureService:
 
     # --- execution ------------------------------------------------------------------------------
 
+    def wake(self, request_id: str | None = None) -> None:
+        """Look at one request now, or with None at every open one (from any thread: the
+        fleet's listener calls it with each announcement's request id)."""
+        loop = self.sc.registry.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._note, request_id)
+
+    def _note(self, request_id: str | None) -> None:
+        if request_id is not None and _UUID.fullmatch(request_id):
+            self._only.add(request_id)
+        else:
+            self._full = True
+        self._wake.set()
+
     async def run_forever(self) -> None:
-        """Execute pending requests, including those a crash interrupted."""
+        """Carry out this sidecar's parts of open requests, including those a crash
+        interrupted or that arrived while it was down; each runs on its own, so a process
+        that never answers holds up only the requests that need it."""
+        self.sc.fleet.listen(self.sc.settings.db_url, self.wake)
+        next_full = 0.0
         while True:
+            self._wake.clear()  # before the round: a change announced during it starts another
+            # every open part once a second (the polling); in between, the announced requests only
+            full = self._full or time.monotonic() >= next_full
+            only, self._only, self._full = self._only, set(), False
+            if full:
+                next_full = time.monotonic() + POLL_S
             try:
-                await self.run_pending()
+                await self.run_pending(wait=False, only=None if full else only)
             except Exception as exc:  # noqa: BLE001 - keep the loop alive; the request records its error
                 if outage.is_outage(exc):  # the database is away: try again, no traceback each second
                     outage.note("erasure loop", exc)
                 else:
                     log.exception("erasure loop error")
-            self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), 1.0)
+                await asyncio.wait_for(self._wake.wait(), max(0.0, next_full - time.monotonic()))
             except TimeoutError:
                 pass
 
-    async def run_pending(self) -> None:
-        """One attempt at every open request. A request whose attempt raises counts that
-        attempt (and fails after the last) without keeping the others from running."""
-        if self.sc.registry.reconnect_wait_s() > 0:
+    async def heartbeat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.sc.fleet.heartbeat_s)
+            try:
+                await asyncio.to_thread(self.sc.fleet.heartbeat)
+            except Exception as exc:  # noqa: BLE001 - the database is away: the fleet sees this sidecar down
+                outage.note("fleet heartbeat", exc)
+
+    async def run_pending(self, wait: bool = True, only: set[str] | None = None) -> None:
+        """Start an attempt at each of this sidecar's open parts (of the requests in `only`,
+        when given) not already running, and with `wait` wait for them. A part whose attempt
+        raises counts that attempt (and fails after the last) without keeping the others
+        from running."""
+        if self.sc.registry.reconnect_wait_s() > 0 or only is not None and not only:
             return  # right after a start: the processes may not have reconnected yet
         if self.sc.log.halted is not None:
             return  # nothing can be signed until the store is repaired: requests wait, no attempt counted
+        query = select(ErasurePart.request_id).join(
+            ErasureRequest, ErasureRequest.id == ErasurePart.request_id).where(
+            ErasurePart.origin == self.sc.settings.origin,
+            ErasurePart.state.in_(("pending", "erased", "done")),
+            ErasureRequest.state.in_(("received", "executing"))).order_by(ErasureRequest.received_ms)
+        if only is not None:
+            query = query.where(ErasurePart.request_id.in_(sorted(only)))
         with self.sc.db() as db:
-            ids = db.scalars(select(ErasureRequest.id).where(
-                ErasureRequest.origin == self.sc.settings.origin,
-                ErasureRequest.state.in_(("received", "executing")))).all()
+            ids = db.scalars(query).all()
+        started = []
         for rid in ids:
-            if rid in self._running:
-                continue
-            self._running.add(rid)
-            try:
+            if rid in self._running:  # a change may have come after its attempt looked: look again after it
+                self._again.add(rid)
+            else:
+                self._running[rid] = task = asyncio.create_task(self._attempt(rid), name=f"erasure-{rid}")
+                started.append(task)
+        if wait and started:
+            await asyncio.gather(*started)
+
+    def _slots(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if self._semaphore is None or self._semaphore[0] is not loop:
+            self._semaphore = (loop, asyncio.Semaphore(self.sc.settings.max_concurrent_erasures))
+        return self._semaphore[1]
+
+    async def _attempt(self, rid: str) -> None:
+        try:
+            async with self._slots():
                 await self.execute(rid)
-            except Exception as exc:  # noqa: BLE001 - one request's fault must not stop the others
-                # the error's type (and the audit package's own message), never an exception's
-                # text from elsewhere: it could carry a subject's ids
-                error = f"{type(exc).__name__}: {exc}" if isinstance(exc, AuditError) else type(exc).__name__
-                log.error("erasure attempt raised", erasure_id=rid, error=error)
-                try:
-                    self._fail(rid, f"the attempt raised {error}")
-                except Exception as again:  # noqa: BLE001 - e.g. the database is down: retried later
-                    log.error("could not record a failed erasure attempt", erasure_id=rid,
-                              error=type(again).__name__)
-            finally:
-                self._running.discard(rid)
+        except Exception as exc:  # noqa: BLE001 - one request's fault must not stop the others
+            # the error's type (and the audit package's own message), never an exception's
+            # text from elsewhere: it could carry a subject's ids
+            error = f"{type(exc).__name__}: {exc}" if isinstance(exc, AuditError) else type(exc).__name__
+            log.error("erasure attempt raised", erasure_id=rid, error=error)
+            try:
+                self._fail(rid, f"the attempt raised {error}")
+            except Exception as again:  # noqa: BLE001 - e.g. the database is down: retried later
+                log.error("could not record a failed erasure attempt", erasure_id=rid, error=type(again).__name__)
+        finally:
+            self._running.pop(rid, None)
+            if rid in self._again:
+                self._again.discard(rid)
+                self._note(rid)
 
     async def execute(self, request_id: str) -> None:
+        """This sidecar's part of one request, as far as the fleet lets it go now:
+        (1) its processes erase → (2) the fleet's shredding, once, by the coordinator →
+        (3) its own signed erase record → (4) the request completes once every part is done."""
+        me = self.sc.settings.origin
         with self.sc.db() as db:
             row = db.get(ErasureRequest, request_id)
-            if row is None or row.state in ("completed", "failed"):
+            part = db.get(ErasurePart, (request_id, me))
+            if row is None or part is None or row.state in ("completed", "failed"):
                 return
-            row.state, row.attempts = "executing", row.attempts + 1
-            db.commit()  # the attempt counts, even when what follows raises
-        progress = json.loads(row.result_json) if row.result_json else {"processes": {}, "secrets_destroyed": 0}
-        # a record written by an earlier attempt means every step before it is done
-        record = await asyncio.to_thread(self._recorded, row)
-        if record is None:
-            subject = self.sc.unseal(row.sealed_subject)
-            scope, tenant, target = subject["scope"], subject["tenant"], subject["target"]
-            # (1) every live inference process that may hold the tenant's data erases and acknowledges
-            cmd, targets = self.sc.registry.broadcast(scope, tenant, target, self.sc.tenant_index(tenant))
-            acks = await self.sc.registry.wait_acks(cmd, targets, self.sc.settings.erasure_ack_timeout_s)
-            answered = _merge_acks(progress["processes"], acks, request_id)
-            self._save_progress(request_id, progress)
-            missing = set(targets) - answered
-            if missing:
-                self._fail(request_id, f"{len(missing)} inference process(es) did not acknowledge in time "
-                                       "or sent an invalid acknowledgement")
-                return
-            # (2) crypto-shred: the subject's pseudonym secrets, counted before the WAL
-            # truncation that may still fail (a retry then truncates and destroys none)
-            tags = await asyncio.to_thread(self._shred, scope, tenant, target)
-            progress["secrets_destroyed"] += len(tags)
-            progress["shredded"] = progress.get("shredded", []) + tags
-            self._save_progress(request_id, progress)
-            await asyncio.to_thread(self.sc.store.truncate_wal)
-            # (3) one signed erase record for the request, attesting (1) and (2)
-            record = await asyncio.to_thread(self._erase_record, request_id, progress)
-        # (4) a signed checkpoint covering the record, and the receipt
-        receipt = await asyncio.to_thread(self._receipt, record.seq)
-        acks = progress["processes"]
-        result = {"processes": acks, "secrets_destroyed": progress["secrets_destroyed"],
-                  "tiers": _tier_totals(acks), "no_process_acknowledged": not acks}
-        if not acks:
-            result["notice"] = NO_PROCESS_NOTICE
+            if part.state == "pending":
+                part.attempts += 1
+                row.state, row.attempts = "executing", max(row.attempts, part.attempts)
+                db.commit()  # the attempt counts, even when what follows raises
+        # (1) every live inference process here that may hold the tenant's data erases and acknowledges
+        if part.state == "pending" and not await self._erase_here(row, part):
+            return
+        # (2) crypto-shredding, once for the fleet, when every part has erased or is excluded
+        await asyncio.to_thread(self._shred_if_ready, request_id)
+        # (3) this origin's signed erase record and its receipt, once shredded
+        await asyncio.to_thread(self._record_part, request_id)
+        # (4) the fleet receipt, when every part is done
+        await asyncio.to_thread(self._complete_if_ready, request_id)
+
+    async def _erase_here(self, row: ErasureRequest, part: ErasurePart) -> bool:
+        subject = self.sc.unseal(row.sealed_subject)
+        scope, tenant, target = subject["scope"], subject["tenant"], subject["target"]
+        cmd, targets = self.sc.registry.broadcast(scope, tenant, target, self.sc.tenant_index(tenant))
+        acks = await self.sc.registry.wait_acks(cmd, targets, self.sc.settings.erasure_ack_timeout_s)
+        processes = json.loads(part.processes_json) if part.processes_json else {}
+        answered = _merge_acks(processes, acks, row.id)
+        missing = set(targets) - answered
         with self.sc.db() as db:
-            row = db.get(ErasureRequest, request_id)
-            row.state, row.completed_ms = "completed", _now_ms()
-            row.result_json, row.receipt_json = json.dumps(result), json.dumps(receipt)
-            row.sealed_subject = None  # the raw ids are not kept past completion
+            p = db.get(ErasurePart, (row.id, part.origin))
+            if p.state != "pending":  # an operator excluded it meanwhile
+                return False
+            p.processes_json, p.updated_ms = json.dumps(processes), _now_ms()
+            if not missing:
+                p.state = "erased"
+                notify(db, row.id)  # the coordinator may shred now
             db.commit()
+        if missing:
+            self._fail(row.id, f"{len(missing)} inference process(es) did not acknowledge in time "
+                               "or sent an invalid acknowledgement")
+            return False
+        self._save_progress(row.id)
+        return True
+
+    def _shred_if_ready(self, request_id: str) -> None:
+        """The coordinator (the origin that accepted the request, or the first origin left
+        when it is excluded) destroys the subject's pseudonym secrets once every part has
+        erased: never before, or a process's late erase event would be pseudonymized under
+        a fresh secret."""
+        with self.sc.db() as db:
+            row = db.get(ErasureRequest, request_id)
+            parts = _parts(db, request_id)
+            if row.shredded_ms is not None or _coordinator(row, parts) != self.sc.settings.origin:
+                return
+            if any(p.state in ("pending", "failed") for p in parts):
+                return
+        subject = self.sc.unseal(row.sealed_subject)
+        # counted before the WAL truncation that may still fail (a retry then truncates and destroys none)
+        tags = self._shred(subject["scope"], subject["tenant"], subject["target"])
+        with self.sc.db() as db:
+            row = db.get(ErasureRequest, request_id)
+            row.secrets_destroyed, row.shredded_ms = len(tags), _now_ms()
+            row.shredded_tags = json.dumps(sorted(tags))
+            notify(db, request_id)  # every origin may sign its record now
+            db.commit()
+        self.sc.store.truncate_wal()
+        self._save_progress(request_id)
+
+    def _record_part(self, request_id: str) -> None:
+        me = self.sc.settings.origin
+        with self.sc.db() as db:
+            row = db.get(ErasureRequest, request_id)
+            part = db.get(ErasurePart, (request_id, me))
+            if part.state != "erased" or row.shredded_ms is None:
+                return
+            fleet = _fleet_details(_parts(db, request_id))
+            part.attempts += 1
+            row.attempts = max(row.attempts, part.attempts)
+            db.commit()
+            db.expunge(row)
+            db.expunge(part)
+        record = self._recorded(row, part) or self._erase_record(row, part, fleet)
+        receipt = self._receipt(record.seq)
+        with self.sc.db() as db:
+            p = db.get(ErasurePart, (request_id, me))
+            p.state, p.record_seq, p.receipt_json, p.updated_ms = "done", record.seq, json.dumps(receipt), _now_ms()
+            notify(db, request_id)
+            db.commit()
+        self._save_progress(request_id)
+
+    def _complete_if_ready(self, request_id: str) -> None:
+        with self.sc.db() as db:
+            row = db.get(ErasureRequest, request_id)
+            parts = _parts(db, request_id)
+            if row.state in ("completed", "failed") or any(p.state not in ("done", "excluded") for p in parts):
+                return
+            result = _result(row, parts)
+            fleet = _fleet_details(parts)
+            receipt = {"format": FLEET_RECEIPT_FORMAT, "request": request_id, **fleet,
+                       "receipts": [json.loads(p.receipt_json) for p in parts if p.state == "done"]}
+            # once, though every sidecar whose part is done may get here at the same time
+            won = db.execute(update(ErasureRequest).where(
+                ErasureRequest.id == request_id, ErasureRequest.state.in_(("received", "executing"))).values(
+                state="completed", completed_ms=_now_ms(), result_json=json.dumps(result),
+                receipt_json=json.dumps(receipt),
+                sealed_subject=None,  # the raw ids are not kept past completion
+            )).rowcount
+            db.commit()
+        if not won:
+            return
         self.sc.metrics.erasures_completed.inc()
-        if acks:
-            log.info("erasure completed", erasure_id=request_id, record_seq=record.seq, processes=len(acks))
+        if result["processes"]:
+            log.info("erasure completed", erasure_id=request_id, origins=len(fleet["origins"]),
+                     processes=len(result["processes"]))
         else:
-            log.warning("erasure completed without any inference process", erasure_id=request_id,
-                        record_seq=record.seq)
+            log.warning("erasure completed without any inference process", erasure_id=request_id)
 
-    def _save_progress(self, request_id: str, progress: dict) -> None:
+    def result(self, row: ErasureRequest) -> dict | None:
+        """What the request shows now: for an open one, its parts as they stand (origins
+        pending, down or excluded named); once it ended, what was saved."""
+        if row.state in ("completed", "failed"):
+            return json.loads(row.result_json) if row.result_json else None
         with self.sc.db() as db:
-            db.get(ErasureRequest, request_id).result_json = json.dumps(progress)
+            return _result(row, _parts(db, row.id), _down(db, self.sc.settings.fleet_deadline_s))
+
+    def _save_progress(self, request_id: str) -> None:
+        with self.sc.db() as db:
+            row = db.get(ErasureRequest, request_id)
+            row.result_json = json.dumps(_result(row, _parts(db, request_id)))
             db.commit()
 
-    def _recorded(self, row: ErasureRequest) -> Record | None:
-        """The request's erase record if an earlier attempt wrote it: by the sequence number
-        kept with the request or, after a crash before that was saved, by the request id
-        its details carry."""
+    def _recorded(self, row: ErasureRequest, part: ErasurePart) -> Record | None:
+        """This origin's erase record of the request if an earlier attempt wrote it: by the
+        sequence number kept with its part or, after a crash before that was saved, by the
+        request id its details carry."""
         origin = self.sc.settings.origin
-        if row.record_seq is not None:
-            return self.sc.store.record(origin, row.record_seq)
+        if part.record_seq is not None:
+            return self.sc.store.record(origin, part.record_seq)
         column = RecordRow.user_pseudonym if row.scope == "user" else RecordRow.session_pseudonym
         query = select(RecordRow.seq, RecordRow.body).where(
             RecordRow.origin == origin, RecordRow.op == ops.ERASE, column == row.subject_pseudonym
@@ -275,19 +428,16 @@ class ErasureService:
 
     def _save_record_seq(self, request_id: str, seq: int) -> None:
         with self.sc.db() as db:
-            db.get(ErasureRequest, request_id).record_seq = seq
+            db.get(ErasurePart, (request_id, self.sc.settings.origin)).record_seq = seq
             db.commit()
 
-    def _erase_record(self, request_id: str, progress: dict) -> Record:
+    def _erase_record(self, row: ErasureRequest, part: ErasurePart, fleet: dict) -> Record:
         # No transaction stays open while the log writer commits: on SQLite it would
         # hold the write lock the writer needs.
-        with self.sc.db() as db:
-            row = db.get(ErasureRequest, request_id)
-            db.expunge(row)
-        acks = progress["processes"]
+        acks = json.loads(part.processes_json) if part.processes_json else {}
         subject = {"tenant": row.tenant_pseudonym, row.scope: row.subject_pseudonym}
         details = {
-            "request": request_id, "legal_basis": row.legal_basis, "scope": row.scope,
+            "request": row.id, "legal_basis": row.legal_basis, "scope": row.scope,
             "received": row.received_ms, "deadline": row.deadline_ms,
             "processes": sorted(acks),
             "process_erasures": [{"process": pid, **acks[pid]} for pid in sorted(acks)],
@@ -297,15 +447,16 @@ class ErasureService:
             "tier_copies_erased": _total(acks, "tier_copies"),
             "shared_pages_released": _total(acks, "shared_pages"),
             "prefix_entries_removed": _total(acks, "prefix_entries"),
-            "secrets_destroyed": progress["secrets_destroyed"],
+            "secrets_destroyed": row.secrets_destroyed or 0,
             # what `kvguard audit check` matches stored secrets against (audit.pseudonym.shred_tag);
             # a user seen with more sessions than an array holds keeps the first MAX_ARRAY
-            "shredded": sorted(progress.get("shredded", []))[:MAX_ARRAY],
+            "shredded": json.loads(row.shredded_tags or "[]")[:MAX_ARRAY],
+            "fleet": fleet,
         }
         if row.reason_hmac:
             details["reason_hmac"] = row.reason_hmac
         record = self.sc.log.append(ops.ERASE, subject, details)
-        self._save_record_seq(request_id, record.seq)
+        self._save_record_seq(row.id, record.seq)
         return record
 
     def _shred(self, scope: str, tenant: str, target: str) -> list[str]:
@@ -328,12 +479,110 @@ class ErasureService:
     def _fail(self, request_id: str, error: str) -> None:
         with self.sc.db() as db:
             row = db.get(ErasureRequest, request_id)
-            if row.attempts >= MAX_ATTEMPTS:
+            part = db.get(ErasurePart, (request_id, self.sc.settings.origin))
+            if part is None or part.state == "excluded" or row.state in ("completed", "failed"):
+                return
+            part.error, part.updated_ms = error, _now_ms()
+            if part.attempts >= MAX_ATTEMPTS:
+                part.state = "failed"
                 row.state, row.error = "failed", error
             else:
                 row.state, row.error = "received", error  # retried by the loop
+            db.flush()
+            row.result_json = json.dumps(_result(row, _parts(db, request_id)))
+            notify(db, request_id)
             db.commit()
         log.warning("erasure attempt failed", erasure_id=request_id, error=error)
+
+
+MAX_REASON = 200  # a record's strings hold at most 256 characters
+
+
+def exclude(db, request_id: str, origin: str, reason: str) -> None:
+    """Close one origin's part of an open request without it, for the reason given (a pod
+    gone for good). Every erase record of the request states the exclusion and its reason.
+    Refused once the origin's processes have erased (the request then waits for its record
+    only), for the last origin taking part, and for a closed request."""
+    reason = " ".join(reason.split())
+    if not 0 < len(reason) <= MAX_REASON or not reason.isprintable():
+        raise InputError(f"give a reason of 1 to {MAX_REASON} printable characters; it is stated in every "
+                         "record of the request, so name no person")
+    row = db.get(ErasureRequest, request_id)
+    if row is None:
+        raise InputError(f"no erasure request {request_id}")
+    if row.state in ("completed", "failed"):
+        raise InputError(f"request {request_id} is {row.state} already")
+    part = db.get(ErasurePart, (request_id, origin))
+    if part is None:
+        known = ", ".join(p.origin for p in _parts(db, request_id))
+        raise InputError(f"{origin} has no part in request {request_id} (its origins: {known})")
+    if part.state == "excluded":
+        return
+    if part.state != "pending":
+        raise InputError(f"{origin}'s processes have erased already ({part.state}): the request waits for its "
+                         "signed record only; start its sidecar again with its data directory and signing key")
+    if not any(p.state != "excluded" for p in _parts(db, request_id) if p.origin != origin):
+        raise InputError(f"{origin} is the last origin taking part: some sidecar must sign the record")
+    done = db.execute(update(ErasurePart).where(
+        ErasurePart.request_id == request_id, ErasurePart.origin == origin, ErasurePart.state == "pending",
+    ).values(state="excluded", excluded_reason=reason, updated_ms=_now_ms())).rowcount
+    if done != 1:
+        db.rollback()
+        raise InputError(f"{origin}'s part changed meanwhile; look at the request again")
+    notify(db, request_id)
+    db.commit()
+    log.warning("erasure part excluded", erasure_id=request_id, origin=origin)
+
+
+def _parts(db, request_id: str) -> list[ErasurePart]:
+    return list(db.scalars(select(ErasurePart).where(ErasurePart.request_id == request_id)
+                           .order_by(ErasurePart.origin)))
+
+
+def _coordinator(row: ErasureRequest, parts: list[ErasurePart]) -> str | None:
+    """Who shreds: the origin that accepted the request, or the first other one not excluded."""
+    taking_part = [p.origin for p in parts if p.state != "excluded"]
+    return row.origin if row.origin in taking_part else min(taking_part, default=None)
+
+
+def _fleet_details(parts: list[ErasurePart]) -> dict:
+    """The fleet as every record of the request states it: the origins taking part, and the
+    ones an operator excluded with their reasons."""
+    return {"origins": [p.origin for p in parts if p.state != "excluded"],
+            "excluded": [{"origin": p.origin, "reason": p.excluded_reason or ""}
+                         for p in parts if p.state == "excluded"]}
+
+
+def _down(db, deadline_s: float) -> set[str]:
+    return {s.origin for s in db.scalars(select(FleetSidecar)) if is_down(s, deadline_s)}
+
+
+def _result(row: ErasureRequest, parts: list[ErasurePart], down: set[str] | None = None) -> dict:
+    processes: dict[str, dict] = {}
+    origins = {}
+    for p in parts:
+        acks = json.loads(p.processes_json) if p.processes_json else {}
+        if p.state != "excluded":
+            processes.update(acks)
+        entry = {"state": p.state, "processes": sorted(acks)}
+        if p.record_seq is not None:
+            entry["record_seq"] = p.record_seq
+        if p.state == "excluded":
+            entry["excluded_reason"] = p.excluded_reason
+        elif p.error and p.state != "done":
+            entry["error"] = p.error
+        if down is not None and p.state in ("pending", "erased"):
+            entry["sidecar_down"] = p.origin in down
+        origins[p.origin] = entry
+    result = {"processes": processes, "secrets_destroyed": row.secrets_destroyed or 0,
+              "tiers": _tier_totals(processes), "no_process_acknowledged": not processes,
+              "origins": origins,
+              # what the request waits for: processes that have not erased; once shredded, records
+              "pending_origins": [p.origin for p in parts if p.state == "pending"
+                                  or p.state == "erased" and row.shredded_ms is not None]}
+    if not processes:
+        result["notice"] = NO_PROCESS_NOTICE
+    return result
 
 
 def _same_body(existing: ErasureRequest, body_hmac: str) -> None:

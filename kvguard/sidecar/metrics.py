@@ -15,15 +15,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from .models import ErasureRequest
+from .models import ErasurePart, ErasureRequest, FleetSidecar
 from .registry import Registry
 
 
 class Metrics:
-    def __init__(self, db: Callable[[], Session], registry: Registry, origin: str) -> None:
+    def __init__(self, db: Callable[[], Session], registry: Registry, origin: str,
+                 fleet_deadline_s: float = 30.0) -> None:
         self._db, self._clients, self._origin = db, registry, origin
         self._lock = threading.Lock()  # renders set shared gauges: one at a time
         self._scraped: tuple[float, bytes] = (float("-inf"), b"")
+        self._deadline_ms = int(fleet_deadline_s * 1000)
         r = self.registry = CollectorRegistry()
         self.records = Counter("kvguard_audit_records_written", "Audit records signed and stored", ["op"],
                                registry=r)
@@ -43,6 +45,13 @@ class Metrics:
         self.by_state = Gauge("kvguard_erasure_requests", "Erasure requests by state", ["state"], registry=r)
         self.overdue = Gauge("kvguard_erasure_requests_overdue", "Open erasure requests past their deadline",
                              registry=r)
+        self.sidecars = Gauge("kvguard_fleet_sidecars", "Sidecars of the database that have not left, by "
+                              "whether they heartbeat within their deadline (the same on every sidecar)",
+                              ["state"], registry=r)
+        self.parts_overdue = Gauge("kvguard_erasure_origins_overdue",
+                                   "Open erasure requests' parts waiting for a sidecar that is down past its "
+                                   "deadline (fleet-wide: the same on every sidecar, aggregate with max)",
+                                   registry=r)
         self.pages = Gauge("kvguard_cache_pages", "KV pages held by connected processes", ["tier", "codec"],
                            registry=r)
         self.witness_cosigned = Gauge("kvguard_witness_cosigned_size",
@@ -102,6 +111,17 @@ class Metrics:
             overdue = db.scalar(select(func.count()).select_from(ErasureRequest).where(
                 ErasureRequest.origin == origin, ErasureRequest.state.in_(("received", "executing")),
                 ErasureRequest.deadline_ms < int(time.time() * 1000)))
+            now = int(time.time() * 1000)
+            beats = db.scalars(select(FleetSidecar.heartbeat_ms).where(FleetSidecar.left_ms.is_(None))).all()
+            waiting = db.scalar(select(func.count()).select_from(ErasurePart).join(
+                FleetSidecar, FleetSidecar.origin == ErasurePart.origin).join(
+                ErasureRequest, ErasureRequest.id == ErasurePart.request_id).where(
+                ErasurePart.state.in_(("pending", "erased")), ErasureRequest.state.in_(("received", "executing")),
+                FleetSidecar.heartbeat_ms < now - self._deadline_ms))
+        down = sum(1 for b in beats if now - b > self._deadline_ms)
+        self.sidecars.labels("live").set(len(beats) - down)
+        self.sidecars.labels("down").set(down)
+        self.parts_overdue.set(waiting or 0)
         for state in ("received", "executing", "completed", "failed"):
             self.by_state.labels(state).set(counts.get(state, 0))
         self.overdue.set(overdue or 0)

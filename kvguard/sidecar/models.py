@@ -1,4 +1,5 @@
-"""The sidecar's own tables: admin API tokens and erasure requests.
+"""The sidecar's own tables: admin API tokens, erasure requests and each sidecar's part of
+them, the fleet of sidecars sharing the database.
 
 Neither holds a raw subject id: a pending request keeps its ids sealed
 (AES-GCM under a key in the data directory) until it completes, and then the
@@ -56,6 +57,46 @@ class ErasureRequest(Base):
     receipt_json: Mapped[str | None] = mapped_column(Text, nullable=True)
     record_seq: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # crypto-shredding, once for the fleet: how many secrets it destroyed, and when
+    secrets_destroyed: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    shredded_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    shredded_tags: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON: audit.pseudonym.shred_tag of each
+
+
+class ErasurePart(Base):
+    """One sidecar's (origin's) part of an erasure request: its inference processes erase
+    (pending → erased), then, once the fleet's shredding is done, it signs its own erase
+    record (→ done). An operator may exclude a part whose processes have not erased, with a
+    reason every record of the request states."""
+
+    __tablename__ = "erasure_parts"
+
+    request_id: Mapped[str] = mapped_column(String(36), primary_key=True)  # an erasure_requests.id
+    origin: Mapped[str] = mapped_column(String(255), primary_key=True)
+    state: Mapped[str] = mapped_column(String(16), index=True)  # pending | erased | done | excluded | failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    processes_json: Mapped[str | None] = mapped_column(Text, nullable=True)  # what each process acknowledged
+    record_seq: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    receipt_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    excluded_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_ms: Mapped[int] = mapped_column(BigInteger)
+    updated_ms: Mapped[int] = mapped_column(BigInteger)
+
+
+class FleetSidecar(Base):
+    """A sidecar of the database: registered at its start, heartbeating while it runs, marked
+    as left when it stops cleanly. Every sidecar that has not left gets a part of each new
+    erasure request, so one that is down is named as pending, never skipped."""
+
+    __tablename__ = "fleet_sidecars"
+
+    origin: Mapped[str] = mapped_column(String(255), primary_key=True)
+    instance: Mapped[str] = mapped_column(String(32))  # drawn at each start
+    key_id: Mapped[str] = mapped_column(String(64))  # its signing key's id when it started
+    started_ms: Mapped[int] = mapped_column(BigInteger)
+    heartbeat_ms: Mapped[int] = mapped_column(BigInteger)
+    left_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class SubjectLink(Base):

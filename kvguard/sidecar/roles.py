@@ -32,6 +32,8 @@ GRANTS: dict[str, tuple[str, ...]] = {
     "subject_links": ("SELECT", "INSERT", "DELETE"),  # a user's sessions, forgotten with the user
     "ingest_progress": ("SELECT", "INSERT", "UPDATE"),
     "cosignatures": ("SELECT", "INSERT", "DELETE"),  # a witness's newest cosignature replaces its older one
+    "fleet_sidecars": ("SELECT", "INSERT", "UPDATE"),  # registration, heartbeats, leaving
+    "erasure_parts": ("SELECT", "INSERT", "UPDATE"),  # each sidecar's part of a request
 }
 APPEND_ONLY = ("logs", "keys", "records", "checkpoints")
 _ROLE = re.compile(r"[a-z_][a-z0-9_$]{0,62}")

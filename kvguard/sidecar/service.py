@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from sqlalchemy import text
+from sqlalchemy import func, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -30,9 +30,11 @@ from kvguard.audit.store import AuditStore, check_current, make_engine, migrate
 
 from ..errors import ConfigError
 from .auth import any_admin_token, tenant_index
+from .fleet import Fleet
 from .ingest import Ingestor
 from .logs import log
 from .metrics import Metrics
+from .models import ErasurePart, ErasureRequest
 from .registry import Registry
 from .roles import check_runtime_role
 from .settings import Settings, check_secure
@@ -111,7 +113,7 @@ class Sidecar:
         self._index_key = index_key = load_or_create_secret(s.index_key_path)
         self._seal = AESGCM(load_or_create_secret(s.seal_key_path))
         self.registry = Registry(s.inference_live_s)
-        self.metrics = Metrics(self.db, self.registry, s.origin)
+        self.metrics = Metrics(self.db, self.registry, s.origin, s.fleet_deadline_s)
         self.keyring = Keyring(s.kek_path, self.store)
         self.rotate_kek_if_due(wrap_only=True)  # the first KEK; secrets stored before wrapping
         # the writer verifies every record it did not write, here on open and at each catch-up
@@ -126,6 +128,10 @@ class Sidecar:
         self.pseudonyms = Pseudonymizer(self.store, index_key, self.keyring)
         self.key_lock = threading.Lock()  # one signing-key rotation at a time
         self.ingest = Ingestor(self.log, self.pseudonyms, self.sessions)
+        # registered once its log opened: a sidecar refused at start is never counted in the fleet
+        self.fleet = Fleet(self.sessions, s.origin, self.key.key_id, heartbeat_s=s.fleet_heartbeat_s,
+                           deadline_s=s.fleet_deadline_s)
+        self.fleet.register()
         self.witnessing = None
         if s.witnesses:
             from kvguard.audit.cosignature import Witness
@@ -240,6 +246,11 @@ class Sidecar:
             except OSError:
                 same = False
             out["ingest_socket"] = "ok" if same else "not the socket this server bound"
+        try:
+            missed = self.missed_erasures()
+            out["erasures"] = "ok" if not missed else f"carrying out {missed} erasure(s) received while it was away"
+        except Exception as e:  # noqa: BLE001
+            out["erasures"] = f"unknown: {type(e).__name__}"
         return out
 
     def witness_status(self) -> dict[str, str]:
@@ -247,8 +258,23 @@ class Sidecar:
         delays cosignatures, never signing."""
         return {} if self.witnessing is None else self.witnessing.status()
 
+    def missed_erasures(self) -> int:
+        """Open requests received before this start whose processes here have not erased yet:
+        a sidecar that comes back carries them out before it reports ready."""
+        with self.db() as db:
+            return db.scalar(select(func.count()).select_from(ErasurePart).join(
+                ErasureRequest, ErasureRequest.id == ErasurePart.request_id).where(
+                ErasurePart.origin == self.settings.origin, ErasurePart.state == "pending",
+                ErasurePart.created_ms < self.fleet.started_ms,
+                ErasureRequest.state.in_(("received", "executing")))) or 0
+
     def close(self) -> None:
         if self.witnessing is not None:
             self.witnessing.close()
+        self.fleet.close()
+        try:
+            self.fleet.leave()
+        except Exception as e:  # noqa: BLE001 - the database is away: it counts as down, not as left
+            log.warning("could not leave the fleet", error=type(e).__name__)
         self.log.close()
         self.engine.dispose()

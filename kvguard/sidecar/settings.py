@@ -88,6 +88,12 @@ class Settings(BaseSettings):
     # An inference process counts as live this long after its last contact; after a start,
     # erasures wait this long for the processes to reconnect.
     inference_live_s: float = Field(default=30.0, gt=0)
+    # The fleet (sidecars sharing one database): each heartbeats this often, and one silent for
+    # longer than the deadline is down (its erasure parts are named as overdue).
+    fleet_heartbeat_s: float = Field(default=5.0, gt=0)
+    fleet_deadline_s: float = Field(default=30.0, gt=0)
+    # Erasure parts carried out at once by this sidecar (each waits for its processes' answers).
+    max_concurrent_erasures: int = Field(default=32, ge=1)
     # The deployment's policy (kvguard/policy/schema.py): its retention.max_age is the retention limit.
     policy_file: Path | None = None
     retention_max_age_s: float | None = Field(default=None, gt=0)  # default: the policy's; None = no limit
@@ -138,6 +144,13 @@ class Settings(BaseSettings):
         if self.metrics_port is not None and self.metrics_port == self.port:
             raise ValueError(f"metrics_port and port are both {self.port}: the metrics listener needs a port "
                              "of its own")
+        return self
+
+    @model_validator(mode="after")
+    def _fleet(self) -> Settings:
+        if self.fleet_deadline_s <= self.fleet_heartbeat_s:
+            raise ValueError(f"fleet_deadline_s ({self.fleet_deadline_s:g}) must be longer than "
+                             f"fleet_heartbeat_s ({self.fleet_heartbeat_s:g}), or every sidecar looks down")
         return self
 
     @field_validator("origin")

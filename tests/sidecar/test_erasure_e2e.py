@@ -26,12 +26,13 @@ RAW_IDS = ["alice-raw-id-7f3a", "alice-session-1", "alice-session-2", "bob-raw-i
 class Proc:
     """The inference process, driven line by line."""
 
-    def __init__(self, server, tmp: Path):
+    def __init__(self, server, tmp: Path, wait: bool = True):
         self.redis_prefix = f"kvguard-test:{uuid.uuid4().hex[:8]}:"
         self.p = subprocess.Popen(
             [sys.executable, "-m", "tests.sidecar.client_proc", str(server.socket), server.tokens["ingest"],
              str(tmp), self.redis_prefix], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert self.read()["ready"]
+        if wait:  # else the caller reads the ready line (to start several processes at once)
+            assert self.read()["ready"]
 
     def read(self) -> dict:
         line = self.p.stdout.readline()
@@ -128,7 +129,7 @@ def test_erase_a_user_while_another_decodes(server, tmp_path):
     # what the request says, and its receipt verifying offline with the public key alone
     (process, acked), = done["result"]["processes"].items()  # one process: its id and this run's instance
     assert process.startswith("test-proc/") and acked["sequences"] == 2
-    receipt = done["receipt"]
+    receipt = done["receipt"]["receipts"][0]  # the fleet receipt of a one-sidecar fleet
     with server.client("audit:read") as c:
         keys = c.get("/v1/audit/public-keys").json()
     verify_receipt(receipt, PublicKey.from_text(keys[0]["public_key_pem"]))
@@ -192,7 +193,7 @@ def test_interrupted_erasure_resumes_after_a_crash(tmp_path, db_url):
                              extra_env={"KVGUARD_ORIGIN": server.env["KVGUARD_ORIGIN"]})
     try:
         done = wait_state(restarted, request_id)
-        assert done["receipt"]["record"]["details"]["request"] == request_id
+        assert done["receipt"]["receipts"][0]["record"]["details"]["request"] == request_id
         # the mute process never came back: the request says that no process erased anything
         assert done["result"]["no_process_acknowledged"] is True and done["result"]["processes"] == {}
         with restarted.client("audit:read") as c:

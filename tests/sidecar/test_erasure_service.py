@@ -117,7 +117,7 @@ def test_after_a_start_erasures_wait_for_processes_to_reconnect(make_sidecar):
     assert done.state == "completed", done.error
     result = json.loads(done.result_json)
     assert list(result["processes"]) == ["proc-a/i-1"] and result["no_process_acknowledged"] is False
-    details = json.loads(done.receipt_json)["record"]["details"]
+    details = json.loads(done.receipt_json)["receipts"][0]["record"]["details"]
     assert details["processes"] == ["proc-a/i-1"] and details["no_process_acknowledged"] is False
     assert details["process_erasures"] == [{"process": "proc-a/i-1", **GOOD}]
 
@@ -131,7 +131,7 @@ def test_an_erasure_without_any_live_process_says_so(sidecar):
     result = json.loads(done.result_json)
     assert result["processes"] == {} and result["no_process_acknowledged"] is True
     assert "no inference process" in result["notice"]
-    receipt = json.loads(done.receipt_json)
+    receipt = json.loads(done.receipt_json)["receipts"][0]
     verify_receipt(receipt, sidecar.key.public_key)
     details = receipt["record"]["details"]  # the signed record says it too
     assert details["processes"] == [] and details["process_erasures"] == []
@@ -276,7 +276,7 @@ def test_the_signed_record_counts_the_destroyed_secrets(sidecar):
     done = state(sidecar, row.id)
     assert done.state == "completed"
     assert json.loads(done.result_json)["secrets_destroyed"] == 2  # the user's and the session's
-    details = json.loads(done.receipt_json)["record"]["details"]
+    details = json.loads(done.receipt_json)["receipts"][0]["record"]["details"]
     assert details["secrets_destroyed"] == 2
     assert len(details["shredded"]) == 2  # their shred tags, which `kvguard audit check` matches
     assert sidecar.pseudonyms.existing("user", "u-9", tenant="acme") is None
@@ -301,7 +301,7 @@ def test_a_crash_after_the_record_is_signed_does_not_sign_a_second_one(sidecar, 
     done = state(sidecar, rid)
     assert done.state == "completed"
     records = erase_records(sidecar, rid)
-    assert len(records) == 1 and json.loads(done.receipt_json)["record"] == records[0]
+    assert len(records) == 1 and json.loads(done.receipt_json)["receipts"][0]["record"] == records[0]
     # what the first attempt did is what the record says, not what the resumed one found left
     assert records[0]["details"]["pages_overwritten"] == GOOD["pages"]
     assert records[0]["details"]["secrets_destroyed"] == 1
@@ -326,7 +326,7 @@ def test_a_resumed_request_signs_what_every_attempt_did(sidecar, monkeypatch):
     asyncio.run(with_process(sidecar, lambda cmd: next(answers), service.run_pending))
     done = state(sidecar, rid)
     assert done.state == "completed"
-    details = json.loads(done.receipt_json)["record"]["details"]
+    details = json.loads(done.receipt_json)["receipts"][0]["record"]["details"]
     assert details["pages_overwritten"] == GOOD["pages"] and details["secrets_destroyed"] == 1
 
 

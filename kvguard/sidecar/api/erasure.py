@@ -51,12 +51,12 @@ class ErasureOut(BaseModel):
     error: str | None = None
 
 
-def _out(row: ErasureRequest) -> ErasureOut:
+def _out(row: ErasureRequest, result: dict | None) -> ErasureOut:
     return ErasureOut(
         id=row.id, state=row.state, scope=row.scope, legal_basis=row.legal_basis,
         tenant_pseudonym=row.tenant_pseudonym, subject_pseudonym=row.subject_pseudonym,
         received_ms=row.received_ms, deadline_ms=row.deadline_ms, completed_ms=row.completed_ms,
-        result=json.loads(row.result_json) if row.result_json else None,
+        result=result,
         receipt=json.loads(row.receipt_json) if row.receipt_json else None, error=row.error)
 
 
@@ -74,7 +74,7 @@ def create(body: ErasureIn, principal: ErasureWrite, request: Request, response:
     if not new:
         response.status_code = 200
     response.headers["Location"] = f"/v1/erasure-requests/{row.id}"
-    return _out(row)
+    return _out(row, service.result(row))
 
 
 RequestId = Annotated[str, Path(max_length=36, description="the request's id, a UUID")]
@@ -85,13 +85,21 @@ UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}
             responses=documented(404))
 def read(request_id: RequestId, _: ErasureRead, request: Request) -> ErasureOut:
     # what is no request id names no request: never sent to the database (PostgreSQL refuses NUL)
-    row = request.app.state.erasure.get(request_id) if UUID.fullmatch(request_id) else None
+    service = request.app.state.erasure
+    row = service.get(request_id) if UUID.fullmatch(request_id) else None
     if row is None:
         raise Problem(404, "Not Found", "no erasure request with this id")
-    out = _out(row)
+    out = _out(row, service.result(row))
     if out.receipt is not None:  # the witnesses' cosignatures arrive after the receipt is made
-        out.receipt = _cosigned(request.app.state.sidecar, out.receipt)
+        out.receipt = _cosigned_fleet(request.app.state.sidecar, out.receipt)
     return out
+
+
+def _cosigned_fleet(sidecar, receipt: dict) -> dict:
+    """A fleet receipt with each origin's checkpoint carrying the cosignatures stored since."""
+    if isinstance(receipt.get("receipts"), list):
+        return {**receipt, "receipts": [_cosigned(sidecar, r) for r in receipt["receipts"]]}
+    return _cosigned(sidecar, receipt)
 
 
 def _cosigned(sidecar, receipt: dict) -> dict:
