@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -53,12 +54,21 @@ def runtime_url(owner_url: str) -> str:
     """Provision a PostgreSQL database as an operator does for production: migrations run as
     the owner (the URL's role), a runtime role `<database>_rt` granted what the sidecar needs
     (docs/operations-roles.md); returns the same URL as that role, which the sidecar runs as."""
+    url = sa.engine.make_url(owner_url)
+    role = f"{url.database}_rt"
+    with _PROVISIONING:  # alembic's context is process-wide: tests that start sidecars in threads take turns
+        _provision(owner_url, role)
+    return url.set(username=role).render_as_string(hide_password=False)
+
+
+_PROVISIONING = threading.Lock()
+
+
+def _provision(owner_url: str, role: str) -> None:
     from kvguard.audit.store import migrate
 
     from kvguard.sidecar import roles
 
-    url = sa.engine.make_url(owner_url)
-    role = f"{url.database}_rt"
     migrate(owner_url)
     for url_, step in ((PG_ADMIN, "create"), (owner_url, "grant")):  # a superuser creates it; the owner grants
         engine = sa.create_engine(url_, isolation_level="AUTOCOMMIT")
@@ -70,7 +80,6 @@ def runtime_url(owner_url: str) -> str:
                     c.execute(sa.text(f"CREATE ROLE {role} LOGIN"))
         finally:
             engine.dispose()
-    return url.set(username=role).render_as_string(hide_password=False)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from kvguard.audit.errors import VerificationError
+from kvguard.audit.keyring import Keyring
 from kvguard.audit.keys import PublicKey
 from kvguard.audit.pseudonym import Pseudonymizer, load_index_key
 from kvguard.audit.receipt import verify_fleet_receipt
@@ -173,7 +174,8 @@ def test_one_request_erases_the_user_in_every_process_of_the_fleet(fleet, tmp_pa
     assert result["secrets_destroyed"] == 3
     assert {rs[0]["details"]["secrets_destroyed"] for rs in records.values()} == {3}
     store = AuditStore(fleet.db_url)
-    pseudonyms = Pseudonymizer(store, load_index_key(fleet.servers[0].data_dir / "index.key"))
+    keyring = Keyring(fleet.servers[0].env["KVGUARD_KEK_DIR"], store)  # the fleet's shared KEK directory
+    pseudonyms = Pseudonymizer(store, load_index_key(fleet.servers[0].data_dir / "index.key"), keyring)
     for scope, raw in (("user", "alice-raw-id-7f3a"), ("session", "alice-session-1"), ("session", "alice-session-2")):
         assert pseudonyms.existing(scope, raw, tenant="acme") is None
     assert pseudonyms.existing("session", "bob-session-1", tenant="acme") is not None
