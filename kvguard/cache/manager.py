@@ -43,7 +43,7 @@ from .pages import PageStore
 from .quantize import Quantizer
 from .reads import Reader
 from .residency import Residency
-from .sequence import HOT, MAIN, PageList, PageRef, Sequence, Sequences
+from .sequence import HOT, MAIN, PageList, PageRef, Sequence, Sequences, page_name
 from .tiers import Tier
 from .writes import Writer
 
@@ -122,6 +122,17 @@ class CacheManager:
         """Open a sequence for a subject. With `tokens` (the prompt's ids), full pages
         already cached for the same tenant are shared; `length(seq)` says how many."""
         return self.seqs.open(subject, tokens).id
+
+    @_locked
+    def announce_open(self, seq_id: SeqId, policy: str) -> ev.SequenceOpened:
+        """Emit the `open` event of a served request's sequence (`open` itself emits none): the
+        prompt pages it shares from its tenant's prefix cache and the policy in force."""
+        seq = self._seq(seq_id)
+        names = tuple(page_name(r.where, r.page) for r in seq.pages)
+        event = ev.SequenceOpened(seq.id, seq.subject, names, seq.lengths[0], self.store.bytes_of(names),
+                                  policy=policy)
+        self.events.emit(event)
+        return event
 
     @_locked
     def publish_prefix(self, seq_id: SeqId, tokens: Seq[int]) -> int:

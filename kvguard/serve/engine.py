@@ -22,8 +22,6 @@ import time
 
 import torch
 
-from ..cache.events import SequenceOpened
-from ..cache.sequence import page_name
 from ..errors import ConfigError, InputError, OutOfPages
 from ..hf import CacheFullError, DecodeGraph, KVGuardCache, cache_kwarg
 from ..types import Subject
@@ -112,9 +110,7 @@ class Engine:
             with self.manager.lock:
                 req.seq = open_(req.subject, share)
                 req.cached = req.fed = self.manager.length(req.seq)
-                names = tuple(page_name(r.where, r.page) for r in self.manager._seq(req.seq).pages)
-                self.manager.events.emit(SequenceOpened(req.seq, req.subject, names, req.cached,
-                                                        self.manager.store.bytes_of(names), policy=self.policy_name))
+                self.manager.announce_open(req.seq, self.policy_name)
         except BaseException:
             self.scheduler.release(req)
             raise

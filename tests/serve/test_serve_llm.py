@@ -20,7 +20,7 @@ import pytest
 import torch
 from kvguard.audit.cli import main as audit_main
 from kvguard.audit.keys import PublicKey, SigningKey
-from kvguard.audit.receipt import verify_receipt
+from kvguard.audit.receipt import verify_fleet_receipt
 from transformers import DynamicCache
 
 from kvguard.hf import KVGuardCache, cache_kwarg
@@ -279,7 +279,8 @@ def test_erasure_mid_stream_audit_chain_and_no_raw_ids(llms, sidecar, smollm2, t
     assert len(results) == 2 and sum(r["sequences"] for r in results) == 1 and sum(r["pages"] for r in results) > 0
     with sidecar.client("audit:read") as auditor:
         pem = auditor.get("/v1/audit/public-keys").json()[0]["public_key_pem"]
-    verify_receipt(done["receipt"], PublicKey.from_text(pem))
+    [record] = verify_fleet_receipt(done["receipt"], [PublicKey.from_text(pem)])  # a fleet of one sidecar
+    assert record.op == "erase" and record.details["request"] == done["id"]
 
     # a prompt longer than the policy's 16-bit window and its budget: quantized to int8, then evicted
     long = oai(llms["int8"], sidecar.tokens["acme"]).completions.create(

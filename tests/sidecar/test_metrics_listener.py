@@ -24,7 +24,7 @@ from tests.sidecar.conftest import free_port, kvguard, start_server
 # Every label a metric may have, and what its values may be: fixed sets, never an id.
 LABELS = {
     "op": lambda v: v in OPS,
-    "state": lambda v: v in ("received", "executing", "completed", "failed"),
+    "state": lambda v: v in ("received", "executing", "completed", "failed", "live", "down"),  # requests; sidecars
     "tier": lambda v: v in TIERS,
     "codec": lambda v: v in CODECS,
     "status": lambda v: re.fullmatch(r"[1-5][0-9]{2}", v) is not None,
