@@ -186,7 +186,11 @@ def run_server(args, model, tok, codec: str, sock: Path, ingest: str, prompts: l
         client.close()
     out["peak"] = engine.scheduler.peak
     out["pages"] = main
-    del app, engine, client, server  # the next run gets the whole budget again
+    # the next run gets the whole budget again: FastAPI keeps each route function in a
+    # process-wide classification cache (functools.lru_cache), and the app's routes close over
+    # the engine, so the pool stays reachable unless the engine and the client let go of it
+    engine.manager = engine.cache = engine.graphs = client.cache = None
+    del app, engine, client, server
     _give_back(codec)
     return out
 
