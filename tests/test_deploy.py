@@ -391,6 +391,19 @@ def test_the_inference_container_runs_serve_llm_beside_the_sidecar(deployment):
     assert env_of(inference)["KVGUARD_SOCKET"] == "/run/kvguard/ingest.sock"
 
 
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_the_fleet_settings_reach_the_sidecar_and_are_accepted(deployment):
+    from kvguard.sidecar.settings import Settings
+
+    env = env_of(sidecar_of(pod_of(DEPLOYMENTS[deployment]())))
+    fleet = {k: env[k] for k in ("KVGUARD_FLEET_HEARTBEAT_S", "KVGUARD_FLEET_DEADLINE_S",
+                                 "KVGUARD_MAX_CONCURRENT_ERASURES")}
+    s = Settings(fleet_heartbeat_s=fleet["KVGUARD_FLEET_HEARTBEAT_S"],
+                 fleet_deadline_s=fleet["KVGUARD_FLEET_DEADLINE_S"],
+                 max_concurrent_erasures=fleet["KVGUARD_MAX_CONCURRENT_ERASURES"])
+    assert (s.fleet_heartbeat_s, s.fleet_deadline_s, s.max_concurrent_erasures) == (5.0, 30.0, 32)
+
+
 def test_the_witness_manifest_runs_a_command_that_exists():
     from kvguard.cli import build_parser
 
