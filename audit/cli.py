@@ -243,6 +243,14 @@ def _check(args: argparse.Namespace, prog: str) -> int:
     return EXIT_OK
 
 
+def _print_failure(error: VerificationError, width: int) -> None:
+    """What failed, a line each: the bundle member (if any), the record, the check, the reason."""
+    for label, value in (("member", error.member), ("record", error.record),
+                         ("check", error.check), ("reason", error.message)):
+        if value:
+            print(f"  {label:<{width}}{value}")
+
+
 def _report_check(args, ok: bool, summary: Any = None, error: VerificationError | None = None) -> None:
     if args.json:
         out: dict[str, Any] = {"consistent": ok}
@@ -254,9 +262,7 @@ def _report_check(args, ok: bool, summary: Any = None, error: VerificationError 
         return
     if not ok:
         print("NOT CONSISTENT")
-        for label, value in (("record", error.record), ("check", error.check), ("reason", error.message)):
-            if value:
-                print(f"  {label:<13}{value}")
+        _print_failure(error, 13)
         return
     s = summary
     print("CONSISTENT")
@@ -327,10 +333,7 @@ def _report(args, ok: bool, summary: Any = None, error: VerificationError | None
         return
     if not ok:
         print(f"NOT VERIFIED  {args.bundle}")
-        for label, value in (("member", error.member), ("record", error.record), ("check", error.check),
-                             ("reason", error.message)):
-            if value:
-                print(f"  {label:<11}{value}")
+        _print_failure(error, 11)
         return
     s = summary
     print(f"VERIFIED  {args.bundle}")
@@ -381,9 +384,7 @@ def _verify_receipt(args: argparse.Namespace) -> int:
             print(json.dumps({"verified": False, "receipt": args.receipt, "error": exc.to_dict()}, indent=2))
         else:
             print(f"NOT VERIFIED  {args.receipt}")
-            for label, value in (("record", exc.record), ("check", exc.check), ("reason", exc.message)):
-                if value:
-                    print(f"  {label:<11}{value}")
+            _print_failure(exc, 11)
         return EXIT_FAILED
     out = [{"origin": r.origin, "seq": r.seq, "request": r.details.get("request"), "time": r.time,
             "tree_size": p["tree_size"], **({"cosignatures": cosigned[i]} if cosigned else {})}

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException
 
 from ..client import SidecarUnavailable
 from ..errors import InputError
+from ..request_ids import with_request_id
 from ..types import Subject
 from .engine import Engine
 from .keys import Key, KeyChecker, KeyError_
@@ -101,16 +102,7 @@ def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name
 
     @app.middleware("http")
     async def _request_id(request: Request, call_next):
-        rid = request.headers.get("x-request-id", "")
-        if not (0 < len(rid) <= 64 and rid.replace("-", "").isalnum() and rid.isascii()):
-            rid = uuid.uuid4().hex
-        request.state.request_id = rid
-        structlog.contextvars.bind_contextvars(request_id=rid)
-        try:
-            response = await call_next(request)
-        finally:
-            structlog.contextvars.unbind_contextvars("request_id")
-        response.headers["X-Request-ID"] = rid
+        response, rid = await with_request_id(request, call_next)
         if request.url.path not in ("/healthz", "/readyz"):
             log.info("request", method=request.method, path=request.url.path, status=response.status_code)
         return response

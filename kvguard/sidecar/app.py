@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 
-import structlog
 from fastapi import FastAPI, Request
 
 from .. import __version__
+from ..request_ids import with_request_id
 from .api import audit as audit_routes
 from .api import erasure as erasure_routes
 from .api import health, ingest, keys, problems
@@ -87,16 +86,7 @@ def _app(sidecar: Sidecar, title: str, description: str, lifespan=None) -> FastA
 
     @app.middleware("http")
     async def request_id(request: Request, call_next):
-        rid = request.headers.get("x-request-id", "")
-        if not (0 < len(rid) <= 64 and rid.replace("-", "").isalnum() and rid.isascii()):
-            rid = uuid.uuid4().hex
-        request.state.request_id = rid
-        structlog.contextvars.bind_contextvars(request_id=rid)
-        try:
-            response = await call_next(request)
-        finally:
-            structlog.contextvars.unbind_contextvars("request_id")
-        response.headers["X-Request-ID"] = rid
+        response, rid = await with_request_id(request, call_next)
         if request.url.path == "/internal/v1/events" and response.status_code >= 400:
             sidecar.metrics.batches_refused.labels(str(response.status_code)).inc()
         if request.url.path != "/healthz":
