@@ -11,6 +11,7 @@ command line).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from alembic import command
@@ -69,16 +70,24 @@ def downgrade(url: str, revision: str = "base") -> None:
     command.downgrade(alembic_config(url), revision)
 
 
-def check_current(url: str) -> None:
-    """Readiness: raises StoreError unless the database is at the newest migration."""
-    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
-    engine = make_engine(url)
+@functools.cache
+def newest_migration() -> str:
+    """The head of the migrations this install ships (read once: they do not change in a process)."""
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
+def check_current(url: str | Engine) -> None:
+    """Readiness: raises StoreError unless the database is at the newest migration. Given an
+    Engine (a running sidecar's, on every probe), it uses that engine's pool."""
+    head = newest_migration()
+    engine = url if isinstance(url, Engine) else make_engine(url)
     try:
         with engine.connect() as conn:
             current = MigrationContext.configure(conn).get_current_revision()
     except OperationalError as exc:
         raise StoreError(f"audit store unreachable: {exc.orig}") from None
     finally:
-        engine.dispose()
+        if engine is not url:
+            engine.dispose()
     if current != head:
         raise StoreError(f"audit store is at schema {current!r}, expected {head!r}: run `kvguard db upgrade` (kvguard.audit.store.migrate)")

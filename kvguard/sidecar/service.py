@@ -219,7 +219,7 @@ class Sidecar:
         except Exception as e:  # noqa: BLE001 - any failure means not ready
             out["database"] = f"unreachable: {type(e).__name__}"
         try:
-            check_current(self.settings.db_url)
+            check_current(self.engine)  # its pool: a probe opens no engine of its own
             out["migrations"] = "ok"
         except Exception as e:  # noqa: BLE001
             out["migrations"] = str(e)[:200]
