@@ -170,12 +170,13 @@ def test_calibrate_accepts_within_the_bound():
 def test_calibrate_downgrades_to_the_first_step_within_the_bound():
     p = load_policy(POLICIES / "long-document.yaml")
     measured = {
-        "int8(sink 4, window 128)+h2o@1024/s4/w256": Measurement(0.05, 0.3),
+        "int4+rot(sink 4, window 128)+h2o@1024/s4/w256": Measurement(0.05, 0.3),
+        "int8(sink 4, window 128)+h2o@1024/s4/w256": Measurement(0.03, 0.2),
         "int8(sink 4, window 128)+h2o@1536/s4/w384": Measurement(0.02, 0.1),  # still beyond 1 %
         "int8(sink 4, window 128)": Measurement(0.003, 0.004),
     }
     d = calibrate(p, measured, tenant="acme")
-    assert (d.outcome, d.step, d.config) == ("downgrade", 2, "int8(sink 4, window 128)")
+    assert (d.outcome, d.step, d.config) == ("downgrade", 3, "int8(sink 4, window 128)")
     assert p.at(d.step).evictor is None
     assert (d.deviation, d.ppl_delta) == (0.05, 0.3)
     record = d.details()
@@ -247,7 +248,16 @@ def test_the_runtime_names_still_come_from_kvguard_policy():
 
 
 CODEC_CASES = [{}, {"group": 32}, {"group": 16}, {"group": 1}, {"group": 0}, {"group": -4}, {"group": True},
-               {"group": "32"}, {"group": 8.0}, {"grup": 64}, {"code_dtype": "int8"}, {"group": 32, "x": 1}]
+               {"group": "32"}, {"group": 8.0}, {"grup": 64}, {"code_dtype": "int8"}, {"group": 32, "x": 1},
+               {"rotate": True}, {"rotate": False}, {"rotate": 1}, {"rotate": "yes"}, {"rotate": True, "group": 64}]
+
+
+def test_the_schema_knows_the_kernels_int4_group():
+    from kvguard.kernels.quantize import INT4_GROUP
+
+    from kvguard.policy.schema import DEFAULT_INT4_GROUP
+
+    assert DEFAULT_INT4_GROUP == INT4_GROUP
 
 
 @pytest.mark.parametrize("name", sorted(CODECS))

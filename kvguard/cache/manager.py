@@ -30,6 +30,7 @@ import torch
 from kvguard.kernels.quantize import INT4_GROUP
 
 from ..compress.codecs import make_codec
+from ..compress.codecs.rotation import Rotation
 from ..compress.evictors import make_evictor
 from ..errors import ConfigError, InputError
 from ..types import SeqId, Subject
@@ -108,7 +109,10 @@ class CacheManager:
         self.residency = Residency(c, self.store, self.block_tables, self.tiers, emit)
         self.quantizer = Quantizer(c, self.codec, self.store, self.block_tables, emit)
         self.compactor = Compactor(c, self.codec, self.evictor, self.store, self.residency, self.quantizer, emit)
-        self.writer = Writer(c, self.store, self.block_tables, self.quantizer, self.compactor)
+        # A rotating codec stores every page of this cache rotated (kvguard/compress/codecs/rotation.py):
+        # K/V are rotated as they are written, a query as it is read and the output back.
+        self.rotation = Rotation(c.head_dim, c.device) if self.codec.rotate else None
+        self.writer = Writer(c, self.store, self.block_tables, self.quantizer, self.compactor, self.rotation)
         self.reader = Reader(c, self.evictor, self.store, self.block_tables, self.residency)
         self.eraser = Eraser(self.seqs, self.store, self.residency, emit)
 
@@ -207,7 +211,14 @@ class CacheManager:
         """The layer's K and V over everything the sequence holds, dequantized: [H, L, D]."""
         seq = self.seqs.get(seq_id)
         check_layer(self.cfg, layer)
-        return self.reader.kv(seq, layer, dtype or self.cfg.dtype)
+        k, v = self.reader.kv(seq, layer, dtype or self.cfg.dtype)
+        r = self.rotation
+        return (k, v) if r is None else (r.inverse(k), r.inverse(v))
+
+    def _rotated(self, read, q: torch.Tensor, *args) -> torch.Tensor:
+        """read(q, *args) in the rotated space of a rotating codec: q in, the output back."""
+        r = self.rotation
+        return read(q, *args) if r is None else r.inverse(read(r(q), *args))
 
     @_locked
     def attend(self, seq_id: SeqId, layer: int, q: torch.Tensor, *, causal: bool = True,
@@ -223,7 +234,7 @@ class CacheManager:
         check_shape("q", q, ("T", c.num_query_heads, c.head_dim))
         if q.shape[0] > seq.lengths[layer]:
             raise InputError(f"{q.shape[0]} queries but the sequence holds {seq.lengths[layer]} positions")
-        return self.reader.attend(seq, layer, q, causal, scale)
+        return self._rotated(lambda q: self.reader.attend(seq, layer, q, causal, scale), q)
 
     @_locked
     def attend_step(self, seq_ids: Seq[SeqId], layer: int, q: torch.Tensor, *,
@@ -241,7 +252,7 @@ class CacheManager:
                 raise InputError(f"sequence {seq.id} holds no position at layer {layer}")
         if c.use_kernels and q.dtype not in (torch.float16, torch.bfloat16):
             raise InputError(f"q has dtype {q.dtype}; the decode kernels take float16 or bfloat16")
-        return self.reader.attend_step(seqs, layer, q, scale)
+        return self._rotated(lambda q: self.reader.attend_step(seqs, layer, q, scale), q)
 
     @_locked
     def attend_chunk(self, seq_ids: Seq[SeqId], layer: int, q: torch.Tensor, counts: Seq[int] | None = None, *,
@@ -259,7 +270,7 @@ class CacheManager:
         for seq, n in zip(seqs, counts):
             if n > seq.lengths[layer]:
                 raise InputError(f"{n} queries but sequence {seq.id} holds {seq.lengths[layer]} positions")
-        return self.reader.attend_chunk(seqs, layer, q, counts, scale)
+        return self._rotated(lambda q: self.reader.attend_chunk(seqs, layer, q, counts, scale), q)
 
     # --- evict, offload -------------------------------------------------------------------------
 

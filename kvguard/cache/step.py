@@ -214,4 +214,7 @@ class StaticStep:
         into = None
         if self.with_mass:
             into = [(self.mass_rows[layer], self.positions[name]) for name in self.names]
-        return paged.decode(q, sets, self.lens, into, scale=scale)
+        r = m.rotation
+        if r is None:
+            return paged.decode(q, sets, self.lens, into, scale=scale)
+        return r.inverse(paged.decode(r(q), sets, self.lens, into, scale=scale))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..compress.codecs.rotation import Rotation
 from .block_tables import BlockTables
 from .compaction import Compactor
 from .config import CacheConfig
@@ -20,12 +21,13 @@ from .sequence import HOT, PageRef, Sequence
 
 class Writer:
     def __init__(self, cfg: CacheConfig, store: PageStore, tables: BlockTables, quantizer: Quantizer,
-                 compactor: Compactor):
+                 compactor: Compactor, rotation: Rotation | None = None):
         self.cfg = cfg
         self.store = store
         self.tables = tables
         self.quantizer = quantizer
         self.compactor = compactor
+        self.rotation = rotation
 
     def append(self, seqs: list[Sequence], layer: int, k: torch.Tensor, v: torch.Tensor, counts: list[int]) -> bool:
         """counts[i] new tokens for seqs[i], their K/V [sum(counts), H, D] row after row: compact
@@ -62,6 +64,8 @@ class Writer:
     def write_tokens(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """K/V [T, H, D] into the 16-bit pool at rows [T * H] of BlockTables.token_rows' form."""
         d = self.cfg.head_dim
+        if self.rotation is not None:
+            k, v = self.rotation(k), self.rotation(v)
         fields = self.store.pools[HOT].fields[layer]  # [P, H, S, D]
         fields["k"].view(-1, d).index_copy_(0, rows, k.reshape(-1, d))
         fields["v"].view(-1, d).index_copy_(0, rows, v.reshape(-1, d))

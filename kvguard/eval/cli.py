@@ -23,7 +23,8 @@ downgrade or refuse against its fidelity bound). Writes fidelity.md, .csv, .json
 self-contained .html with plots into --out. The protocol is in docs/fidelity.md."""
 
 EPILOG = """\
-methods: none int8 int8-window int4 fp8 h2o streamingllm snapkv h2o-prefix streamingllm-prefix
+methods: none int8 int8-window int4 fp8 int8-rot int8-window-rot fp8-rot int4-rot int4-rot-g64
+         int4-rot-w512 h2o streamingllm snapkv h2o-prefix streamingllm-prefix
          snapkv-prefix h2o-shared snapkv-shared h2o-shared-prefix snapkv-shared-prefix
          h2o-head-prefix snapkv-head-prefix sparse
 texts:   austen (Debian r-cran-janeaustenr), python-docs (Debian python3.11-doc),

@@ -78,6 +78,24 @@ def builtin_methods(budget: int = 256, page_size: int = 16) -> dict[str, Method]
         Method("fp8", "codec", {"codec": "fp8", "fp_sink": 4},
                description="FP8 e4m3 in INT8's layout; 16-bit sink page"),
     ]
+    # the same codecs storing each head's K and V rotated (kvguard/compress/codecs/rotation.py), and
+    # the INT4 variants that trade bytes for error: value groups of 64, a 512-token 16-bit window
+    rot = {"codec_options": {"rotate": True}}
+    methods += [
+        Method("int8-rot", "codec", {"codec": "int8", "fp_sink": 4, **rot},
+               description="INT8, stored Hadamard-rotated; 16-bit sink page"),
+        Method("int8-window-rot", "codec", {"codec": "int8", "fp_sink": 4, "fp_window": 128, **rot},
+               description="INT8 rotated, 16-bit sink page and 128-token window"),
+        Method("fp8-rot", "codec", {"codec": "fp8", "fp_sink": 4, **rot},
+               description="FP8 e4m3, stored Hadamard-rotated; 16-bit sink page"),
+        Method("int4-rot", "codec", {"codec": "int4", "fp_sink": 4, "fp_window": 128, **rot},
+               description="INT4 as int4, stored Hadamard-rotated"),
+        Method("int4-rot-g64", "codec", {"codec": "int4", "fp_sink": 4, "fp_window": 128,
+                                         "codec_options": {"rotate": True, "group": 64}},
+               description="INT4 rotated, value groups of 64 (fewer scale bytes; reference path only)"),
+        Method("int4-rot-w512", "codec", {"codec": "int4", "fp_sink": 4, "fp_window": 512, **rot},
+               description="INT4 rotated, a 512-token 16-bit window"),
+    ]
     for name, (options, text) in evictors.items():
         methods.append(Method(name, "evictor", {"evictor": name, "evictor_options": options},
                               description=f"{text}; compacts whenever past the budget"))

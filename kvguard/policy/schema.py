@@ -72,9 +72,12 @@ def _positive_int(value: Any) -> bool:
 
 
 # The options each codec takes, with the check its class makes (kvguard/compress/codecs).
+DEFAULT_INT4_GROUP = 32  # kvguard.kernels.quantize.INT4_GROUP (this module imports no torch; a test holds them equal)
+_ROTATE = (lambda v: isinstance(v, bool), "rotate must be true or false")
 CODEC_OPTIONS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
-    "fp16": {}, "int8": {}, "fp8": {},
-    "int4": {"group": (_positive_int, "group must be a positive integer")},
+    "fp16": {"rotate": (lambda v: v is False, "16-bit pages do not rotate (rotate: false)")},
+    "int8": {"rotate": _ROTATE}, "fp8": {"rotate": _ROTATE},
+    "int4": {"group": (_positive_int, "group must be a positive integer"), "rotate": _ROTATE},
 }
 
 
@@ -135,6 +138,11 @@ def config_key(options: dict) -> str:
     extra = ", ".join(f"{n} {options[f]}" for n, f in (("sink", "fp_sink"), ("window", "fp_window"))
                       if options.get(f))
     name = options.get("codec") or "fp16"
+    opts = options.get("codec_options") or {}
+    if opts.get("rotate"):
+        name += "+rot"  # stored rotated (kvguard/compress/codecs/rotation.py)
+    if opts.get("group") not in (None, DEFAULT_INT4_GROUP):
+        name += f"/g{opts['group']}"
     name += f"({extra})" if extra else ""
     evictor = options.get("evictor")
     if not evictor:

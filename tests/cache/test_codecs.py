@@ -30,6 +30,10 @@ def test_matrix_covers_every_codec():
     assert set(CODEC_BOUNDS) == set(CODECS)
 
 
+# Every quantizing codec also stores its pages rotated (kvguard/compress/codecs/rotation.py).
+ROTATING = sorted(n for n in CODEC_BOUNDS if n != "fp16")
+
+
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -64,11 +68,11 @@ def dense64(q, k, v):
     return torch.einsum("htl,lhd->thd", torch.softmax(s, -1), vv)
 
 
-@pytest.mark.parametrize("name", sorted(CODEC_BOUNDS))
+@pytest.mark.parametrize("name, rotate", [(n, False) for n in sorted(CODEC_BOUNDS)] + [(n, True) for n in ROTATING])
 @pytest.mark.parametrize("length", [37, 64, 100])
-def test_attend_against_float64(name, length):
+def test_attend_against_float64(name, length, rotate):
     cfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, num_query_heads=8, num_pages=32, codec=name,
-                      **CODEC_OPTIONS.get(name, {}))
+                      codec_options={"rotate": True} if rotate else {}, **CODEC_OPTIONS.get(name, {}))
     m = CacheManager(cfg)
     seq = m.open(Subject("t", "u", "s"))
     k, v = outlier_kv(length, 2, 64, seed=2)
@@ -117,3 +121,64 @@ def test_sinks_and_window_stay_16bit(alice):
     assert pools == ["hot", "main", "main", "main", "hot", "hot", "hot"]
     kk, _ = m.kv(seq, 0)
     assert torch.equal(kk[:, :16].transpose(0, 1), k[:16])
+
+
+def _filled(name, rotate, k, v, **opts):
+    cfg = CacheConfig(num_layers=1, num_kv_heads=k.shape[1], head_dim=64, num_query_heads=4 * k.shape[1],
+                      num_pages=32, codec=name, codec_options={"rotate": True} if rotate else {}, **opts)
+    m = CacheManager(cfg)
+    seq = m.open(Subject("t", "u", "s"))
+    assert m.append(seq, 0, k, v)
+    return m, seq
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_rotation_cuts_the_error_of_outlier_value_channels(name):
+    # values with a few channels far larger than the rest: one integer scale per token (or per
+    # group) must span them and the small channels get few codes; rotated, every channel carries a
+    # share. (FP8's codes are relative: small channels keep their precision unrotated; what rotation
+    # does for it is measured on the model, docs/fidelity.md.)
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(128, 2, 64, generator=g)
+    v = torch.randn(128, 2, 64, generator=g)
+    v[..., :3] *= 30
+    k, v = k.half(), v.half()
+    q = torch.randn(8, 8, 64, generator=g).half()
+    errors = {}
+    for rotate in (False, True):
+        m, seq = _filled(name, rotate, k, v, fp_sink=4)
+        _, vv = m.kv(seq, 0, torch.float32)  # rotated back
+        small = (vv.transpose(0, 1) - v.float())[..., 3:].norm() / v.float()[..., 3:].norm()
+        errors[rotate] = (small.item(), rel(m.attend(seq, 0, q), dense64(q, k, v)))
+    assert errors[True][0] < errors[False][0] / 2, errors
+    assert errors[True][1] < errors[False][1], errors
+
+
+def test_rotated_pages_hold_the_rotated_vectors():
+    from kvguard.compress.codecs.rotation import hadamard
+
+    k, v = outlier_kv(40, 2, 64, seed=7)
+    m, seq = _filled("int4", True, k, v, fp_sink=4, fp_window=16)
+    r = hadamard(64)
+    assert torch.allclose(r @ r, torch.eye(64), atol=1e-6) and torch.equal(r, r.T)
+    hot = m.pools["hot"].fields[0]
+    page0 = m._seq(seq).pages[0].page  # the 16-bit sink page
+    stored = hot["k"][page0].float().transpose(0, 1)  # [S, H, D]
+    assert torch.allclose(stored, (k[:16].float() @ r).half().float(), atol=2e-3)
+    assert not torch.allclose(stored, k[:16].float(), atol=1e-1)
+    # what the cache gives back is the vectors as written
+    kk, _ = m.kv(seq, 0, torch.float32)
+    assert rel(kk[:, :16].transpose(0, 1), k[:16]) < 2e-3
+
+
+def test_rotate_options():
+    import kvguard.errors as errors
+
+    assert make_codec("int4", rotate=True).rotate
+    with pytest.raises(errors.ConfigError, match="rotate"):
+        make_codec("fp16", rotate=True)
+    with pytest.raises(errors.ConfigError, match="rotate"):
+        make_codec("int8", rotate="yes")
+    with pytest.raises(errors.ConfigError, match="power-of-two head_dim"):
+        CacheManager(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=48, codec="int8",
+                                 codec_options={"rotate": True}))

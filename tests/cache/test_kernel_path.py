@@ -22,6 +22,7 @@ from tests.conftest import outlier_kv
 codec, evictor, per_head, tol = "{codec}", {evictor!r}, {per_head!r}, {tol!r}
 def run(use_kernels):
     cfg = CacheConfig(num_layers=2, num_kv_heads=2, num_query_heads=8, head_dim=64, num_pages=32, codec=codec,
+                      codec_options={{"rotate": True}} if {rotate!r} else {{}},
                       fp_sink=4, fp_window=16, use_kernels=use_kernels, evictor=evictor,
                       evictor_options={{"budget": 48, "sink": 4, "window": 16, "per_head": per_head}} if evictor else {{}})
     m = CacheManager(cfg)
@@ -60,12 +61,16 @@ print("ok", rel)
 # probability under the softmax over all of them, as on the reference path, and the
 # evictor keeps the same tokens, per head too (the pages after compaction are compared). The
 # prompt and the chunk's mass come from the prefill mass kernel (SnapKV: the last 32 queries').
-@pytest.mark.parametrize("codec, evictor, per_head, tol, mass_tol", [
-    ("fp16", None, False, 2e-3, 0), ("int8", None, False, 2e-3, 0), ("int4", None, False, 2e-3, 0),
-    ("int8", "h2o", False, 2e-3, 1e-3), ("int8", "h2o", True, 2e-3, 1e-3), ("int8", "snapkv", False, 2e-3, 1e-3)])
-def test_kernel_path_matches_reference_path(codec, evictor, per_head, tol, mass_tol):
+# A rotating codec (rotation.py) stores every page rotated and rotates q and the output around
+# the same kernels.
+@pytest.mark.parametrize("codec, evictor, per_head, tol, mass_tol, rotate", [
+    ("fp16", None, False, 2e-3, 0, False), ("int8", None, False, 2e-3, 0, False), ("int4", None, False, 2e-3, 0, False),
+    ("int4", None, False, 2e-3, 0, True), ("int8", "h2o", True, 2e-3, 1e-3, True),
+    ("int8", "h2o", False, 2e-3, 1e-3, False), ("int8", "h2o", True, 2e-3, 1e-3, False),
+    ("int8", "snapkv", False, 2e-3, 1e-3, False)])
+def test_kernel_path_matches_reference_path(codec, evictor, per_head, tol, mass_tol, rotate):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    script = SCRIPT.format(codec=codec, evictor=evictor, per_head=per_head, tol=tol, mass_tol=mass_tol)
+    script = SCRIPT.format(codec=codec, evictor=evictor, per_head=per_head, tol=tol, mass_tol=mass_tol, rotate=rotate)
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
@@ -80,6 +85,7 @@ from tests.conftest import outlier_kv
 
 def run(use_kernels):
     cfg = CacheConfig(num_layers=2, num_kv_heads=2, num_query_heads=8, head_dim=64, num_pages=48, codec="{codec}",
+                      codec_options={codec_options!r},
                       fp_sink=4, fp_window=16, use_kernels=use_kernels, evictor="h2o",
                       evictor_options={{"budget": {budget}, "sink": 4, "window": 16}})
     m = CacheManager(cfg)
@@ -108,13 +114,15 @@ print("ok", rel, mrel)
 """
 
 
-@pytest.mark.parametrize("codec, budget, steps", [("int8", 4096, 3), ("int4", 4096, 3), ("int8", 48, 20)])
-def test_batch_step_kernel_path_matches_reference_path(codec, budget, steps):
+@pytest.mark.parametrize("codec, budget, steps, rotate", [("int8", 4096, 3, False), ("int4", 4096, 3, False),
+                                                          ("int4", 48, 20, True), ("int8", 48, 20, False)])
+def test_batch_step_kernel_path_matches_reference_path(codec, budget, steps, rotate):
     # one pass of the kernels over three rows' 16-bit and quantized pages, with H2O's mass
     # added into each row's totals at its keys' positions; with budget 48 rows are compacted
     # on the way (positions no longer equal token indices) and pages fill and get quantized
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    script = BATCH_SCRIPT.format(codec=codec, budget=budget, steps=steps)
+    script = BATCH_SCRIPT.format(codec=codec, budget=budget, steps=steps,
+                                 codec_options={"rotate": True} if rotate else {})
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

@@ -19,6 +19,12 @@ class Codec(ABC):
 
     name: ClassVar[str]
     quantized: ClassVar[bool] = True
+    # Store each head's K and V rotated by the normalized Hadamard matrix (rotation.py).
+    rotate: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rotate, bool):
+            raise ValueError(f"{self.name}: rotate must be true or false, got {self.rotate!r}")
 
     @abstractmethod
     def fields(self, heads: int, page_size: int, head_dim: int, dtype: torch.dtype) -> FieldSpec:
@@ -32,8 +38,10 @@ class Codec(ABC):
     def decode(self, f: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         ...
 
-    def check(self, heads: int, page_size: int, head_dim: int) -> None:  # noqa: B027 (optional hook)
+    def check(self, heads: int, page_size: int, head_dim: int) -> None:
         """Raise ValueError when this codec cannot hold pages of this shape."""
+        if self.rotate and (head_dim < 1 or head_dim & (head_dim - 1)):
+            raise ValueError(f"{self.name} with rotate needs a power-of-two head_dim, got {head_dim}")
 
     def page_bytes(self, heads: int, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
         """Bytes one page takes for one layer, scales included."""

@@ -10,6 +10,11 @@ class Fp16Codec(Codec):
     name = "fp16"
     quantized = False
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rotate:
+            raise ValueError("rotate is for quantizing codecs: 16-bit pages lose nothing to rotate away")
+
     def fields(self, heads, page_size, head_dim, dtype):
         return {"k": ((heads, page_size, head_dim), dtype), "v": ((heads, page_size, head_dim), dtype)}
 

@@ -16,10 +16,12 @@ class Int4Codec(Codec):
     group: int = q.INT4_GROUP
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not isinstance(self.group, int) or isinstance(self.group, bool) or self.group < 1:
             raise ValueError(f"int4: group must be a positive integer, got {self.group!r}")
 
     def check(self, heads, page_size, head_dim):
+        super().check(heads, page_size, head_dim)
         if head_dim % 2 or head_dim % self.group:
             raise ValueError(f"int4 needs head_dim divisible by 2 and by its group {self.group}, got {head_dim}")
         if page_size % 2:
