@@ -13,7 +13,8 @@ Every time is one layer's decode step (or, in the prefill table, one layer's att
 chunk: its T queries over the sequence's L tokens, causal), measured by replaying a CUDA graph of R calls over R
 disjoint copies of the data (R chosen so that R copies are several times the L2), median of
 the replays divided by R. Floors are the bytes a variant must read over the copy bandwidth
-measured in the same run. Imports kernels/ only (torch + triton), never kvguard.
+measured in the same run ("read floors": over the read-only bandwidth). Imports the kernels and
+the codecs' rotation only (torch + triton).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from kvguard.kernels.compact import compact_pages, compact_pages_ref  # noqa: E4
 from kvguard.kernels.paged_decode import paged_decode, paged_decode_ref  # noqa: E402
 from kvguard.kernels.paged_prefill import paged_prefill, paged_prefill_ref  # noqa: E402
 from kvguard.kernels.quantize_scatter import quantize_scatter, quantize_scatter_ref  # noqa: E402
+
+from kvguard.compress.codecs.rotation import Rotation  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GPU = DEV == "cuda"
@@ -251,6 +254,42 @@ def _fields_close(a, b) -> bool:
 # --- decode benchmark ------------------------------------------------------------------------------
 
 
+# PyTorch SDPA on contiguous bf16 K/V, every backend this machine has: the query group folded
+# into the query length (q [B, H, group, D]: one kernel call per KV head's group) and, where the
+# backend takes it, native GQA (q [B, Hq, 1, D] with enable_gqa). "sdpa" is the fastest of them.
+SDPA_VARIANTS = (("flash", "FLASH_ATTENTION", False), ("efficient", "EFFICIENT_ATTENTION", False),
+                 ("cudnn", "CUDNN_ATTENTION", False), ("flash_gqa", "FLASH_ATTENTION", True),
+                 ("efficient_gqa", "EFFICIENT_ATTENTION", True), ("cudnn_gqa", "CUDNN_ATTENTION", True))
+
+
+def sdpa_baselines(row, q, reps, batch, hq, h, d, length) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kc = torch.randn(reps * batch, h, length, d, device=DEV, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    folded = q.reshape(reps, batch, h, hq // h, d)
+    native = q.reshape(reps, batch, hq, 1, d)
+    for name, backend, gqa in SDPA_VARIANTS:
+        qs, kind = (native if gqa else folded), getattr(SDPBackend, backend)
+
+        def call(i, qs=qs, kind=kind, gqa=gqa):
+            with sdpa_kernel(kind):
+                return F.scaled_dot_product_attention(qs[i], kc[i * batch:(i + 1) * batch],
+                                                      vc[i * batch:(i + 1) * batch], enable_gqa=gqa)
+
+        try:
+            call(0)
+            torch.cuda.synchronize()
+        except RuntimeError:  # this backend refuses the shape or the GQA form
+            continue
+        time_unless_refused(row, "sdpa_" + name, [lambda i=i: call(i) for i in range(reps)])
+    timed = {n: row["sdpa_" + n] for n, _, _ in SDPA_VARIANTS if "sdpa_" + n in row}
+    if timed:
+        best = min(timed, key=timed.get)
+        row["sdpa"], row["sdpa_best"] = timed[best], best
+    del kc, vc
+
+
 def bench_decode(model, length, batch, copy_bw, configs=None, with_baselines=True, read_bw=None,
                  codecs=("16bit",) + CODECS, profile=False) -> dict:
     hq, h, d = MODELS[model]
@@ -261,19 +300,8 @@ def bench_decode(model, length, batch, copy_bw, configs=None, with_baselines=Tru
     row = {"model": model, "L": length, "B": batch, "kv16_GB": kv16 / GB, "reps": reps}
     q = torch.randn(reps, batch, hq, d, device=DEV, dtype=torch.bfloat16)
 
-    if with_baselines and GPU:  # SDPA flash on contiguous bf16 K/V; GQA as q [B, H, group, D]
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        kc = torch.randn(reps * batch, h, length, d, device=DEV, dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
-        qs = q.reshape(reps, batch, h, hq // h, d)
-
-        def sdpa(i):
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return F.scaled_dot_product_attention(qs[i], kc[i * batch:(i + 1) * batch], vc[i * batch:(i + 1) * batch])
-
-        row["sdpa"] = time_calls([lambda i=i: sdpa(i) for i in range(reps)])
-        del kc, vc
+    if with_baselines and GPU:
+        sdpa_baselines(row, q, reps, batch, hq, h, d, length)
 
     pool = {"k": outlier((p, h, S, d)), "v": outlier((p, h, S, d))}
     perm = torch.randperm(p, device=DEV).to(torch.int32).reshape(reps, batch, pages_per_seq)
@@ -284,6 +312,8 @@ def bench_decode(model, length, batch, copy_bw, configs=None, with_baselines=Tru
         if time_unless_refused(row, name, calls) and profile:
             row[name + " kernels"] = kernel_times(calls)
 
+    rot = Rotation(d, DEV)
+
     if "16bit" in codecs:
         for cfg_name, cfg in (configs or {"": None}).items():
             run(pool, "16bit" + cfg_name, config=cfg and cfg.get("16bit"))
@@ -293,6 +323,9 @@ def bench_decode(model, length, batch, copy_bw, configs=None, with_baselines=Tru
         pages = quantized_pool(pool, codec)
         for cfg_name, cfg in (configs or {"": None}).items():
             run(pages, codec + cfg_name, config=cfg and cfg.get(codec))
+        if codec == "int4" and not configs:  # a rotating codec: q rotated in, the output back
+            time_unless_refused(row, "int4+rot", [lambda i=i: rot.inverse(paged_decode(rot(q[i]), pages, perm[i], lens)[0])
+                                                  for i in range(reps)])
         if codec == "int8" and not configs:
             run(pages, "int8+mass", return_mass=True)
             if with_baselines and GPU and kv16 * reps <= 4e9:
@@ -613,15 +646,22 @@ def bench_quantize(copy_bw, warps=(None,)) -> list[str]:
 
 
 def table(rows) -> list[str]:
-    cols = ["sdpa", "deq_sdpa", "16bit", "int8", "fp8", "int4", "int8+mass"]
-    head = f"{'model':13s} {'L':>6s} {'B':>3s} {'KV16GB':>6s} | " + " ".join(f"{c:>9s}" for c in cols) + \
-        " | 16b/fl i8/fl f8/fl i4/fl | i8:sdpa i4:sdpa"
+    """Times in µs; x/rfl = time over the read floor (bytes / read-only bandwidth); :sdpa = the
+    fastest SDPA backend's time over the variant's (speed-up); cudnn_gqa = cuDNN with native GQA."""
+    cols = ["sdpa", "cudnn_gqa", "deq_sdpa", "16bit", "int8", "fp8", "int4", "int4+rot", "int8+mass"]
+    codecs = ("16bit", "int8", "fp8", "int4")
+    head = (f"{'model':13s} {'L':>6s} {'B':>3s} {'KV16GB':>6s} {'best sdpa':>13s} | "
+            + " ".join(f"{c:>9s}" for c in cols)
+            + " | 16b/rfl i8/rfl f8/rfl i4/rfl | 16b:sdpa i8:sdpa f8:sdpa i4:sdpa")
     out = [head, "-" * len(head)]
     for r in rows:
-        us = " ".join(f"{r[c] * 1e6:9.1f}" if c in r else f"{'-':>9s}" for c in cols)
-        fl = " ".join(f"{r[c] / r['floor_' + c]:5.2f}" for c in ("16bit", "int8", "fp8", "int4"))
-        sp = (f"{r['sdpa'] / r['int8']:7.2f} {r['sdpa'] / r['int4']:7.2f}" if "sdpa" in r else "      -       -")
-        out.append(f"{r['model']:13s} {r['L']:6d} {r['B']:3d} {r['kv16_GB']:6.2f} | {us} | {fl} | {sp}")
+        r = {**r, "cudnn_gqa": r.get("sdpa_cudnn_gqa")} if r.get("sdpa_cudnn_gqa") else r
+        us = " ".join(f"{r[c] * 1e6:9.1f}" if r.get(c) else f"{'-':>9s}" for c in cols)
+        fl = " ".join(f"{r[c] / r.get('read_floor_' + c, r['floor_' + c]):7.2f}" if c in r else f"{'-':>7s}"
+                      for c in codecs)
+        sp = " ".join(f"{r['sdpa'] / r[c]:8.2f}" if "sdpa" in r and c in r else f"{'-':>8s}" for c in codecs)
+        out.append(f"{r['model']:13s} {r['L']:6d} {r['B']:3d} {r['kv16_GB']:6.2f} {r.get('sdpa_best', '-'):>13s} | "
+                   f"{us} | {fl} | {sp}")
     return out
 
 
@@ -629,7 +669,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="time tile configs first")
     ap.add_argument("--adopt", action="store_true", help="with --sweep: use each codec's best config afterwards")
-    ap.add_argument("--grid", default="full", choices=("full", "quick", "long", "none"), help="decode shapes to time")
+    ap.add_argument("--grid", default="full", choices=("full", "quick", "long", "ctx", "none"),
+                    help="decode shapes to time (ctx: 16K, 32K and 128K tokens, both models)")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes: checks the script runs")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--variants", help="JSON {name: {codec or 'all': config}}: check and time these configs "
@@ -690,7 +731,7 @@ def main():
         grid = [("smollm2-135m", 256, 1), ("llama3-8b", 256, 2)]
     else:
         lengths = {"full": (1024, 4096, 16384, 32768, 131072), "quick": (1024, 16384, 131072),
-                   "long": (16384, 131072), "none": ()}[args.grid]
+                   "long": (16384, 131072), "ctx": (16384, 32768, 131072), "none": ()}[args.grid]
         models = ("llama3-8b",) if args.grid == "long" else MODELS
         grid = [(m, length, b) for m in models for length in lengths for b in (1, 8, 64)
                 if pool_bytes("bf16", length * b, MODELS[m][1], MODELS[m][2]) <= 40e9]

@@ -30,3 +30,18 @@ def test_prefill_variant_configs_reach_the_kernel():
     grid = gb.variant_configs({"one": {"int4": {"pages": 1}}}, 64)
     r = gb.bench_prefill("smollm2-135m", 64, 16, configs=grid, codecs=("int4",))
     assert r["int4 one"] == float("inf")
+
+
+def test_decode_table_reads_the_fastest_sdpa_and_read_floors():
+    row = {"model": "llama3-8b", "L": 1024, "B": 8, "kv16_GB": 0.03, "sdpa_flash": 30e-6, "sdpa_cudnn_gqa": 20e-6,
+           "sdpa": 20e-6, "sdpa_best": "cudnn_gqa", "16bit": 22e-6, "int8": 10e-6, "fp8": 10e-6, "int4": 8e-6,
+           "int4+rot": 9e-6}
+    for c, fl in (("16bit", 11e-6), ("int8", 5e-6), ("fp8", 5e-6), ("int4", 2e-6)):
+        row["floor_" + c], row["read_floor_" + c] = 2 * fl, fl
+    head, _, line = gb.table([row])
+    assert "best sdpa" in head and "i4/rfl" in head
+    assert "cudnn_gqa" in line.split("|")[0]
+    us, ratios, speedups = (part.split() for part in line.split("|")[1:4])
+    assert us[:2] == ["20.0", "20.0"] and us[2] == "-"  # sdpa, cudnn_gqa, no deq_sdpa
+    assert ratios == ["2.00", "2.00", "2.00", "4.00"]  # time over the read floor
+    assert speedups == ["0.91", "2.00", "2.00", "2.50"]  # fastest SDPA over the variant
