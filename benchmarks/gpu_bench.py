@@ -227,8 +227,42 @@ def check_all() -> list[str]:
                 bad = [n for n in a if not _fields_close(a[n], w[n])]
                 ok &= not bad
                 lines.append(f"check compact {model} {codec}: {'ok' if not bad else 'MISMATCH ' + str(bad)}")
+    for codec in CODECS:  # a rotating codec through the whole cache: kernel path against reference path
+        e = check_rotating_cache(codec)
+        good = e < 1e-2  # bf16 K/V and outputs (eps 2^-8), through compactions
+        ok &= good
+        lines.append(f"check cache {codec}+rot kernels vs reference: out rel {e:.1e} {'ok' if good else 'FAIL'}")
     lines.append("ALL CHECKS PASSED" if ok else "SOME CHECKS FAILED")
     return lines
+
+
+def check_rotating_cache(codec: str) -> float:
+    """A prompt, decode steps (attend_step) and a chunk through CacheManager with `codec`
+    rotating and H2O compacting per head, once on the kernels and once on the reference path, on
+    this device (bf16 K/V): the outputs' relative difference."""
+    from kvguard.cache import CacheConfig, CacheManager
+    from kvguard.types import Subject
+
+    g = torch.Generator(device="cpu").manual_seed(7)
+    k, v = (torch.randn(300, 2, 64, generator=g).to(DEV, torch.bfloat16) for _ in range(2))
+    q = torch.randn(300, 8, 64, generator=g).to(DEV, torch.bfloat16)
+
+    def run(use_kernels: bool) -> torch.Tensor:
+        m = CacheManager(CacheConfig(num_layers=2, num_kv_heads=2, num_query_heads=8, head_dim=64, num_pages=64,
+                                     dtype=torch.bfloat16, device=DEV, codec=codec, fp_sink=4, fp_window=32,
+                                     codec_options={"rotate": True}, use_kernels=use_kernels, evictor="h2o",
+                                     evictor_options={"budget": 160, "sink": 4, "window": 32}))
+        seq, outs = m.open(Subject("t", "u", "s")), []
+        for lo, hi in [(0, 120)] + [(i, i + 1) for i in range(120, 200)] + [(200, 260)]:
+            for layer in range(2):
+                m.append(seq, layer, k[lo:hi], v[lo:hi])
+                if hi - lo == 1:
+                    outs.append(m.attend_step([seq], layer, q[lo:hi]).float())
+                else:
+                    outs.append(m.attend(seq, layer, q[lo:hi]).float())
+        return torch.cat([o.flatten() for o in outs])
+
+    return rel(run(True), run(False))
 
 
 def _fields_close(a, b) -> bool:
@@ -312,7 +346,7 @@ def bench_decode(model, length, batch, copy_bw, configs=None, with_baselines=Tru
         if time_unless_refused(row, name, calls) and profile:
             row[name + " kernels"] = kernel_times(calls)
 
-    rot = Rotation(d, DEV)
+    rot = Rotation(d, DEV, torch.bfloat16)
 
     if "16bit" in codecs:
         for cfg_name, cfg in (configs or {"": None}).items():

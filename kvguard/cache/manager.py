@@ -111,7 +111,7 @@ class CacheManager:
         self.compactor = Compactor(c, self.codec, self.evictor, self.store, self.residency, self.quantizer, emit)
         # A rotating codec stores every page of this cache rotated (kvguard/compress/codecs/rotation.py):
         # K/V are rotated as they are written, a query as it is read and the output back.
-        self.rotation = Rotation(c.head_dim, c.device) if self.codec.rotate else None
+        self.rotation = Rotation(c.head_dim, c.device, c.dtype) if self.codec.rotate else None
         self.writer = Writer(c, self.store, self.block_tables, self.quantizer, self.compactor, self.rotation)
         self.reader = Reader(c, self.evictor, self.store, self.block_tables, self.residency)
         self.eraser = Eraser(self.seqs, self.store, self.residency, emit)

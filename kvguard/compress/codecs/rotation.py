@@ -41,9 +41,10 @@ class Rotation:
     """x -> x R over the last dimension, in x's dtype (computed in fp32 off the GPU, where fp16
     matmuls are slow or missing, and in x's dtype with fp32 accumulation on it)."""
 
-    def __init__(self, head_dim: int, device: torch.device | str):
+    def __init__(self, head_dim: int, device: torch.device | str, dtype: torch.dtype = torch.float32):
         self.matrix = hadamard(head_dim).to(device)
-        self._by_dtype: dict[torch.dtype, torch.Tensor] = {torch.float32: self.matrix}
+        # the cache's own dtype made now, not on first use: a first use may be inside CUDA-graph capture
+        self._by_dtype: dict[torch.dtype, torch.Tensor] = {torch.float32: self.matrix, dtype: self.matrix.to(dtype)}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cuda" or x.dtype == torch.float32:
