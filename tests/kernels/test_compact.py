@@ -45,10 +45,11 @@ def test_compact_pages(codec, dim):
 
 
 @pytest.mark.parametrize("codec", ("int8", "fp8", "int4"))
-def test_compact_pages_per_head_from_both_pools(codec):
+@pytest.mark.parametrize("hot_dtype", (torch.float16, torch.bfloat16))
+def test_compact_pages_per_head_from_both_pools(codec, hot_dtype):
     """Each head its own survivors, some of them from 16-bit pages (negative slots)."""
     pages = make_pages(codec, 12, 3, 16, 64, torch.float16, seed=4)
-    hot = make_pages("16bit", 5, 3, 16, 64, torch.float16, seed=5)
+    hot = make_pages("16bit", 5, 3, 16, 64, hot_dtype, seed=5)
     want = {n: t.clone() for n, t in pages.items()}
     gen = torch.Generator().manual_seed(6)
     src = []
