@@ -396,11 +396,25 @@ def store_page(kq, ksp, kzp, vq, vsp, vzp, ph, xk, xv,
                S: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr, QMAX: tl.constexpr,
                ROUND: tl.constexpr, GROUP: tl.constexpr, ON_GPU: tl.constexpr):
     """Quantize one page-head, xk, xv [S, D] fp32, into row ph = page * H + head of the fields."""
-    s = tl.arange(0, S)
-    d = tl.arange(0, D)
     if KIND == 1:
         kc, ks = quant_sym(xk, 0, QMAX, ROUND, ON_GPU)  # per channel over the page: ks [D]
         vc, vs = quant_sym(xv, 1, QMAX, ROUND, ON_GPU)  # per token: vs [S]
+        store_fields(kq, ksp, kzp, vq, vsp, vzp, ph, kc, ks, ks, vc, vs, vs, S, D, KIND, GROUP)
+    else:
+        NG: tl.constexpr = D // GROUP
+        kc, ks, kz = quant_asym4(xk, 0, ON_GPU)  # ks, kz [D]
+        vc, vs, vz = quant_asym4(xv.reshape(S, NG, GROUP), 2, ON_GPU)  # vs, vz [S, NG]
+        store_fields(kq, ksp, kzp, vq, vsp, vzp, ph, kc, ks, kz, vc.reshape(S, D), vs, vz, S, D, KIND, GROUP)
+
+
+@triton.jit
+def store_fields(kq, ksp, kzp, vq, vsp, vzp, ph, kc, ks, kz, vc, vs, vz,
+                 S: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr):
+    """Store one page-head's codes kc, vc [S, D] (fp32, in range) and fp16 scales into row ph of
+    the fields: KIND 1 ks [D], vs [S] (kz, vz unused); KIND 2 ks, kz [D], vs, vz [S, D // GROUP]."""
+    s = tl.arange(0, S)
+    d = tl.arange(0, D)
+    if KIND == 1:
         tok = (ph * S + s)[:, None] * D + d[None, :]
         tl.store(kq + tok, kc.to(kq.dtype.element_ty))
         tl.store(vq + (ph * D + d[None, :]) * S + s[:, None], vc.to(vq.dtype.element_ty))  # channel-major
@@ -408,13 +422,11 @@ def store_page(kq, ksp, kzp, vq, vsp, vzp, ph, xk, xv,
         tl.store(vsp + ph * S + s, vs)
     else:
         NG: tl.constexpr = D // GROUP
-        kc, ks, kz = quant_asym4(xk, 0, ON_GPU)  # ks, kz [D]
-        vc, vs, vz = quant_asym4(xv.reshape(S, NG, GROUP), 2, ON_GPU)  # vs, vz [S, NG]
         c = tl.arange(0, D // 2)
         tok = (ph * S + s)[:, None] * (D // 2) + c[None, :]
         tl.store(kq + tok, pack4(kc, S, D))
         j = tl.arange(0, S // 2)  # values channel-major: [D, S/2] bytes, token 2j in the low nibble
-        tl.store(vq + (ph * D + d[:, None]) * (S // 2) + j[None, :], pack4(tl.trans(vc.reshape(S, D)), D, S))
+        tl.store(vq + (ph * D + d[:, None]) * (S // 2) + j[None, :], pack4(tl.trans(vc), D, S))
         tl.store(ksp + ph * D + d, ks)
         tl.store(kzp + ph * D + d, kz)
         g = (ph * NG + tl.arange(0, NG)[None, :]) * S + s[:, None]  # group-major [NG, S] of the page-head

@@ -120,3 +120,119 @@ def sequence_kv(pages: dict[str, torch.Tensor], block_row: torch.Tensor, n: int)
     k, v = decode_pages({name: x[ids] for name, x in pages.items()})
     d = k.shape[-1]
     return k.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :n], v.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :n]
+
+
+# --- compaction: survivors regrouped into full pages --------------------------------------------
+
+
+def _token_fields(pages, pg, hd, off):
+    """Each token's source fields, [N, H, S, ...] for page pg, head hd, offset off [N, H, S]."""
+    def raw(t):
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+    def back(x, t):
+        return x.view(t.dtype) if t.dtype == torch.float8_e4m3fn else x
+
+    out = {"k": back(raw(pages["k"])[pg, hd, off], pages["k"]), "k_scale": pages["k_scale"][pg, hd]}
+    v = raw(pages["v"])
+    if pages["k"].dtype == torch.uint8:  # int4: values channel-major [P, H, D, S/2], nibble by offset parity
+        b = v[pg, hd, :, off // 2]  # [N, H, S, D]
+        out["v"] = torch.where((off % 2 == 0)[..., None], b & 15, b >> 4)
+        out["k_zero"] = pages["k_zero"][pg, hd]
+        out["v_scale"] = pages["v_scale"][pg, hd, :, off]  # [N, H, S, D // G]
+        out["v_zero"] = pages["v_zero"][pg, hd, :, off]
+    else:
+        out["v"] = back(v[pg, hd, :, off], pages["v"])  # [N, H, S, D]
+        out["v_scale"] = pages["v_scale"][pg, hd, off]  # [N, H, S]
+    return out
+
+
+def _choose(cs, cz, main, ok, fs, fz):
+    """_choose over [N, H, S, D] candidates: tokens on dim 2."""
+    n = float(cs.shape[2])
+    same = (cs.unsqueeze(3) == cs.unsqueeze(2)) & main[:, :, :, None, None]  # [N, H, t, u, D]
+    fsame = (cs == fs.unsqueeze(2)) & main[..., None]
+    if cz is not None:
+        same &= cz.unsqueeze(3) == cz.unsqueeze(2)
+        fsame &= cz == fz.unsqueeze(2)
+    inf = torch.tensor(float("inf"))
+    cost = torch.where(ok, cs * cs * (n - same.float().sum(2)), inf)  # [N, H, u, D]
+    fcost = fs * fs * (n - fsame.float().sum(2))
+    best = torch.minimum(cost.amin(2), fcost)
+    scale = torch.minimum(torch.where(cost == best.unsqueeze(2), cs, inf).amin(2), torch.where(fcost == best, fs, inf))
+    if cz is None:
+        return scale, None
+    zero = torch.minimum(torch.where((cost == best.unsqueeze(2)) & (cs == scale.unsqueeze(2)), cz, inf).amin(2),
+                         torch.where((fcost == best) & (fs == scale), fz, inf))
+    return scale, zero
+
+
+def compact(pages, src_slots, dst_pages, hot=None, group: int = INT4_GROUP):
+    """Regroup surviving tokens of quantized pages into full pages `dst_pages` (in place), moving
+    codes with their scales where the layout lets them: the reference of kernels/compact.py's
+    compact_pages, whose docstring says how scales are chosen. src_slots [N * S] or [H, N * S]:
+    page * S + offset in `pages`, or -1 - (page * S + offset) in the 16-bit pages `hot`."""
+    dev = pages["k"].device
+    f = {name: t.cpu() for name, t in pages.items()}
+    _, h, s = f["k"].shape[:3]
+    n = dst_pages.shape[0]
+    src = src_slots.long().cpu()
+    src = (src.expand(h, -1) if src.dim() == 1 else src).reshape(h, n, s).transpose(0, 1)  # [N, H, S]
+    main = src >= 0
+    ms = src.clamp(min=0)
+    pg, off = ms // s, ms % s
+    hd = torch.arange(h)[None, :, None].expand_as(pg)
+    tf = _token_fields(f, pg, hd, off)
+    int4 = f["k"].dtype == torch.uint8
+    if int4:
+        g = group
+        k = unpack4(tf["k"]).float() * tf["k_scale"].float() + tf["k_zero"].float()
+        vg = tf["v"].float().unflatten(-1, (-1, g)) * tf["v_scale"].float()[..., None] + tf["v_zero"].float()[..., None]
+        v = vg.flatten(-2)
+    else:
+        k = tf["k"].float() * tf["k_scale"].float()
+        v = tf["v"].float() * tf["v_scale"].float()[..., None]
+    if hot is not None:
+        hs = (-1 - src).clamp(min=0)
+        hk, hv = hot["k"].cpu()[hs // s, hd, hs % s].float(), hot["v"].cpu()[hs // s, hd, hs % s].float()
+        k = torch.where(main[..., None], k, hk)
+        v = torch.where(main[..., None], v, hv)
+    m2 = main[..., None]
+    if int4:
+        sc, zc = tf["k_scale"].float(), tf["k_zero"].float()
+        lo, hi = k.amin(2, keepdim=True), k.amax(2, keepdim=True)
+        fs = _scale(hi - lo, 15.0).float().squeeze(2)
+        fz = lo.clamp(-FP16_MAX, FP16_MAX).half().float().squeeze(2)
+        fits = m2 & (lo - zc >= -0.5 * sc) & (hi - zc <= 15.5 * sc)
+        ks, kz = _choose(sc, zc, main, fits, fs, fz)
+        kc = ((k - kz.unsqueeze(2)) / ks.unsqueeze(2)).round().clamp(0, 15).to(torch.uint8)
+        vg = v.unflatten(-1, (-1, group))  # [N, H, S, NG, G]
+        vlo = vg.amin(-1)
+        vs = torch.where(m2, tf["v_scale"].float(), _scale(vg.amax(-1) - vlo, 15.0).float())
+        vz = torch.where(m2, tf["v_zero"].float(), vlo.clamp(-FP16_MAX, FP16_MAX).half().float())
+        vc = ((vg - vz[..., None]) / vs[..., None]).round().clamp(0, 15).to(torch.uint8).flatten(-2)
+        out = {"k": pack4(kc), "k_scale": ks.half(), "k_zero": kz.half(),
+               "v": pack4(vc.transpose(2, 3)).contiguous(),
+               "v_scale": vs.half().transpose(2, 3).contiguous(), "v_zero": vz.half().transpose(2, 3).contiguous()}
+    else:
+        dtype = f["k"].dtype
+        qmax = FP8_MAX if dtype == torch.float8_e4m3fn else 127.0
+        cs = tf["k_scale"].float()
+        fresh = _scale(k.abs().amax(2), qmax).float()
+        ks, _ = _choose(cs, None, main, m2 & (cs >= fresh.unsqueeze(2)), fresh, None)
+        vs = torch.where(main, tf["v_scale"].float(), _scale(v.abs().amax(-1), qmax).float())
+
+        def codes(y):
+            if dtype == torch.int8:
+                return y.round().clamp(-127, 127).to(torch.int8)
+            return y.clamp(-qmax, qmax).to(dtype)
+
+        out = {"k": codes(k / ks.unsqueeze(2)), "k_scale": ks.half(),
+               "v": codes(v / vs[..., None]).transpose(2, 3).contiguous(), "v_scale": vs.half()}
+    idx = dst_pages.long().to(dev)
+    for name, t in out.items():
+        dst = pages[name]
+        t = t.to(dev)
+        if dst.dtype == torch.float8_e4m3fn:  # index_copy_ lacks float8 on some devices: move bytes
+            dst, t = dst.view(torch.uint8), t.view(torch.uint8)
+        dst.index_copy_(0, idx, t)

@@ -140,3 +140,14 @@ def test_serve_bench_small_runs_both_servers():
     table = r.stdout[r.stdout.index("| server |"):].splitlines()[2:]
     assert [line.split("|")[1].split("(")[0].strip() for line in table] == ["kvguard engine fp16",
                                                                             "kvguard engine int8"]
+
+
+def test_compaction_error_benchmark_runs():
+    r = subprocess.run([sys.executable, "benchmarks/compaction_error.py", "--source", "synthetic", "--compactions", "2",
+                        "--budget", "64", "--window", "16", "--fp-window", "16", "--layers", "0", "--codecs", "int8,int4"],
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [int(x[1]) for x in rows] == [0, 1, 2]
+    assert all(float(x) == 1.0 for x in rows[0][2:6])  # before any compaction: the single encode itself
+    assert all(float(x[3]) == 1.0 and float(x[5]) == 1.0 for x in rows)  # values: codes and scales unchanged

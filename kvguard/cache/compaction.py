@@ -2,8 +2,13 @@
 
 Evicting really frees pages (unlike masking). Pages before the first position that moves stay
 as they are; from there the survivors of each layer and KV head are gathered and written into
-fresh pages, 16-bit where the sinks and the window are and in the codec's pool elsewhere
-(requantized on the kernel path by the quantize-on-write kernel), and the old pages released.
+fresh pages, 16-bit where the sinks and the window are and in the codec's pool elsewhere.
+
+Compaction adds no error where the page layout lets it: survivors written into codec pages keep
+their codes and scales (kernels/compact.py: values per token always; keys, one scale per page and
+channel, where a page's survivors stay together), and `arrange` orders each head's survivors so
+that they do. Only survivors that must join another page's grid are requantized, from their
+exactly decoded values.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import math
 from collections.abc import Callable
 
 import torch
+
+from kvguard.kernels import quantize as kq
 
 from ..compress.codecs import Codec
 from ..compress.evictors import Evictor
@@ -47,6 +54,55 @@ class Compactor:
                     self.compact(seq)
                 except OutOfPages:
                     return  # no room to fetch its offloaded pages: left over budget for now
+
+    def arrange(self, keep: torch.Tensor, seq: Sequence, first: int, main_pages: list[int]) -> torch.Tensor:
+        """Each head's survivors in an order that keeps them with their page-mates: keep [layers,
+        H, new_len] (sorted) reordered within the slots of the new codec pages `main_pages` that
+        hold neither sinks nor the window, so that most new pages take one old page's survivors
+        whole and their codes and scales move unchanged (kernels/compact.py).
+
+        Per head: the old codec pages with the most survivors there become the new pages' anchors,
+        in their old order; their holes take first the survivors that come from 16-bit pages
+        (encoded now for the first time), then those of the other old pages (requantized to the
+        anchor's scales where they fit). Within a page tokens stay in position order, so slots
+        keep their neighbours (SnapKV pools over them). Attention is order-free over keys and a
+        compacted sequence has no causal mask, so only the slots' contents change."""
+        s = self.cfg.page_size
+        new_len = keep.shape[-1]
+        lo, hi = self.evictor.sink, new_len - self.evictor.window  # slots outside the sinks and the window
+        pages = [[j for j in range(p * s, (p + 1) * s) if lo <= j < hi] for p in main_pages]
+        pages = [p for p in pages if p]
+        slots = [j for p in pages for j in p]
+        if not slots:
+            return keep
+        quantized = [r.where == MAIN for r in seq.pages]
+        rows = keep.reshape(-1, new_len)
+        got = rows[:, slots].tolist()
+        for r, toks in enumerate(got):
+            groups: dict[int, list[int]] = {}
+            fresh = []
+            for t in toks:
+                if quantized[t // s]:
+                    groups.setdefault(t // s, []).append(t)
+                else:
+                    fresh.append(t)
+            anchors = sorted(sorted(groups, key=lambda p: (-len(groups[p]), p))[: len(pages)])
+            rest = fresh + [t for p in sorted(groups) if p not in anchors for t in groups[p]]
+            filled = []
+            for i, page in enumerate(pages):
+                mine = groups[anchors[i]] if i < len(anchors) else []
+                rest += mine[len(page):]  # more than the page holds (a page cut by the window)
+                filled.append(mine[: len(page)])
+            at = 0
+            for page, mine in zip(pages, filled):
+                need = len(page) - len(mine)
+                mine += rest[at : at + need]
+                at += need
+                mine.sort()
+            got[r] = [t for mine in filled for t in mine]
+        rows = rows.clone()
+        rows[:, slots] = torch.tensor(got, dtype=rows.dtype)
+        return rows.reshape(keep.shape)
 
     def compact(self, seq: Sequence) -> ev.TokensEvicted | None:
         """Run the evictor (the cache has one) and move the survivors into fewer pages, freeing
@@ -84,12 +140,37 @@ class Compactor:
             if got_main:
                 self.store.release(MAIN, got_main, seq.subject)
             return None
+        if main_slots:
+            keep = self.arrange(keep, seq, first, [first + j for j in main_slots])
+            rel = (keep[..., first * s:] - first * s).to(c.device)
         new_refs = [None] * n_new
         for j, p in zip(hot_slots, got_hot):
             new_refs[j] = PageRef(HOT, p, HOT)
         for j, p in zip(main_slots, got_main):
             new_refs[j] = PageRef(MAIN, p, MAIN)
+        # survivors written into codec pages move with their codes and scales (kernels/compact.py):
+        # each new slot's source, page * S + offset in the codec's pool, or -1 - that in the 16-bit one
+        if main_slots:
+            cols = torch.tensor([j * s + i for j in main_slots for i in range(s)], device=c.device)
+            src = rel[..., cols]  # [layers, H, len(main_slots) * S]
+            where = torch.tensor([r.where == MAIN for r in old_refs], device=c.device)
+            page = torch.tensor([int(r.page) for r in old_refs], device=c.device)
+            slot = page[src // s] * s + src % s
+            src_main = torch.where(where[src // s], slot, -1 - slot)
+            if c.use_kernels:
+                dst_main = paged.page_ids(got_main, c.device)
+                src_main = src_main.to(torch.int32)
         for layer in range(c.num_layers):
+            if main_slots:
+                main_pool, hot_pool = pools[MAIN], pools[HOT]
+                if c.use_kernels:
+                    paged.compact_pages(main_pool.fields[layer], src_main[layer].contiguous(), dst_main,
+                                        hot_pool.fields[layer])
+                else:
+                    kq.compact(main_pool.fields[layer], src_main[layer], torch.tensor(got_main),
+                               hot_pool.fields[layer], group=getattr(self.codec, "group", kq.INT4_GROUP))
+            if not hot_slots:
+                continue
             k, v = self.store.gather(old_refs, layer, c.dtype)  # [H, n_old*S, D]
             idx = rel[layer].unsqueeze(-1).expand(-1, -1, c.head_dim)
             k, v = k.gather(1, idx), v.gather(1, idx)
@@ -100,14 +181,7 @@ class Compactor:
             # [H, N*S, D] -> [N, H, S, D]
             k = k.reshape(c.num_kv_heads, n_new, s, c.head_dim).transpose(0, 1)
             v = v.reshape(c.num_kv_heads, n_new, s, c.head_dim).transpose(0, 1)
-            for name, slots, got in ((HOT, hot_slots, got_hot), (MAIN, main_slots, got_main)):
-                if not slots:
-                    continue
-                pool = pools[name]
-                if name == MAIN and c.use_kernels:  # requantized by the kernel that quantizes on write
-                    paged.encode_pages(k[slots].contiguous(), v[slots].contiguous(), pool.fields[layer], got)
-                else:
-                    pool.write(layer, got, pool.codec.encode(k[slots], v[slots]))
+            pools[HOT].write(layer, got_hot, {"k": k[hot_slots], "v": v[hot_slots]})
         freed, _ = self.store.release_refs(old_refs, seq.subject)
         seq.pages = seq.pages[:first] + new_refs
         seq.lengths = [new_len] * c.num_layers

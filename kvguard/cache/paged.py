@@ -8,9 +8,8 @@ chunks take the same road: the prefill kernel once per pool, each query limited 
 tokens at or before its position, writing partials that one merge pass combines; an evictor's
 attention mass comes from a second kernel per pool under the merged log-sum-exp.
 
-Compaction's regrouped survivors are requantized by the quantize-on-write kernel too; the
-gather before it is torch's (kernels/compact.py moves one set of slots for every head within
-one pool, while the cache compacts per layer and head across its two pools).
+Compaction's survivors that land in codec pages move there with their codes and scales
+(kernels/compact.py, each head its own slots, from either pool).
 """
 
 from __future__ import annotations
@@ -35,12 +34,13 @@ def quantize_pages(hot_fields: dict[str, torch.Tensor], main_fields: dict[str, t
     quantize_scatter(hot_fields["k"], hot_fields["v"], dst, main_fields, src_pages=src)
 
 
-def encode_pages(k: torch.Tensor, v: torch.Tensor, main_fields: dict[str, torch.Tensor], dst: list[PageId]) -> None:
-    """Quantize full 16-bit pages k, v [N, H, S, D] into pages `dst` of the codec's pool, in
-    place (compaction's regrouped survivors)."""
-    from kvguard.kernels.quantize_scatter import quantize_scatter
+def compact_pages(main_fields: dict[str, torch.Tensor], src: torch.Tensor, dst: torch.Tensor,
+                  hot_fields: dict[str, torch.Tensor]) -> None:
+    """Regroup survivors into pages `dst` of the codec's pool (one layer): src [H, len(dst) * S]
+    int32, each head's sources, page * S + offset in the codec's pool or -1 - that in the 16-bit one."""
+    from kvguard.kernels.compact import compact_pages
 
-    quantize_scatter(k, v, device_index(dst, k.device, torch.int32), main_fields)
+    compact_pages(main_fields, src, dst, hot_fields)
 
 
 def decode(q: torch.Tensor, sets: list[tuple[dict[str, torch.Tensor], torch.Tensor, list[int]]],
