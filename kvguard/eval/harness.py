@@ -82,7 +82,7 @@ class Summary:
     decode_tps: float
     passed: bool = False
     texts: list[TextResult] = field(default_factory=list)
-    retrieval: list[int] = field(default_factory=list)  # retrieval probe: 1/0 per trial, depth-major
+    retrieval: list[int] = field(default_factory=list)  # retrieval probe: 1/0 per trial, per seed each depth
     retrieval_s: float = 0.0  # the probe's wall time for this configuration
 
     @property

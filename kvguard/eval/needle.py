@@ -50,8 +50,8 @@ def _tokens(tokenizer, text: str) -> list[int]:
 
 
 def trials(tokenizer, filler: str, p: ProbeSettings) -> list[Trial]:
-    """The prompts, depth-major: for each depth, one per seed. The filler's tokens are cut at line
-    ends where they can be, so the needle starts a sentence of its own."""
+    """The prompts, seed by seed: for each seed (its key, its stretch of text), one per depth. The
+    filler's tokens are cut at line ends where they can be, so the needle starts a sentence of its own."""
     head = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False,
                                          add_generation_prompt=True)
     before, after = head.split("\x00")
@@ -115,7 +115,7 @@ def run_trial(model, tokenizer, trial: Trial, method: Method, s: Settings, p: Pr
 
 def probe(model, tokenizer, method: Method, s: Settings, prompts: list[Trial], p: ProbeSettings,
           bar=None) -> tuple[list[int], float]:
-    """1/0 per trial (depth-major, as `trials` orders them) and the wall time in seconds."""
+    """1/0 per trial (seed by seed, each depth in turn, as `trials` orders them) and the wall time in seconds."""
     t0 = time.perf_counter()
     hits = []
     for t in prompts:
@@ -190,6 +190,6 @@ def depth_table(report) -> tuple[list[str], list[list[str]]]:
     for row in report.summaries:
         if not row.retrieval:
             continue
-        per = [row.retrieval[i * p.seeds:(i + 1) * p.seeds] for i in range(len(p.depths))]
+        per = [row.retrieval[i::len(p.depths)] for i in range(len(p.depths))]  # trials go seed by seed
         rows.append([row.method, *(f"{sum(x)}/{len(x)}" for x in per), row.retrieval_text, f"{row.retrieval_s:.0f}"])
     return head, rows

@@ -86,6 +86,17 @@ def test_the_report_carries_the_column(probed, tmp_path):
     assert report.to_markdown(again) == md and again.settings.probe == PROBE
 
 
+def test_the_depth_table_counts_each_depth_over_the_seeds():
+    from dataclasses import replace
+
+    from kvguard.eval.needle import depth_table
+
+    r = Report("m", replace(SMALL, probe=ProbeSettings(depths=(0, 50, 100), seeds=2)), {"t": 1},
+               [row("h2o", "evictor", "h2o")])
+    r.summaries[0].retrieval = [0, 0, 1, 0, 1, 1]  # seed 0: depths 0, 50, 100; then seed 1
+    assert depth_table(r)[1] == [["h2o", "0/2", "1/2", "2/2", "3/6", "0"]]
+
+
 def test_a_report_without_the_probe_has_no_column():
     r = Report("m", SMALL, {"t": 1}, [row("none", "baseline", "fp16")])
     assert "retrieval" not in report.to_markdown(r) and "retrieval" not in report.to_rows(r)[0]
