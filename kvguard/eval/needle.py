@@ -52,9 +52,12 @@ def _tokens(tokenizer, text: str) -> list[int]:
 def trials(tokenizer, filler: str, p: ProbeSettings) -> list[Trial]:
     """The prompts, seed by seed: for each seed (its key, its stretch of text), one per depth. The
     filler's tokens are cut at line ends where they can be, so the needle starts a sentence of its own."""
-    head = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False,
-                                         add_generation_prompt=True)
-    before, after = head.split("\x00")
+    if getattr(tokenizer, "chat_template", None):
+        head = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False,
+                                             add_generation_prompt=True)
+        before, after = head.split("\x00")
+    else:  # a base model: the same words without the turns
+        before, after = "", "\n"
     pre = _tokens(tokenizer, before + INSTRUCTION)
     text = _tokens(tokenizer, filler)
     out = []

@@ -54,10 +54,6 @@ class ProbeSettings:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"--probe-{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
 
-    @property
-    def trials(self) -> int:
-        return len(self.depths) * self.seeds
-
     def describe(self) -> str:
         return (f"retrieval probe: a 5-digit pass key at depths {', '.join(f'{d} %' for d in self.depths)} of "
                 f"{self.text or 'a text'}, {self.length}-token prompts (chat template), {self.seeds} seed(s) per "

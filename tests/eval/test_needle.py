@@ -58,6 +58,15 @@ def test_prompts_plant_the_key_at_each_depth(smollm2):
     assert 30 < where[0] < 80 and where[0] + 80 < where[1] < where[2] and where[2] > got[2].context - 30
     assert answer(tok, tok(" 48213. Remember").input_ids) == "48213" and answer(tok, []) == ""
 
+    class Base:  # a tokenizer without a chat template: the same words, no turns
+        chat_template = None
+        __call__, decode = tok.__call__, tok.decode
+
+    (plain,) = trials(Base(), stdlib_code(), ProbeSettings(length=400, depths=(50,), seeds=1))
+    text = tok.decode(plain.ids[0])
+    assert plain.ids.shape == (1, 400) and "<|im_start|>" not in text
+    assert text.startswith("There is a pass key") and text.endswith("What is the pass key?\nThe pass key is")
+
 
 def test_the_16bit_cache_finds_the_key_and_an_evictor_loses_it(probed):
     rows = probed.by_method()
