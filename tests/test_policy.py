@@ -21,6 +21,7 @@ from kvguard.policy import (
     SCENARIOS,
     Measurement,
     ModelShape,
+    PolicyDecision,
     PolicyError,
     calibrate,
     load_policies,
@@ -162,7 +163,7 @@ def test_invalid_yaml_and_missing_fields(tmp_path):
 def test_calibrate_accepts_within_the_bound():
     p = load_policy(POLICIES / "chat.yaml")
     events = EventQueue()
-    d = calibrate(p, Measurement(deviation=0.004, ppl_delta=0.01), tenant="acme", events=events)
+    d = calibrate(p, Measurement(mean_layer_deviation=0.004, ppl_delta=0.01), tenant="acme", events=events)
     assert (d.outcome, d.step, d.config) == ("accept", 0, "int8(sink 4, window 128)+streamingllm@4096/s4")
     assert events.take_events() == [d]
 
@@ -178,7 +179,7 @@ def test_calibrate_downgrades_to_the_first_step_within_the_bound():
     d = calibrate(p, measured, tenant="acme")
     assert (d.outcome, d.step, d.config) == ("downgrade", 3, "int8(sink 4, window 128)")
     assert p.at(d.step).evictor is None
-    assert (d.deviation, d.ppl_delta) == (0.05, 0.3)
+    assert (d.mean_layer_deviation, d.ppl_delta) == (0.05, 0.3)
     record = d.details()
     assert record["policy"] == "long-document" and "subject" not in record
     assert d.op == "policy" and d.subject.tenant == "acme"
@@ -293,3 +294,53 @@ def test_an_evictor_the_schema_accepts_is_one_the_cache_accepts():
             continue
         make_evictor(e.name, **e.options())  # raises ConfigError when the schema let a bad one through
     assert refused  # the grid holds evictors the schema refuses
+
+
+def test_fidelity_bounds_the_worst_layer_and_optionally_the_relative_ppl():
+    old = load_policy(POLICIES / "chat.yaml")  # written before the new keys: still loads
+    assert old.fidelity.max_layer_deviation == 0.03 and old.fidelity.max_ppl_increase_rel is None
+    looser = parse_policy(CHAT.replace("max_attention_deviation: 0.01", "max_attention_deviation: 0.05"), "x")
+    assert looser.fidelity.max_layer_deviation == pytest.approx(0.15)  # 3x the mean's bound by default
+    own = parse_policy(CHAT.replace("  max_ppl_increase: 0.5", "  max_ppl_increase: 0.5\n  max_layer_deviation: 0.02\n"
+                                    "  max_ppl_increase_rel: 0.01"), "x")
+    assert (own.fidelity.max_layer_deviation, own.fidelity.max_ppl_increase_rel) == (0.02, 0.01)
+    with pytest.raises(PolicyError, match=r"x:\d+: fidelity: .*max_layer_deviation 0.005 is below"):
+        parse_policy(CHAT.replace("  max_ppl_increase: 0.5", "  max_ppl_increase: 0.5\n  max_layer_deviation: 0.005"),
+                     "x")
+    # the worst layer and the relative ΔPPL decide too
+    assert calibrate(old, Measurement(0.004, 0.01, worst_layer_deviation=0.02)).outcome == "accept"
+    d = calibrate(old, Measurement(0.004, 0.01, worst_layer_deviation=0.04))
+    assert d.outcome == "downgrade" and (d.worst_layer_deviation, d.max_layer_deviation) == (0.04, 0.03)
+    assert calibrate(own, Measurement(0.004, 0.01, 0.01, ppl_increase_rel=0.02)).outcome == "downgrade"
+    assert calibrate(own, Measurement(0.004, 0.01, 0.01, ppl_increase_rel=0.005)).outcome == "accept"
+
+
+def test_an_evictor_that_never_fired_does_not_pass():
+    chat = load_policy(POLICIES / "chat.yaml")  # int8 + streamingllm@4096, downgrade: int8, fp16
+    idle = Measurement(0.003, 0.0, 0.01, evictor_fired=False)
+    d = calibrate(chat, {chat.steps()[0].key: idle, "int8(sink 4, window 128)": Measurement(0.003, 0.0, 0.01)})
+    assert (d.outcome, d.step, d.evictor) == ("downgrade", 1, "not measured")
+    reasoning = load_policy(POLICIES / "reasoning.yaml")  # on_violation: refuse
+    assert calibrate(reasoning, idle).refused
+    fired = calibrate(chat, Measurement(0.003, 0.0, 0.01, evictor_fired=True))
+    assert (fired.outcome, fired.evictor) == ("accept", "measured")
+    assert calibrate(load_policy(POLICIES / "chat.yaml"), Measurement(0.003, 0.0)).evictor == "unreported"
+
+
+def test_greedy_agreement_is_no_part_of_the_gate():
+    """One flipped token changes every later greedy token: it is reported, never gated on."""
+    from kvguard.policy import Fidelity
+
+    assert not any("agree" in f.name for f in dataclasses.fields(Measurement))
+    assert not any("agree" in name for name in Fidelity.model_fields)
+    assert not any("agree" in f.name for f in dataclasses.fields(PolicyDecision))
+
+
+def test_a_decision_reads_back_from_an_older_report():
+    from kvguard.types import Subject
+
+    old = {"op": "policy", "seq": None, "pages": [], "n_tokens": 0, "bytes": 0, "policy": "chat", "outcome": "accept",
+           "step": 0, "config": "int8", "deviation": 0.003, "ppl_delta": 0.0, "max_attention_deviation": 0.01,
+           "max_ppl_increase": 0.5}
+    d = PolicyDecision.from_details(old, Subject("*", "*", "*"))
+    assert d.mean_layer_deviation == 0.003 and d.worst_layer_deviation is None and d.evictor == "unreported"

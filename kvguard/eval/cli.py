@@ -16,10 +16,14 @@ For each text and configuration: the first --prefix tokens are written into the
 configured cache, the next --score tokens are scored against it (teacher-forced, in
 chunks of --chunk), then --generate greedy tokens are generated after the text.
 Reported per configuration: KV bytes held (and read, for sparse) against 16-bit, the
-attention-output relative deviation ||O'-O||/||O|| per layer against the same K/V
-uncompressed, perplexity and its change, greedy agreement with the uncompressed cache,
-time to first token and decode tokens/s; then each policy's calibration (accept,
-downgrade or refuse against its fidelity bound). Writes fidelity.md, .csv, .json and a
+attention-output relative deviation ||O'-O||/||O|| per layer (mean and worst layer)
+against the same K/V uncompressed, perplexity and its change (absolute and relative),
+the KL divergence of the next-token distributions and top-1 agreement against the
+uncompressed cache at every scored position, greedy agreement (information only),
+time to first token and decode tokens/s, with ranges over the texts; then each
+policy's calibration (accept, downgrade or refuse against its fidelity bound). An
+evictor that never fires at the run's length is reported "evictor not measured",
+never PASS (--fire-evictors measures it at a length where it does). Writes fidelity.md, .csv, .json and a
 self-contained .html with plots into --out. With --probe, also a retrieval probe: a pass
 key planted at several depths of a --probe-length prompt of real text, asked for at
 the end and generated greedily through each configuration's cache; the column
@@ -32,7 +36,8 @@ methods: none int8 int8-window int4 fp8 int8-rot int8-window-rot fp8-rot int4-ro
          snapkv-prefix h2o-shared snapkv-shared h2o-shared-prefix snapkv-shared-prefix
          h2o-head-prefix snapkv-head-prefix sparse
 texts:   austen (Debian r-cran-janeaustenr), python-docs (Debian python3.11-doc),
-         stdlib-code (this Python's standard library); Debian texts are fetched with
+         stdlib-code (this Python's standard library), python-howto (held out: three
+         HOWTOs from python3.11-doc, not a default text); Debian texts are fetched with
          'apt-get download' into --text-cache once.
 example: kvguard eval --methods none,int8,int4 --texts stdlib-code --prefix 512 --score 512
          kvguard eval --probe --from-json docs/fidelity/fidelity.json --out DIR  (only the probe,
@@ -78,6 +83,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gate for built-in methods: attention deviation bound (default 0.01 = 1 %%)")
     p.add_argument("--max-ppl-increase", type=float, default=0.5,
                    help="gate for built-in methods: perplexity increase bound (default 0.5)")
+    p.add_argument("--max-layer-deviation", type=float, default=None,
+                   help="gate for built-in methods: bound on the worst layer's deviation "
+                        "(default 3x --max-deviation: 0.03)")
+    p.add_argument("--max-ppl-increase-rel", type=float, default=None,
+                   help="gate for built-in methods: bound on ΔPPL / PPL (0.01 = 1 %%; default none)")
+    p.add_argument("--fire-evictors", action="store_true",
+                   help="measure a configuration whose evictor would not fire at --prefix + --score with a "
+                        "prefix of its budget instead (and the reference at that length), where the model's "
+                        "context holds it; slow: the chat policy's 4,096 tokens take several times the default run")
     p.add_argument("--out", default="fidelity-report", metavar="DIR", help="output folder (default fidelity-report)")
     p.add_argument("--formats", type=_csv, default=["md", "csv", "json", "html"], metavar="A,B",
                    help="which of md,csv,json,html to write (default: all)")
@@ -137,6 +151,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-deviation must be between 0 and 1 (0.01 = 1 %), got {args.max_deviation}")
     if not args.max_ppl_increase > 0:
         raise ConfigError(f"--max-ppl-increase must be above 0, got {args.max_ppl_increase}")
+    if args.max_layer_deviation is not None and not args.max_deviation <= args.max_layer_deviation < 1:
+        raise ConfigError(f"--max-layer-deviation must be at least --max-deviation ({args.max_deviation}) and "
+                          f"below 1, got {args.max_layer_deviation}")
+    if args.max_ppl_increase_rel is not None and not args.max_ppl_increase_rel > 0:
+        raise ConfigError(f"--max-ppl-increase-rel must be above 0, got {args.max_ppl_increase_rel}")
     settings = Settings(prefix=args.prefix, score=args.score, chunk=args.chunk, generate=args.generate,
                         budget=args.budget, page_size=args.page_size, dtype=args.cache_dtype)
     available = builtin_methods(args.budget, args.page_size)
@@ -151,8 +170,10 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer, name = _model(args)
     result = evaluate(model, tokenizer, texts, methods, settings, policies,
                       bound=Fidelity(max_attention_deviation=args.max_deviation,
-                                     max_ppl_increase=args.max_ppl_increase),
-                      model_name=name, progress=not args.quiet)
+                                     max_ppl_increase=args.max_ppl_increase,
+                                     max_layer_deviation=args.max_layer_deviation,
+                                     max_ppl_increase_rel=args.max_ppl_increase_rel),
+                      model_name=name, progress=not args.quiet, fire_evictors=args.fire_evictors)
     if probe:
         _probe(result, args, probe, policies, texts.get(probe.text))
     return _write(result, args)

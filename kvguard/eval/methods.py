@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..errors import ConfigError
-from ..policy import Policy, config_key
+from ..policy import Fidelity, Policy, config_key
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class Method:
     evict_prefix_only: bool = False  # compress the prefix once, keep every later token
     per_head: bool = False  # simulate the evictor per (layer, KV head) at read time (headwise.py)
     description: str = ""
+    fidelity: Fidelity | None = None  # its own bound (a policy's); None: the report's
 
     @property
     def key(self) -> str:
@@ -52,6 +53,18 @@ class Method:
                 plain = {k: v for k, v in o.items() if k not in ("evictor", "evictor_options")}
                 return replace(self, options=plain, evict_prefix_only=False).key
         return self.key
+
+    def firing_prefix(self, prefix: int, score: int, page_size: int = 16) -> int:
+        """The prefix at which the evictor fires while scoring `score` tokens: `prefix` when it
+        already does, else its budget (continuous compaction then fires one page into the
+        scored tokens and every page after) or, for a prefix-only evictor, budget + one page."""
+        o = self.options
+        if not o.get("evictor"):
+            return prefix
+        budget, page = o["evictor_options"]["budget"], o.get("page_size", page_size)
+        if self.evict_prefix_only:
+            return max(prefix, budget + page)
+        return prefix if budget + page <= prefix + score - 1 else max(prefix, budget)
 
 
 def builtin_methods(budget: int = 256, page_size: int = 16) -> dict[str, Method]:
@@ -127,7 +140,7 @@ def policy_method(policy: Policy, step: int = 0) -> Method:
     p = policy.at(step)
     name = policy.name if step == 0 else f"{policy.name}~{step}"
     return Method(name, "policy", p.cache_options(), description=f"policy {policy.name}, step {step}: "
-                  f"{p.steps()[0].key}")
+                  f"{p.steps()[0].key}", fidelity=policy.fidelity)
 
 
 def select(names: list[str], available: dict[str, Method]) -> list[Method]:

@@ -28,6 +28,7 @@ DIRECTIONS = [(1, 0.4, "left", "bottom"), (1, -0.4, "left", "top"), (-1, 0.4, "r
               (-1, -0.4, "right", "top"), (0, 1, "center", "bottom"), (0, -1, "center", "top"),
               (1, 1, "left", "bottom"), (-1, 1, "right", "bottom"), (1, -1, "left", "top"),
               (-1, -1, "right", "top")]
+COLORS = {"PASS": "tab:green", "FAIL": "tab:red"}  # orange: evictor not measured
 RADII = (4, 10, 18, 28, 40, 56, 75)  # points
 
 
@@ -42,7 +43,7 @@ def _distinct(report):
     """One point per measurement: a policy measured as a built-in method is not drawn twice."""
     seen = set()
     for s in report.summaries:
-        signature = (s.deviation, s.ppl_delta, s.held_ratio, s.read_ratio)
+        signature = (s.mean_layer_deviation, s.ppl_delta, s.held_ratio, s.read_ratio)
         if signature not in seen:
             seen.add(signature)
             yield s
@@ -112,7 +113,7 @@ def scatter_figure(report, y, ylabel: str, title: str, logy: bool = False):
         value = y(s)
         if value is None or not math.isfinite(value):
             continue
-        ax.scatter(s.footprint, value, color="tab:green" if s.passed else "tab:red", zorder=3, s=18)
+        ax.scatter(s.footprint, value, color=COLORS.get(s.status, "tab:orange"), zorder=3, s=18)
         points.append((s.footprint, value, s.method))
     ax.set_xlabel(XLABEL)
     ax.set_ylabel(ylabel)
@@ -132,7 +133,8 @@ def layers_figure(report):
         if s.kind not in ("baseline", "policy"):
             ax.plot(range(len(s.deviation_per_layer)), [max(x, 1e-6) for x in s.deviation_per_layer],
                     label=s.method, lw=1.2)
-    ax.axhline(report.bound.max_attention_deviation, color="k", ls="--", lw=0.8, label="gate")
+    ax.axhline(report.bound.max_attention_deviation, color="k", ls="--", lw=0.8, label="gate (mean)")
+    ax.axhline(report.bound.max_layer_deviation, color="k", ls=":", lw=0.8, label="gate (worst layer)")
     ax.set_yscale("log")
     ax.set_xlabel("layer")
     ax.set_ylabel("‖O′−O‖ / ‖O‖")

@@ -27,18 +27,90 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def _gate_head(r: Report) -> str:
+    b = r.bound
+    rel = f", ΔPPL <{100 * b.max_ppl_increase_rel:g} %" if b.max_ppl_increase_rel is not None else ""
+    return (f"gate (mean <{pct(b.max_attention_deviation)}, layer <{pct(b.max_layer_deviation)}, "
+            f"ΔPPL <{b.max_ppl_increase:g}{rel})")
+
+
+def _configuration(s: Summary) -> str:
+    return f"`{s.key}`" + (f" at {s.prefix:,}+{s.score:,} tokens" if s.prefix else "")
+
+
+def _span(s: Summary, attr: str, fmt) -> str:
+    lo, hi = s.span(attr)
+    return "—" if math.isnan(lo) else f"{fmt(lo)} – {fmt(hi)}"
+
+
+def _known(fmt):
+    """`fmt` for a number, a dash for one not measured (NaN: no greedy tokens, an older report)."""
+    return lambda x: "—" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt(x)
+
+
+_pp = _known(lambda x: f"{100 * x:+.2f} %")  # a relative perplexity change, in percent
+_kl = _known(lambda x: f"{x:.5f}")
+_top1 = _known(lambda x: f"{x:.1%}")
+_greedy = _known(lambda x: f"{x:.0%}")
+
+
+# The report's columns, each once: (heading, value of a Summary) for the summary table, (heading,
+# value of a TextResult) per text, (CSV field, value of a TextResult, value of a Summary) for the
+# CSV. A new measurement adds its line to each list; `r` is the Report.
+SUMMARY_COLUMNS = [
+    ("method", lambda s, r: s.method),
+    ("configuration", lambda s, r: _configuration(s)),
+    ("held", lambda s, r: f"{s.held_ratio:.3f}"),
+    ("read", lambda s, r: f"{s.read_ratio:.3f}"),
+    ("deviation (mean of layers)", lambda s, r: pct(s.mean_layer_deviation)),
+    ("deviation, texts min–max", lambda s, r: _span(s, "mean_layer_deviation", pct)),
+    ("worst layer", lambda s, r: pct(s.worst_layer_deviation)),
+    ("ΔPPL", lambda s, r: f"{s.ppl_delta:+.4f}"),
+    ("ΔPPL, texts min–max", lambda s, r: _span(s, "ppl_delta", "{:+.4f}".format)),
+    ("ΔPPL/PPL", lambda s, r: _pp(s.ppl_delta_rel)),
+    ("KL (nats)", lambda s, r: _kl(s.kl)),
+    ("top-1 agreement", lambda s, r: _top1(s.top1)),
+    ("greedy agreement (info)", lambda s, r: _greedy(s.agreement)),
+    ("TTFT ms", lambda s, r: f"{s.ttft_ms:.0f}"),
+    ("decode tok/s", lambda s, r: f"{s.decode_tps:.1f}"),
+    (_gate_head, lambda s, r: s.status),
+]
+# the retrieval probe (needle.py): keys found, reported, not gated; a column only where it ran
+RETRIEVAL_COLUMN = ("retrieval", lambda s, r: s.retrieval_text)
+TEXT_COLUMNS = [
+    ("method", lambda s, t: s.method),
+    ("text", lambda s, t: t.text),
+    ("deviation", lambda s, t: pct(t.mean_layer_deviation)),
+    ("worst layer", lambda s, t: pct(t.worst_layer_deviation)),
+    ("PPL", lambda s, t: f"{t.ppl:.3f}"),
+    ("ΔPPL", lambda s, t: f"{t.ppl_delta:+.4f}"),
+    ("ΔPPL/PPL", lambda s, t: _pp(t.ppl_delta_rel)),
+    ("KL (nats)", lambda s, t: _kl(t.kl)),
+    ("top-1 agreement", lambda s, t: _top1(t.top1)),
+    ("greedy agreement (info)", lambda s, t: _greedy(t.agreement)),
+]
+CSV_FIELDS = [
+    ("held_ratio", lambda t: t.held_ratio, lambda s: s.held_ratio),
+    ("read_ratio", lambda t: t.read_ratio, lambda s: s.read_ratio),
+    ("mean_layer_deviation", lambda t: t.mean_layer_deviation, lambda s: s.mean_layer_deviation),
+    ("worst_layer_deviation", lambda t: t.worst_layer_deviation, lambda s: s.worst_layer_deviation),
+    ("ppl", lambda t: t.ppl, lambda s: s.ppl),
+    ("ppl_delta", lambda t: t.ppl_delta, lambda s: s.ppl_delta),
+    ("ppl_delta_rel", lambda t: t.ppl_delta_rel, lambda s: s.ppl_delta_rel),
+    ("kl", lambda t: t.kl, lambda s: s.kl),
+    ("top1", lambda t: t.top1, lambda s: s.top1),
+    ("greedy_agreement", lambda t: t.agreement, lambda s: s.agreement),
+    ("ttft_ms", lambda t: 1000 * t.ttft_s, lambda s: s.ttft_ms),
+    ("decode_tps", lambda t: t.decode_tps, lambda s: s.decode_tps),
+    ("evicted", lambda t: t.evicted, lambda s: s.evicted),
+    ("status", lambda t: "", lambda s: s.status),
+]
+
+
 def summary_table(r: Report) -> tuple[list[str], list[list[str]]]:
-    head = ["method", "configuration", "held", "read", "deviation (mean of layers)", "worst layer", "ΔPPL",
-            "greedy agreement", "TTFT ms", "decode tok/s", f"gate (<{pct(r.bound.max_attention_deviation)}, "
-            f"ΔPPL<{r.bound.max_ppl_increase})"]
-    rows = [[s.method, f"`{s.key}`" + (" (evictor never fired)" if s.kind in ("evictor", "policy")
-                                          and "@" in s.key and not s.evicted else ""), f"{s.held_ratio:.3f}", f"{s.read_ratio:.3f}", pct(s.deviation),
-             pct(s.worst_layer), f"{s.ppl_delta:+.4f}", f"{s.agreement:.0%}", f"{s.ttft_ms:.0f}",
-             f"{s.decode_tps:.1f}", "PASS" if s.passed else "FAIL"] for s in r.summaries]
-    if r.settings.probe:  # the retrieval probe (needle.py): keys found, reported, not gated
-        head.append("retrieval")
-        rows = [row + [s.retrieval_text] for row, s in zip(rows, r.summaries)]
-    return head, rows
+    columns = SUMMARY_COLUMNS + ([RETRIEVAL_COLUMN] if r.settings.probe else [])
+    head = [h(r) if callable(h) else h for h, _ in columns]
+    return head, [[cell(s, r) for _, cell in columns] for s in r.summaries]
 
 
 def seeds_table(r: Report) -> tuple[list[str], list[list[str]]]:
@@ -49,24 +121,25 @@ def seeds_table(r: Report) -> tuple[list[str], list[list[str]]]:
     for name, (ratio, dev, verdict) in SEEDS.items():
         for mine in [m for m in ours if m == name or m.startswith(name + "-")]:
             s = ours[mine]
-            got = "PASS" if s.deviation < r.bound.max_attention_deviation else "FAIL"
-            holds = "yes" if got == verdict and s.deviation <= max(2 * dev, dev + 0.001) else "no"
+            got = "PASS" if s.mean_layer_deviation < r.bound.max_attention_deviation else "FAIL"
+            holds = "yes" if got == verdict and s.mean_layer_deviation <= max(2 * dev, dev + 0.001) else "no"
             rows.append([name, mine, f"{ratio:.2f}", f"{s.footprint:.2f}" + (" (read)" if s.read_ratio < 1 else ""),
-                         f"{dev:.4f}", f"{s.deviation:.4f}", verdict, got, holds])
+                         f"{dev:.4f}", f"{s.mean_layer_deviation:.4f}", verdict, got, holds])
     return head, rows
 
 
 def text_table(r: Report) -> tuple[list[str], list[list[str]]]:
-    head = ["method", "text", "deviation", "worst layer", "PPL", "ΔPPL", "greedy agreement"]
-    rows = [[s.method, t.text, pct(t.mean_deviation), pct(max(t.deviation)), f"{t.ppl:.3f}", f"{t.ppl_delta:+.4f}",
-             f"{t.agreement:.0%}"] for s in r.summaries for t in s.texts]
-    return head, rows
+    head = [h for h, _ in TEXT_COLUMNS]
+    return head, [[cell(s, t) for _, cell in TEXT_COLUMNS] for s in r.summaries for t in s.texts]
 
 
 def decision_table(r: Report) -> tuple[list[str], list[list[str]]]:
-    head = ["policy", "measured deviation (worst text)", "ΔPPL (worst text)", "outcome", "in force"]
-    rows = [[d.policy, pct(d.deviation), f"{d.ppl_delta:+.4f}", d.outcome, f"`{d.config}`" if d.config else "—"]
-            for d in r.decisions]
+    head = ["policy", "deviation, mean of layers (worst text)", "worst layer", "ΔPPL (worst text)", "ΔPPL/PPL",
+            "evictor", "outcome", "in force"]
+    rows = [[d.policy, pct(d.mean_layer_deviation),
+             "—" if d.worst_layer_deviation is None else pct(d.worst_layer_deviation), f"{d.ppl_delta:+.4f}",
+             _pp(d.ppl_increase_rel), d.evictor, d.outcome,
+             f"`{d.config}`" if d.config else "—"] for d in r.decisions]
     return head, rows
 
 
@@ -97,14 +170,8 @@ def to_rows(r: Report) -> list[dict]:
     for s in r.summaries:
         base = {"method": s.method, "kind": s.kind, "key": s.key}
         for t in s.texts:
-            rows.append(base | {"text": t.text, "held_ratio": t.held_ratio, "read_ratio": t.read_ratio,
-                                "deviation_mean": t.mean_deviation, "deviation_worst_layer": max(t.deviation),
-                                "ppl": t.ppl, "ppl_delta": t.ppl_delta, "agreement": t.agreement,
-                                "ttft_ms": 1000 * t.ttft_s, "decode_tps": t.decode_tps, "passed": ""})
-        rows.append(base | {"text": "all", "held_ratio": s.held_ratio, "read_ratio": s.read_ratio,
-                            "deviation_mean": s.deviation, "deviation_worst_layer": s.worst_layer, "ppl": s.ppl,
-                            "ppl_delta": s.ppl_delta, "agreement": s.agreement, "ttft_ms": s.ttft_ms,
-                            "decode_tps": s.decode_tps, "passed": s.passed})
+            rows.append(base | {"text": t.text} | {name: of(t) for name, of, _ in CSV_FIELDS})
+        rows.append(base | {"text": "all"} | {name: of(s) for name, _, of in CSV_FIELDS})
         if r.settings.probe:  # the probe runs on one text: its accuracy is in the "all" row
             for row in rows[-len(s.texts) - 1:]:
                 row["retrieval"] = s.retrieval_text if row["text"] == "all" else ""
@@ -142,17 +209,25 @@ def from_json(data: dict) -> Report:
     def num(x):
         return math.nan if x is None else x
 
-    # NaN, JSON's null, without greedy tokens (--generate 0)
-    undefined = ("ppl_delta", "worst_ppl_delta", "agreement", "decode_tps")
+    # NaN, JSON's null: without greedy tokens (--generate 0), or in a report older than the field
+    undefined = ("ppl_delta", "worst_ppl_delta", "agreement", "decode_tps", "ppl_delta_rel", "worst_ppl_delta_rel",
+                 "kl", "worst_kl", "top1")
+    derived = ("mean_deviation", "mean_layer_deviation", "worst_layer_deviation")  # TextResult's properties
+    renamed = {"deviation": "mean_layer_deviation", "worst_layer": "worst_layer_deviation"}  # older reports
 
     summaries = []
     for d in data["summaries"]:
         texts = [TextResult(**{k: (num(v) if k in undefined else v)
-                               for k, v in t.items() if k != "mean_deviation"}) for t in d["texts"]]
-        fields = {k: (num(v) if k in undefined else v) for k, v in d.items()}
+                               for k, v in t.items() if k not in derived}) for t in d["texts"]]
+        fields = {renamed.get(k, k): (num(v) if k in undefined else v) for k, v in d.items() if k != "passed"}
+        if "passed" in d and "status" not in d:  # older reports passed an evictor that never fired
+            evicts = "@" in d["key"].replace("+sparse@", "")
+            fields["evictor_fired"] = (None if not evicts else d["read_ratio"] < 1 if d["kind"] == "simulation"
+                                       else d["evicted"] > 0)
+            fields["status"] = ("FAIL" if not d["passed"] else "evictor not measured"
+                                if fields["evictor_fired"] is False else "PASS")
         summaries.append(Summary(**(fields | {"texts": texts})))
-    decisions = [PolicyDecision(subject=Subject("*", "*", "*"), **{k: v for k, v in d.items() if k != "op"}
-                                | {"pages": tuple(d["pages"])}) for d in data["decisions"]]
+    decisions = [PolicyDecision.from_details(d, Subject("*", "*", "*")) for d in data["decisions"]]
     return Report(data["model"], Settings(**data["settings"]), data["texts"], summaries, decisions,
                   Fidelity(**data["bound"]), data["environment"])
 

@@ -3,6 +3,9 @@
     stdlib-code   Python's own standard library sources (always available)
     austen        Pride and Prejudice, from Debian's r-cran-janeaustenr
     python-docs   the Python 3.11 tutorial's reStructuredText, from Debian's python3.11-doc
+    python-howto  held out: three Python 3.11 HOWTOs (functional programming, sorting, logging)
+                  from the same package, no part of the calibration texts above; measuring on it
+                  tells whether ranges set on the three hold beyond them
 
 The Debian texts are fetched with `apt-get download` and unpacked with `dpkg -x`
 into a cache folder (default ~/.cache/kvguard/texts); nothing is installed.
@@ -23,7 +26,9 @@ from ..errors import ConfigError
 DEBIAN = {"austen": "r-cran-janeaustenr", "python-docs": "python3.11-doc"}
 STDLIB_FILES = ("textwrap.py", "json/decoder.py", "argparse.py", "inspect.py")
 DOCS_FILES = ("tutorial/classes.rst.txt", "tutorial/controlflow.rst.txt", "tutorial/datastructures.rst.txt")
-BUILTIN = ("austen", "python-docs", "stdlib-code")
+HOWTO_FILES = ("howto/functional.rst.txt", "howto/sorting.rst.txt", "howto/logging.rst.txt")
+BUILTIN = ("austen", "python-docs", "stdlib-code", "python-howto")
+HELD_OUT = ("python-howto",)  # not among the default texts the documented figures were set on
 
 
 def default_cache_dir() -> Path:
@@ -93,16 +98,16 @@ def austen(cache_dir: Path) -> str:
     raise ConfigError(f"Pride and Prejudice not found in {rdb}")
 
 
-def python_docs(cache_dir: Path) -> str:
+def python_docs(cache_dir: Path, files: tuple[str, ...] = DOCS_FILES) -> str:
     src = debian_package(DEBIAN["python-docs"], cache_dir) / "usr/share/doc/python3.11/html/_sources"
-    return "\n\n".join((src / f).read_text(encoding="utf-8") for f in DOCS_FILES)
+    return "\n\n".join((src / f).read_text(encoding="utf-8") for f in files)
 
 
 def load_texts(names: list[str], files: list[str] = (), cache_dir: Path | None = None) -> dict[str, str]:
     """Texts by name: built-in ones (BUILTIN) and files (named by their stem)."""
     cache_dir = Path(cache_dir or default_cache_dir())
     loaders = {"austen": lambda: austen(cache_dir), "python-docs": lambda: python_docs(cache_dir),
-               "stdlib-code": stdlib_code}
+               "stdlib-code": stdlib_code, "python-howto": lambda: python_docs(cache_dir, HOWTO_FILES)}
     out = {}
     for name in names:
         if name not in loaders:

@@ -25,25 +25,46 @@ def cache_config(policy: Policy, shape: ModelShape, **overrides) -> CacheConfig:
     return CacheConfig(**shape.as_config_fields(), **(policy.cache_options() | overrides))
 
 
+# what a decision says of the evictor of the configuration as written: none in it, measured (it
+# dropped tokens while scoring), not measured (it never fired: the run was shorter than its
+# budget), or unreported (the caller's Measurement did not say)
+EVICTOR_NONE, EVICTOR_MEASURED, EVICTOR_NOT_MEASURED, EVICTOR_UNREPORTED = (
+    "none", "measured", "not measured", "unreported")
+
+
 @dataclass(frozen=True, slots=True)
 class PolicyDecision(CacheEvent):
     """The outcome of calibrating a policy: accept, downgrade or refuse, with the
-    numbers it was decided on. An event like the cache's, so the sidecar records it."""
+    numbers it was decided on (those of the configuration as written, on the worst
+    text). An event like the cache's, so the sidecar records it."""
 
     op = ops.POLICY
     policy: str = ""
     outcome: str = ""  # "accept" | "downgrade" | "refuse"
     step: int = -1  # index into Policy.steps() in force; -1 when refused
     config: str = ""  # Layers.key of the configuration in force ("" when refused)
-    deviation: float = 0.0  # measured for the configuration as written
+    mean_layer_deviation: float = 0.0  # attention deviation, mean over layers
     ppl_delta: float = 0.0
+    worst_layer_deviation: float | None = None  # None: not measured
+    ppl_increase_rel: float | None = None
+    evictor: str = EVICTOR_UNREPORTED  # of the configuration as written: EVICTOR_* above
     max_attention_deviation: float = 0.0
     max_ppl_increase: float = 0.0
+    max_layer_deviation: float | None = None
+    max_ppl_increase_rel: float | None = None
 
     @property
     def refused(self) -> bool:
         return self.outcome == "refuse"
 
+    @classmethod
+    def from_details(cls, d: dict, subject: Subject) -> PolicyDecision:
+        """A decision back from its `details()` (a report's JSON), older records included:
+        those named the mean over layers `deviation` and had no worst layer."""
+        d = {k: v for k, v in d.items() if k != "op"}
+        if "deviation" in d:
+            d["mean_layer_deviation"] = d.pop("deviation")
+        return cls(**d | {"subject": subject, "pages": tuple(d.get("pages") or ())})
 
 Measure = Measurement | Mapping[str, Measurement] | Callable[[Layers], Measurement]
 
@@ -57,7 +78,10 @@ def calibrate(policy: Policy, measured: Measure, *, tenant: str = "*",
     are checked too. Within the bound: accept. Beyond it: refuse, or (on_violation:
     downgrade) take the first downgrade step that is within the bound, or the first
     step at all when only the written configuration was measured; refuse when no
-    measured step is within it. The decision is emitted into `events` when given."""
+    measured step is within it. A step whose evictor never fired while measuring
+    (`Measurement.evictor_fired` False) is not within the bound: its evictor was not
+    measured. Greedy agreement plays no part. The decision is emitted into `events`
+    when given."""
     def measure(step: Layers) -> Measurement | None:
         if isinstance(measured, Measurement):
             return measured if step.key == policy.steps()[0].key else None
@@ -81,11 +105,17 @@ def calibrate(policy: Policy, measured: Measure, *, tenant: str = "*",
             if m is not None and m.within(policy.fidelity):
                 outcome, step = "downgrade", i
                 break
+    evictor = (EVICTOR_NONE if steps[0].evictor is None else EVICTOR_UNREPORTED if first.evictor_fired is None
+               else EVICTOR_MEASURED if first.evictor_fired else EVICTOR_NOT_MEASURED)
+    bound = policy.fidelity
     decision = PolicyDecision(
         seq=None, subject=Subject(tenant, "*", "*"), pages=(), n_tokens=0, bytes=0, policy=policy.name,
-        outcome=outcome, step=step, config=steps[step].key if step >= 0 else "", deviation=first.deviation,
-        ppl_delta=first.ppl_delta, max_attention_deviation=policy.fidelity.max_attention_deviation,
-        max_ppl_increase=policy.fidelity.max_ppl_increase)
+        outcome=outcome, step=step, config=steps[step].key if step >= 0 else "",
+        mean_layer_deviation=first.mean_layer_deviation, ppl_delta=first.ppl_delta,
+        worst_layer_deviation=first.worst_layer_deviation, ppl_increase_rel=first.ppl_increase_rel,
+        evictor=evictor, max_attention_deviation=bound.max_attention_deviation,
+        max_ppl_increase=bound.max_ppl_increase, max_layer_deviation=bound.max_layer_deviation,
+        max_ppl_increase_rel=bound.max_ppl_increase_rel)
     if events is not None:
         events.emit(decision)
     return decision

@@ -93,8 +93,7 @@ def gate(policy, report: Path):
     if d["step"] >= len(steps) or steps[d["step"]].key != d.get("config"):
         raise ConfigError(f"{report} measured {d.get('config')!r} for policy {policy.name!r}, which the policy "
                           "file no longer holds: measure it again")
-    decision = PolicyDecision(**{k: v for k, v in d.items() if k != "op"} | {
-        "subject": Subject("*", "*", "*"), "pages": tuple(d.get("pages") or ())})
+    decision = PolicyDecision.from_details(d, Subject("*", "*", "*"))
     return policy.at(d["step"]), decision
 
 

@@ -88,4 +88,4 @@ def test_html_tables_show_no_markdown(report, monkeypatch):
 
     monkeypatch.setattr(plots, "figures", lambda r: [])
     page = report_module.to_html(report)
-    assert "(evictor never fired)" in page and "`" not in page
+    assert "evictor not measured" in page and "`" not in page  # chat, rag, reasoning: never fired

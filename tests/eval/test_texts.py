@@ -77,3 +77,15 @@ def test_files_and_unknown_names(tmp_path):
         texts.load_texts(["bible"])
     with pytest.raises(ConfigError, match="cannot read text file"):
         texts.load_texts([], [str(tmp_path / "absent.txt")])
+
+
+def test_the_held_out_text_is_other_howtos_of_the_docs_package(tmp_path):
+    src = tmp_path / "python3.11-doc/usr/share/doc/python3.11/html/_sources"
+    for f in (*texts.DOCS_FILES, *texts.HOWTO_FILES):
+        (src / f).parent.mkdir(parents=True, exist_ok=True)
+        (src / f).write_text(f"text of {f}")
+    (tmp_path / "python3.11-doc/.complete").touch()
+    got = texts.load_texts(["python-docs", "python-howto"], cache_dir=tmp_path)
+    assert got["python-howto"].startswith("text of howto/functional.rst.txt")
+    assert not set(texts.HOWTO_FILES) & set(texts.DOCS_FILES)  # held out: none of the calibration chapters
+    assert "python-howto" in texts.BUILTIN and set(texts.HELD_OUT) <= set(texts.BUILTIN)
