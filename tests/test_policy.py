@@ -231,7 +231,8 @@ def test_scoring_and_allocation_are_evictor_options_checked_as_the_cache_checks_
                                                                 "allocation": "pyramid"}}) == \
         "fp16+snapkv@256/s4/w32/pyramid"
     for name, scoring, allocation in itertools.product(sorted(EVICTORS), ("mass", "value_aware"),
-                                                        ("uniform", "pyramid", "adaptive", "pyramid-adaptive")):
+                                                        ("uniform", "pyramid", "adaptive", "pyramid-adaptive",
+                                                                                     "global")):
         try:
             e = SchemaEvictor(name=name, budget=128, scoring=scoring, allocation=allocation)
             schema_ok = True

@@ -27,7 +27,7 @@ methods: none int8 int8-window int4 fp8 h2o streamingllm snapkv h2o-prefix strea
          snapkv-prefix h2o-shared snapkv-shared h2o-shared-prefix snapkv-shared-prefix
          h2o-head-prefix snapkv-head-prefix sparse
          and only when named (budgets, docs/fidelity.md): h2o-value snapkv-value h2o-value-prefix
-         snapkv-value-prefix, and h2o-/snapkv- pyramid, adaptive, pyramid-adaptive, each -prefix
+         snapkv-value-prefix, and h2o-/snapkv- pyramid, adaptive, pyramid-adaptive, global, each -prefix
          or -value-prefix (e.g. snapkv-adaptive-value-prefix)
 texts:   austen (Debian r-cran-janeaustenr), python-docs (Debian python3.11-doc),
          stdlib-code (this Python's standard library); Debian texts are fetched with

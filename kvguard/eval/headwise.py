@@ -35,9 +35,13 @@ class HeadwiseCache(ProbeCache):
 
     def _keep(self, layer: int) -> torch.Tensor:
         if layer not in self.keep:
-            mass = self.mass[layer]
-            self.keep[layer] = self.evictor.keep_mask(mass.shape[1], mass, layer, self.shape["num_layers"],
-                                                      self.values.get(layer)).to(mass.device)
+            # every layer's prefix has been read by now: choose for all of them at once (the
+            # global allocation compares layers)
+            layers = range(self.shape["num_layers"])
+            mass = torch.stack([self.mass[i] for i in layers])
+            values = torch.stack([self.values[i] for i in layers]) if self.values else None
+            keep = self.evictor.keep_masks(mass.shape[-1], mass, values).to(mass.device)
+            self.keep = dict(enumerate(keep))
         return self.keep[layer]
 
     def _attend_row(self, seq, layer, q, scale):

@@ -17,7 +17,7 @@ a cross-check of the cache's own per-head compaction.
 The budget methods (docs/fidelity.md, "Budgets") change how H2O and SnapKV
 spend the same total: `-value` scores by mass × the value's norm (the cache
 stores this: `-value` compacts whenever past the budget, `-value-prefix` the
-prefix once); `-pyramid-`, `-adaptive-` and `-pyramid-adaptive-` give layers
+prefix once); `-pyramid-`, `-adaptive-`, `-pyramid-adaptive-` and `-global-` give layers
 and heads unequal shares, which the cache cannot store (a page holds every
 layer and head), so they are read-time simulations of the prefix protocol, as
 `-head-prefix` is (kind "simulation"). They run when named in --methods, not
@@ -120,6 +120,8 @@ ALLOCATION_TEXT = {
     "pyramid": "layers' budgets falling linearly with depth (PyramidKV, beta 20)",
     "adaptive": "each layer's budget split over its KV heads by their joint top scores (Ada-KV, safeguard 0.2)",
     "pyramid-adaptive": "the pyramid's layer budgets, each split over the KV heads as Ada-KV does",
+    "global": "the whole model's budget split over every layer and KV head by their joint top scores "
+              "(Ada-KV's selection across layers too, safeguard 0.2)",
 }
 
 

@@ -109,7 +109,7 @@ class Evictor(_Strict):
     # h2o, snapkv: score by attention mass, or by mass × the value's L1 norm
     scoring: Literal["mass", "value_aware"] = "mass"
     # how the budget is split over layers and heads; the cache stores only "uniform" (checked below)
-    allocation: Literal["uniform", "pyramid", "adaptive", "pyramid-adaptive"] = "uniform"
+    allocation: Literal["uniform", "pyramid", "adaptive", "pyramid-adaptive", "global"] = "uniform"
 
     @model_validator(mode="after")
     def _fits(self):
@@ -144,7 +144,7 @@ def config_key(options: dict) -> str:
     """A short name of a configuration given as CacheConfig options: int8(sink 4)+h2o@1024/s4/w256
     (evictor budget, sinks, recent window; `/shared` when H2O or SnapKV keep one set for all
     layers and heads instead of one per layer and KV head; `/value` when they score by mass ×
-    the value's norm; `/pyramid`, `/adaptive`, `/pyramid-adaptive` for an unequal allocation)."""
+    the value's norm; `/pyramid`, `/adaptive`, `/pyramid-adaptive`, `/global` for an unequal allocation)."""
     extra = ", ".join(f"{n} {options[f]}" for n, f in (("sink", "fp_sink"), ("window", "fp_window"))
                       if options.get(f))
     name = options.get("codec") or "fp16"

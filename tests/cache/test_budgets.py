@@ -57,24 +57,30 @@ def _mass(layers, heads, length, seed):
 
 
 @pytest.mark.parametrize("name", ["h2o", "snapkv"])
-@pytest.mark.parametrize("allocation", ["uniform", "pyramid", "adaptive", "pyramid-adaptive"])
+@pytest.mark.parametrize("allocation", ["uniform", "pyramid", "adaptive", "pyramid-adaptive", "global"])
 @pytest.mark.parametrize("scoring", ["mass", "value_aware"])
 def test_every_allocation_keeps_the_same_total_with_sinks_and_window(name, allocation, scoring):
     layers, heads, length, budget, sink, window = 6, 3, 200, 48, 4, 16
     e = make_evictor(name, budget=budget, sink=sink, window=window, allocation=allocation, scoring=scoring)
     mass = _mass(layers, heads, length, seed=2)
     values = torch.rand(layers, heads, length, generator=torch.Generator().manual_seed(3)) + 0.5
-    keeps = torch.stack([e.keep_mask(length, mass[i], i, layers, values[i]) for i in range(layers)])
+    keeps = e.keep_masks(length, mass, values)
+    if allocation != "global":  # layer by layer, as keep_masks does
+        assert torch.equal(keeps, torch.stack([e.keep_mask(length, mass[i], i, layers, values[i])
+                                               for i in range(layers)]))
     assert keeps.shape == (layers, heads, length)
     assert keeps.sum() == layers * heads * budget
     assert keeps[..., :sink].all() and keeps[..., length - window :].all()
     per_layer = keeps.sum((1, 2)).tolist()
     if allocation.startswith("pyramid"):
         assert all(a >= b for a, b in itertools.pairwise(per_layer)) and per_layer[0] > per_layer[-1]
+    elif allocation == "global":  # layers whose mass leaves the sinks and window more keep more
+        assert len(set(per_layer)) > 1
     else:
         assert per_layer == [heads * budget] * layers
     per_head = keeps.sum(-1)
-    assert (per_head.amax(1) > per_head.amin(1)).any() == allocation.endswith("adaptive")
+    assert (per_head.amax(1) > per_head.amin(1)).any() == (allocation in ("adaptive", "pyramid-adaptive", "global"))
+    assert per_head.min() >= sink + window + int(0.2 * (budget - sink - window)) or allocation.startswith("pyramid")
     if allocation == "uniform":  # the simulation keeps what the cache's select keeps
         chosen = e.select(length, mass, values)
         assert torch.equal(keeps, torch.zeros_like(keeps).scatter_(-1, chosen, True))
@@ -150,3 +156,16 @@ def test_value_aware_compaction_keeps_the_large_values(scoring, alice):
     kept = [j for j in range(n) if any(torch.equal(vv[0, i], v[j, 0]) for i in range(48))]
     want = big if scoring == "value_aware" else list(range(4, 32))
     assert kept == list(range(4)) + want + list(range(n - 16, n))
+
+
+def test_global_allocation_gives_more_to_the_layer_whose_attention_is_spread():
+    length = 120
+    mass = torch.zeros(2, 1, length)
+    mass[0, 0, :4] = 100.0  # layer 0 attends to its sinks
+    mass[0, 0, 4:] = 0.01
+    mass[1, 0] = 1.0  # layer 1 everywhere
+    e = make_evictor("h2o", budget=40, sink=4, window=16, allocation="global")
+    kept = e.keep_masks(length, mass).sum(-1).flatten().tolist()
+    assert sum(kept) == 80 and kept[1] > 40 > kept[0]
+    with pytest.raises(ValueError, match="keep_masks"):
+        e.keep_mask(length, mass[0], 0, 2)

@@ -16,13 +16,20 @@ always budget × layers × heads:
   keys; each head keeps at least a safeguard share (α = 0.2, as in the paper)
   of the even split.
 - `pyramid-adaptive`: the pyramid's budget for the layer, split as `adaptive`.
+- `global`: Ada-KV's selection over every layer and head of the model at once
+  (layers × heads × m middle tokens, the same safeguard per head), so a layer
+  whose attention leaves the sinks and window more also keeps more. Every head's
+  mass sums to the same number of queries, so the scores compare across layers
+  as they do across heads. Not in the papers above: an extension of Ada-KV's
+  argument (the output error is bounded by the attention mass evicted) from one
+  layer to all.
 """
 
 from __future__ import annotations
 
 import torch
 
-ALLOCATIONS = ("uniform", "pyramid", "adaptive", "pyramid-adaptive")
+ALLOCATIONS = ("uniform", "pyramid", "adaptive", "pyramid-adaptive", "global")
 PYRAMID_BETA = 20
 SAFEGUARD = 0.2
 

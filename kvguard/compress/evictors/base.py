@@ -15,9 +15,9 @@ Two options change what a mass-based evictor keeps (allocation.py has the first)
 
 - `allocation`: `uniform` (the default, and the only one the cache stores: a page
   holds every layer and head, so all of them keep the same count), or `pyramid`,
-  `adaptive`, `pyramid-adaptive`, which give layers and heads unequal shares of
-  the same total; `keep_mask` applies them (the read-time simulation of
-  kvguard/eval/headwise.py uses it).
+  `adaptive`, `pyramid-adaptive`, `global`, which give layers and heads unequal
+  shares of the same total; `keep_masks` applies them (the read-time simulation
+  of kvguard/eval/headwise.py uses it).
 - `scoring`: `mass` (the attention mass, as published) or `value_aware` (mass ×
   the value's L1 norm, as VATP, Guo et al., 2024: a key that is attended to but
   whose value is near zero adds little to the output). The cache passes each
@@ -130,23 +130,39 @@ class Evictor(ABC):
         h = mass.shape[0]
         if length <= self.budget:
             return torch.ones(h, length, dtype=torch.bool)
+        if self.allocation == "global":
+            raise ValueError(f"{self.name}: the global allocation chooses for every layer at once: use keep_masks")
         if self.allocation == "uniform":
             keep = torch.zeros(h, length, dtype=torch.bool)
             return keep.scatter_(1, self.select(length, mass, values).cpu(), True)
-        weighted = self._weighted(length, mass, values)
-        candidates = length - self.sink - self.window
+        scores = self._middle_scores(length, mass, values)  # [H, candidates]
         middle = self.budget - self.sink - self.window
         if self.allocation.startswith("pyramid"):
-            middle = pyramid(middle, num_layers, candidates)[layer]
-        scores = self.score(length, weighted)[..., self.sink : length - self.window].cpu()  # [H, candidates]
-        if self.allocation.endswith("adaptive"):
-            counts = adaptive(scores, h * middle).tolist()
-        else:
-            counts = [middle] * h
-        keep = torch.zeros(h, length, dtype=torch.bool)
+            middle = pyramid(middle, num_layers, scores.shape[-1])[layer]
+        counts = adaptive(scores, h * middle).tolist() if self.allocation.endswith("adaptive") else [middle] * h
+        return self._keep_top(length, scores, counts)
+
+    def keep_masks(self, length: int, mass: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
+        """`keep_mask` for every layer at once, bool [layers, H, length] from mass [layers, H,
+        length]: what the global allocation needs (the others choose layer by layer)."""
+        layers, h = mass.shape[:2]
+        if self.allocation != "global" or length <= self.budget:
+            return torch.stack([self.keep_mask(length, mass[i], i, layers, None if values is None else values[i])
+                                for i in range(layers)])
+        scores = self._middle_scores(length, mass, values)  # [layers, H, candidates]
+        counts = adaptive(scores.flatten(0, 1), layers * h * (self.budget - self.sink - self.window))
+        return self._keep_top(length, scores.flatten(0, 1), counts.tolist()).reshape(layers, h, length)
+
+    def _middle_scores(self, length: int, mass: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor:
+        """The scores of the positions between the sinks and the window, on the CPU."""
+        return self.score(length, self._weighted(length, mass, values))[..., self.sink : length - self.window].cpu()
+
+    def _keep_top(self, length: int, scores: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows of `scores` [N, candidates] keeping the sinks, the window and their top counts[i]."""
+        keep = torch.zeros(scores.shape[0], length, dtype=torch.bool)
         keep[:, : self.sink] = True
         keep[:, length - self.window :] = True
-        for head, count in enumerate(counts):
+        for row, count in enumerate(counts):
             if count:
-                keep[head, self.sink + torch.topk(scores[head], count, sorted=False).indices] = True
+                keep[row, self.sink + torch.topk(scores[row], count, sorted=False).indices] = True
         return keep
