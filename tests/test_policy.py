@@ -221,6 +221,37 @@ def test_per_head_is_an_evictor_option_and_named_in_the_key():
         Evictor(name="h2o", budget=256, per_head="yes")
 
 
+def test_scoring_and_allocation_are_evictor_options_checked_as_the_cache_checks_them():
+    from kvguard.cache import CacheConfig
+    from kvguard.policy import Evictor, config_key
+
+    valued = Evictor(name="h2o", budget=256, sink=4, window=64, scoring="value_aware").options()
+    assert valued["scoring"] == "value_aware"
+    assert "scoring" not in Evictor(name="h2o", budget=256).options()  # the default leaves keys as they were
+    assert config_key({"evictor": "h2o", "evictor_options": valued}) == "fp16+h2o@256/s4/w64/value"
+    assert config_key({"evictor": "snapkv", "evictor_options": {"budget": 256, "window": 32,
+                                                                "allocation": "pyramid"}}) == \
+        "fp16+snapkv@256/s4/w32/pyramid"
+    for name, scoring, allocation in itertools.product(sorted(EVICTORS), ("mass", "value_aware"),
+                                                        ("uniform", "pyramid", "adaptive", "pyramid-adaptive",
+                                                                                     "global")):
+        try:
+            e = SchemaEvictor(name=name, budget=128, scoring=scoring, allocation=allocation)
+            schema_ok = True
+        except ValidationError as err:
+            schema_ok = False
+            assert "not stored by the cache" in str(err) or "scoring is h2o's" in str(err)
+        options = {"budget": 128, "sink": 4, "window": 64, "scoring": scoring, "allocation": allocation}
+        try:
+            CacheManager(CacheConfig(**SMOLLM2.as_config_fields(), num_pages=8, evictor=name,
+                                     evictor_options=e.options() if schema_ok else options))
+            cache_ok = True
+        except ConfigError:
+            cache_ok = False
+        assert schema_ok == cache_ok, (name, scoring, allocation)
+        assert schema_ok == (allocation == "uniform" and (scoring == "mass" or name != "streamingllm"))
+
+
 def test_the_schema_loads_every_policy_without_torch_and_the_sidecar_reads_its_retention(tmp_path):
     """The daemon reads one retention number from a policy: the schema imports no torch,
     triton, numpy or cache, and neither does the sidecar's settings through it."""

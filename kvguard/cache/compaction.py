@@ -103,6 +103,13 @@ class Compactor:
         rows = rows.clone()
         rows[:, slots] = torch.tensor(got, dtype=rows.dtype)
         return rows.reshape(keep.shape)
+    def _value_norms(self, seq: Sequence, length: int) -> torch.Tensor:
+        """Each position's value L1 norm as the pages hold it, [layers, H, length] on the CPU,
+        for an evictor that scores by mass × ‖v‖ (its pages fetched back to the device first)."""
+        self.residency.fetch_all(seq)
+        c = self.cfg
+        return torch.stack([self.store.gather(seq.pages, layer, torch.float32)[1][:, :length].abs().sum(-1)
+                            for layer in range(c.num_layers)]).cpu()
 
     def compact(self, seq: Sequence) -> ev.TokensEvicted | None:
         """Run the evictor (the cache has one) and move the survivors into fewer pages, freeing
@@ -112,7 +119,8 @@ class Compactor:
         if len(set(seq.lengths)) != 1:
             raise InputError("compact between steps: every layer must hold the same number of tokens")
         length, s = seq.lengths[0], self.cfg.page_size
-        keep = self.evictor.select(length, seq.mass[..., :length].cpu())
+        values = self._value_norms(seq, length) if self.evictor.needs_values else None
+        keep = self.evictor.select(length, seq.mass[..., :length].cpu(), values)
         if keep is None:
             return None
         c = self.cfg

@@ -95,6 +95,10 @@ class CacheManager:
             raise ConfigError(f"the Triton kernels take int4 value groups of {INT4_GROUP}, not "
                               f"{self.codec.group}: use group {INT4_GROUP} or use_kernels=False")
         self.evictor = make_evictor(c.evictor, **c.evictor_options) if c.evictor else None
+        if self.evictor is not None and self.evictor.allocation != "uniform":
+            raise ConfigError(f"evictor allocation {self.evictor.allocation!r} is not stored by the cache: a page "
+                              "holds every layer and KV head, so all keep the same count; use allocation: "
+                              "uniform (kvguard eval measures the others by read-time simulation)")
         self.events = events if events is not None else ev.EventQueue()
         self.tiers = dict(tiers or {})
         if c.tiers is not None and (extra := sorted(set(self.tiers) - set(c.tiers))):

@@ -35,6 +35,9 @@ methods: none int8 int8-window int4 fp8 int8-rot int8-window-rot fp8-rot int4-ro
          int4-rot-w512 h2o streamingllm snapkv h2o-prefix streamingllm-prefix
          snapkv-prefix h2o-shared snapkv-shared h2o-shared-prefix snapkv-shared-prefix
          h2o-head-prefix snapkv-head-prefix sparse
+         and only when named (budgets, docs/fidelity.md): h2o-value snapkv-value h2o-value-prefix
+         snapkv-value-prefix, and h2o-/snapkv- pyramid, adaptive, pyramid-adaptive, global, each -prefix
+         or -value-prefix (e.g. snapkv-adaptive-value-prefix)
 texts:   austen (Debian r-cran-janeaustenr), python-docs (Debian python3.11-doc),
          stdlib-code (this Python's standard library), python-howto (held out: three
          HOWTOs from python3.11-doc, not a default text); Debian texts are fetched with
@@ -67,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also a text file (repeatable); with --texts '' only the files")
     p.add_argument("--text-cache", metavar="DIR", help="where Debian texts are kept (default ~/.cache/kvguard/texts)")
     p.add_argument("--methods", type=_csv, metavar="A,B",
-                   help="built-in methods, comma-separated (default: all; 'none' always runs as the reference)")
+                   help="built-in methods, comma-separated (default: all but the budget methods; 'none' always "
+                        "runs as the reference)")
     p.add_argument("--policies", metavar="DIR", default="policies",
                    help="measure and calibrate every *.yaml policy here (default: policies; '' for none)")
     p.add_argument("--prefix", type=int, default=d.prefix, help=f"tokens written before scoring (default {d.prefix})")
@@ -159,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     settings = Settings(prefix=args.prefix, score=args.score, chunk=args.chunk, generate=args.generate,
                         budget=args.budget, page_size=args.page_size, dtype=args.cache_dtype)
     available = builtin_methods(args.budget, args.page_size)
-    methods = select(args.methods or list(available), available)
+    methods = select(args.methods or [n for n, m in available.items() if m.default], available)
     if args.policies and not Path(args.policies).is_dir():
         raise ConfigError(f"no folder {args.policies} of policies to calibrate; give --policies DIR, "
                           "or --policies '' for none")

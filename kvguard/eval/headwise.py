@@ -7,6 +7,12 @@ only the prefix tokens its own attention mass would keep (the same evictor's
 `select`, run per head), plus every later token. It frees nothing, like sparse;
 its read ratio is the share of visible keys a head reads. Its perplexity should
 match the `-prefix` methods', which evict for real.
+
+It is also the only place where the unequal budgets of the evictors' `allocation`
+option (pyramid, adaptive: kvguard/compress/evictors/allocation.py) run: the
+cache's pages hold every layer and KV head, so its compaction keeps the same
+count in all of them. Value-aware scoring reads each position's value norm from
+the pages, as the cache's compaction does.
 """
 
 from __future__ import annotations
@@ -24,19 +30,18 @@ class HeadwiseCache(ProbeCache):
         super().__init__(config, subject, **options)
         self.evictor = make_evictor(evictor["name"], **{k: v for k, v in evictor.items() if k != "name"})
         self.mass: dict[int, torch.Tensor] = {}  # layer -> [H, prefix] attention mass seen in the prefix
+        self.values: dict[int, torch.Tensor] = {}  # layer -> [H, prefix] each value's L1 norm (value_aware)
         self.keep: dict[int, torch.Tensor] = {}  # layer -> [H, prefix] bool
 
     def _keep(self, layer: int) -> torch.Tensor:
         if layer not in self.keep:
-            mass = self.mass[layer]
-            n = mass.shape[1]
-            keep = torch.ones_like(mass, dtype=torch.bool)
-            for h in range(mass.shape[0]):
-                chosen = self.evictor.select(n, mass[h])
-                if chosen is not None:
-                    keep[h] = False
-                    keep[h, chosen] = True
-            self.keep[layer] = keep
+            # every layer's prefix has been read by now: choose for all of them at once (the
+            # global allocation compares layers)
+            layers = range(self.shape["num_layers"])
+            mass = torch.stack([self.mass[i] for i in layers])
+            values = torch.stack([self.values[i] for i in layers]) if self.values else None
+            keep = self.evictor.keep_masks(mass.shape[-1], mass, values).to(mass.device)
+            self.keep = dict(enumerate(keep))
         return self.keep[layer]
 
     def _attend_row(self, seq, layer, q, scale):
@@ -57,5 +62,7 @@ class HeadwiseCache(ProbeCache):
         if layer not in self.mass:  # the prefix: what each KV head attended to
             observe = getattr(self.evictor, "observe", t) if self.evictor.needs_mass else t
             self.mass[layer] = probs[:, :, -min(observe, t):].sum(dim=(1, 2))  # [H, L]
+            if self.evictor.needs_values:
+                self.values[layer] = v.abs().sum(-1)  # [H, L]
         out = torch.einsum("hgtl,hld->hgtd", probs, v).permute(2, 0, 1, 3).reshape(t, h * g, d)
         return out.to(q.dtype)

@@ -13,6 +13,15 @@ set of tokens per layer and KV head, as published; the `-shared` methods keep
 one set for all layers and heads (what kvguard did first), and the
 `-head-prefix` methods simulate per-head selection at read time (headwise.py),
 a cross-check of the cache's own per-head compaction.
+
+The budget methods (docs/fidelity.md, "Budgets") change how H2O and SnapKV
+spend the same total: `-value` scores by mass × the value's norm (the cache
+stores this: `-value` compacts whenever past the budget, `-value-prefix` the
+prefix once); `-pyramid-`, `-adaptive-`, `-pyramid-adaptive-` and `-global-` give layers
+and heads unequal shares, which the cache cannot store (a page holds every
+layer and head), so they are read-time simulations of the prefix protocol, as
+`-head-prefix` is (kind "simulation"). They run when named in --methods, not
+by default.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ class Method:
     per_head: bool = False  # simulate the evictor per (layer, KV head) at read time (headwise.py)
     description: str = ""
     fidelity: Fidelity | None = None  # its own bound (a policy's); None: the report's
+    default: bool = True  # measured when --methods names none
 
     @property
     def key(self) -> str:
@@ -130,10 +140,43 @@ def builtin_methods(budget: int = 256, page_size: int = 16) -> dict[str, Method]
                               evict_prefix_only=True, per_head=True,
                               description=f"{text}; the prefix once, each layer's KV head keeping its own "
                                           "tokens (read-time simulation of the above: frees nothing)"))
+    methods += _budget_methods(evictors)
     methods.append(Method("sparse", "sparse", {"codec": "fp16"}, sparse_pages=max(1, budget // page_size),
                           description=f"Quest-style: each query reads its top {budget // page_size} pages "
                                       "by a key bound"))
     return {m.name: m for m in methods}
+
+
+ALLOCATION_TEXT = {
+    "pyramid": "layers' budgets falling linearly with depth (PyramidKV, beta 20)",
+    "adaptive": "each layer's budget split over its KV heads by their joint top scores (Ada-KV, safeguard 0.2)",
+    "pyramid-adaptive": "the pyramid's layer budgets, each split over the KV heads as Ada-KV does",
+    "global": "the whole model's budget split over every layer and KV head by their joint top scores "
+              "(Ada-KV's selection across layers too, safeguard 0.2)",
+}
+
+
+def _budget_methods(evictors: dict) -> list[Method]:
+    """h2o/snapkv -value, -value-prefix (the cache), and -{allocation}[-value]-prefix (simulated)."""
+    value_text = "scored by attention mass × the value's L1 norm (VATP)"
+    out = []
+    for name in ("h2o", "snapkv"):
+        options, text = evictors[name]
+        valued = {**options, "scoring": "value_aware"}
+        out.append(Method(f"{name}-value", "evictor", {"evictor": name, "evictor_options": valued}, default=False,
+                          description=f"{text}, {value_text}; compacts whenever past the budget"))
+        out.append(Method(f"{name}-value-prefix", "evictor", {"evictor": name, "evictor_options": valued},
+                          evict_prefix_only=True, default=False,
+                          description=f"{text}, {value_text}; the prefix only, once"))
+        for allocation, how in ALLOCATION_TEXT.items():
+            for scoring, suffix, extra in (("mass", "", ""), ("value_aware", "-value", f", {value_text}")):
+                o = {**options, "allocation": allocation, "scoring": scoring}
+                out.append(Method(f"{name}-{allocation}{suffix}-prefix", "simulation",
+                                  {"evictor": name, "evictor_options": o}, evict_prefix_only=True, per_head=True,
+                                  default=False,
+                                  description=f"{text} on average: {how}{extra}; the prefix only, once "
+                                              "(read-time simulation: the cache stores equal budgets only)"))
+    return out
 
 
 def policy_method(policy: Policy, step: int = 0) -> Method:

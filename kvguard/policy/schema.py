@@ -110,6 +110,10 @@ class Evictor(_Strict):
     observe: Annotated[int, Field(gt=0, strict=True)] | None = None  # snapkv only
     pool: Annotated[int, Field(gt=0, strict=True)] | None = None  # snapkv only
     per_head: Annotated[bool, Field(strict=True)] = True  # h2o, snapkv: a keep set per layer and KV head (false: one for all)
+    # h2o, snapkv: score by attention mass, or by mass × the value's L1 norm
+    scoring: Literal["mass", "value_aware"] = "mass"
+    # how the budget is split over layers and heads; the cache stores only "uniform" (checked below)
+    allocation: Literal["uniform", "pyramid", "adaptive", "pyramid-adaptive", "global"] = "uniform"
 
     @model_validator(mode="after")
     def _fits(self):
@@ -123,19 +127,28 @@ class Evictor(_Strict):
             raise ValueError("per_head is h2o's and snapkv's option (streamingllm keeps one set)")
         if self.name == "snapkv" and self.pool is not None and self.pool % 2 == 0:  # as SnapKV checks it
             raise ValueError("snapkv: observe must be >= 1 and pool an odd number >= 1")
+        if self.name == "streamingllm" and self.scoring != "mass":
+            raise ValueError("scoring is h2o's and snapkv's option (streamingllm keeps sinks and window)")
+        if self.allocation != "uniform":  # as CacheManager refuses it
+            raise ValueError(f"allocation {self.allocation} is not stored by the cache: a page holds every layer "
+                             "and KV head, so all keep the same count; use allocation: uniform (kvguard eval "
+                             "measures the others by read-time simulation)")
         return self
 
     def options(self) -> dict:
         if self.name == "streamingllm":  # its window is whatever the sinks leave of the budget
             return {"budget": self.budget, "sink": self.sink, "window": self.budget - self.sink}
         extra = {k: v for k, v in (("observe", self.observe), ("pool", self.pool)) if v is not None}
+        if self.scoring != "mass":
+            extra["scoring"] = self.scoring
         return {"budget": self.budget, "sink": self.sink, "window": self.window, "per_head": self.per_head} | extra
 
 
 def config_key(options: dict) -> str:
     """A short name of a configuration given as CacheConfig options: int8(sink 4)+h2o@1024/s4/w256
     (evictor budget, sinks, recent window; `/shared` when H2O or SnapKV keep one set for all
-    layers and heads instead of one per layer and KV head)."""
+    layers and heads instead of one per layer and KV head; `/value` when they score by mass ×
+    the value's norm; `/pyramid`, `/adaptive`, `/pyramid-adaptive`, `/global` for an unequal allocation)."""
     extra = ", ".join(f"{n} {options[f]}" for n, f in (("sink", "fp_sink"), ("window", "fp_window"))
                       if options.get(f))
     name = options.get("codec") or "fp16"
@@ -152,6 +165,10 @@ def config_key(options: dict) -> str:
     shape = f"/s{e.get('sink', 4)}" + ("" if evictor == "streamingllm" else f"/w{e.get('window', 64)}")
     if evictor != "streamingllm" and not e.get("per_head", True):
         shape += "/shared"  # one keep set for all layers and heads
+    if e.get("scoring", "mass") != "mass":
+        shape += "/value"
+    if e.get("allocation", "uniform") != "uniform":
+        shape += f"/{e['allocation']}"
     return f"{name}+{evictor}@{e['budget']}{shape}"
 
 

@@ -1,0 +1,21 @@
+"""The budget methods: named, each its own configuration, measured only when asked for."""
+
+from __future__ import annotations
+
+from kvguard.eval.methods import builtin_methods
+
+
+def test_budget_methods_are_distinct_configurations_run_only_when_named():
+    methods = builtin_methods(512)
+    budget = {n: m for n, m in methods.items() if not m.default}
+    assert {"h2o-value", "snapkv-value-prefix", "h2o-pyramid-prefix", "snapkv-adaptive-prefix",
+            "h2o-global-value-prefix", "snapkv-pyramid-adaptive-prefix"} <= set(budget)
+    keys = [m.key for m in methods.values()]
+    assert len(keys) == len(set(keys))  # none is taken for another and measured once under its name
+    for name, m in budget.items():
+        options = m.options["evictor_options"]
+        assert options["budget"] == 512
+        assert (m.kind == "simulation") == m.per_head == ("allocation" in options)
+        assert m.evict_prefix_only or name.endswith("-value")
+        assert name.endswith("-value-prefix") or name.endswith("-value") or options.get("scoring") == "mass"
+    assert methods["h2o-adaptive-prefix"].options["evictor_options"]["window"] == 256  # h2o's half and half
