@@ -108,7 +108,8 @@ class CacheManager:
         self.seqs = Sequences(c, self.store)
         self.block_tables = BlockTables(c, self.pools)
         self.residency = Residency(c, self.store, self.block_tables, self.tiers, emit)
-        self.split = self.residency.split = ValueSplit(c, self.store, emit) if c.kv_split else None
+        self.split = self.residency.split = (ValueSplit(c, self.store, self.residency.report_offload,
+                                                        self.residency.report_fetch) if c.kv_split else None)
         self.quantizer = Quantizer(c, self.codec, self.store, self.block_tables, emit)
         self.compactor = Compactor(c, self.codec, self.evictor, self.store, self.residency, self.quantizer, emit)
         self.writer = Writer(c, self.store, self.block_tables, self.quantizer, self.compactor)

@@ -60,9 +60,7 @@ class Residency:
                 seq.pages[i] = PageRef(tier, key, r.where)
         finally:  # pages moved before a failing put are recorded too
             if moved:
-                self.emit(ev.PagesOffloaded(seq=seq.id, subject=seq.subject, pages=tuple(moved),
-                                                   n_tokens=len(moved) * self.cfg.page_size, bytes=nbytes,
-                                                   src="device", dst=tier, stored_bytes=stored))
+                self.report_offload(seq, moved, nbytes, tier, stored)
         return len(moved)
 
     def fetch_all(self, seq: Sequence, values: bool = True) -> None:
@@ -110,9 +108,21 @@ class Residency:
                     nbytes += pools[r.pool].page_bytes
             finally:  # pages fetched before a failure are recorded too
                 if got:
-                    self.emit(ev.PagesFetched(seq=seq.id, subject=seq.subject, pages=tuple(got),
-                                                     n_tokens=len(got) * self.cfg.page_size, bytes=nbytes,
-                                                     src=tier, dst="device"))
+                    self.report_fetch(seq, got, nbytes, tier)
+
+    def report_offload(self, seq: Sequence, pages: list[str], nbytes: int, dst: str, stored: int,
+                       fields: tuple[str, ...] = ()) -> None:
+        """The event of pages moved off the device (`fields`: the part of each, the K/V split's)."""
+        self.emit(ev.PagesOffloaded(seq=seq.id, subject=seq.subject, pages=tuple(pages),
+                                    n_tokens=len(pages) * self.cfg.page_size, bytes=nbytes, src="device", dst=dst,
+                                    stored_bytes=stored, fields=fields))
+
+    def report_fetch(self, seq: Sequence, pages: list[str], nbytes: int, src: str,
+                     fields: tuple[str, ...] = ()) -> None:
+        """The event of pages brought back to the device (`fields` as report_offload's)."""
+        self.emit(ev.PagesFetched(seq=seq.id, subject=seq.subject, pages=tuple(pages),
+                                  n_tokens=len(pages) * self.cfg.page_size, bytes=nbytes, src=src, dst="device",
+                                  fields=fields))
 
     def erase_or_keep(self, seq: Sequence, tier: str, key: str) -> None:
         """Erase a tier copy the sequence no longer needs; one that cannot be erased now is kept

@@ -37,7 +37,6 @@ from collections.abc import Callable
 import torch
 
 from ..types import PageId, SeqId
-from . import events as ev
 from .attention import MAX_SCORES
 from .config import CacheConfig
 from .pages import PageStore
@@ -48,11 +47,12 @@ VALUES = "cpu-values"  # the value store among a sequence's tier copies (Residen
 
 
 class ValueSplit:
-    def __init__(self, cfg: CacheConfig, store: PageStore, emit: Callable[[ev.CacheEvent], None]):
+    def __init__(self, cfg: CacheConfig, store: PageStore, offloaded: Callable[..., None],
+                 fetched: Callable[..., None]):
         self.cfg = cfg
         self.rule = cfg.kv_split
         self.store = store
-        self.emit = emit
+        self.offloaded, self.fetched = offloaded, fetched  # Residency.report_offload, report_fetch
         self.values = CpuTier(pin=True)  # pinned where CUDA is present
         self.cuda = cfg.device.type == "cuda" and torch.cuda.is_available()
         self.prefetch = self.cuda  # fetch the next layer's pages while this one attends
@@ -96,9 +96,7 @@ class ValueSplit:
                 nbytes += pool.value_bytes()
         finally:  # pages moved before a failure are recorded too
             if moved:
-                self.emit(ev.PagesOffloaded(seq=seq.id, subject=seq.subject, pages=tuple(moved),
-                                            n_tokens=len(moved) * s, bytes=nbytes, src="device", dst="cpu",
-                                            stored_bytes=stored, fields=("v",)))
+                self.offloaded(seq, moved, nbytes, "cpu", stored, ("v",))
         return len(moved)
 
     def join(self, seq: Sequence) -> None:
@@ -118,9 +116,7 @@ class ValueSplit:
                 nbytes += pool.value_bytes()
         finally:
             if got:
-                self.emit(ev.PagesFetched(seq=seq.id, subject=seq.subject, pages=tuple(got),
-                                          n_tokens=len(got) * self.cfg.page_size, bytes=nbytes, src="cpu",
-                                          dst="device", fields=("v",)))
+                self.fetched(seq, got, nbytes, "cpu", ("v",))
 
     def flush(self, seq: Sequence) -> None:
         """Emit the `fetch` of the values read for the sequence since the last one, and drop
@@ -133,9 +129,7 @@ class ValueSplit:
         moved = self._moved.pop(seq.id, None)
         if moved and moved[0]:
             names, nbytes = moved
-            self.emit(ev.PagesFetched(seq=seq.id, subject=seq.subject, pages=tuple(names),
-                                      n_tokens=len(names) * self.cfg.page_size, bytes=nbytes, src="cpu",
-                                      dst="device", fields=("v",)))
+            self.fetched(seq, list(names), nbytes, "cpu", ("v",))
 
     # --- reads ----------------------------------------------------------------------------------
 
