@@ -58,6 +58,8 @@ class Reader:
             if mass is not None:
                 seq.mass_buf[layer, :, : mass.shape[-1]] += mass
             return out
+        if self.split is not None:
+            self.split.last_read = 1.0  # nothing of this sequence is away: every value read
         if c.use_kernels and q.shape[0] == 1:
             return self.attend_paged([seq], layer, q.contiguous(), scale, mass_q > 0)
         if c.use_kernels and causal:

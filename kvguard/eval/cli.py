@@ -15,7 +15,7 @@ Measure what kvguard's codecs, evictors and policies do to a real model's attent
 For each text and configuration: the first --prefix tokens are written into the
 configured cache, the next --score tokens are scored against it (teacher-forced, in
 chunks of --chunk), then --generate greedy tokens are generated after the text.
-Reported per configuration: KV bytes held (and read, for sparse) against 16-bit, the
+Reported per configuration: KV bytes held (and read, for sparse and kvsplit) against 16-bit, the
 attention-output relative deviation ||O'-O||/||O|| per layer against the same K/V
 uncompressed, perplexity and its change, greedy agreement with the uncompressed cache,
 time to first token and decode tokens/s; then each policy's calibration (accept,
@@ -25,7 +25,7 @@ self-contained .html with plots into --out. The protocol is in docs/fidelity.md.
 EPILOG = """\
 methods: none int8 int8-window int4 fp8 h2o streamingllm snapkv h2o-prefix streamingllm-prefix
          snapkv-prefix h2o-shared snapkv-shared h2o-shared-prefix snapkv-shared-prefix
-         h2o-head-prefix snapkv-head-prefix sparse
+         h2o-head-prefix snapkv-head-prefix sparse kvsplit@5 kvsplit@10 kvsplit@25 kvsplit@50
 texts:   austen (Debian r-cran-janeaustenr), python-docs (Debian python3.11-doc),
          stdlib-code (this Python's standard library); Debian texts are fetched with
          'apt-get download' into --text-cache once.
