@@ -123,6 +123,8 @@ class ValueSplit:
         what was fetched ahead for it."""
         ahead = self._ahead.pop(seq.id, None)
         if ahead is not None:
+            if ahead[2] is not None:  # the copy may still be under way on the side stream
+                torch.cuda.current_stream(self.cfg.device).wait_event(ahead[2])
             for fields in ahead[1].values():
                 for t in fields.values():
                     t.zero_()

@@ -167,21 +167,21 @@ def split_key(split: dict) -> str:
 def config_key(options: dict) -> str:
     """A short name of a configuration given as CacheConfig options: int8(sink 4)+h2o@1024/s4/w256
     (evictor budget, sinks, recent window; `/shared` when H2O or SnapKV keep one set for all
-    layers and heads instead of one per layer and KV head)."""
+    layers and heads instead of one per layer and KV head), then the K/V split when there is one
+    (`+kvsplit@25%/w128`)."""
     extra = ", ".join(f"{n} {options[f]}" for n, f in (("sink", "fp_sink"), ("window", "fp_window"))
                       if options.get(f))
     name = options.get("codec") or "fp16"
     name += f"({extra})" if extra else ""
     evictor = options.get("evictor")
-    if options.get("kv_split"):
-        name += "+" + split_key(options["kv_split"])
+    split = "+" + split_key(options["kv_split"]) if options.get("kv_split") else ""
     if not evictor:
-        return name
+        return name + split
     e = options["evictor_options"]
     shape = f"/s{e.get('sink', 4)}" + ("" if evictor == "streamingllm" else f"/w{e.get('window', 64)}")
     if evictor != "streamingllm" and not e.get("per_head", True):
         shape += "/shared"  # one keep set for all layers and heads
-    return f"{name}+{evictor}@{e['budget']}{shape}"
+    return f"{name}+{evictor}@{e['budget']}{shape}{split}"
 
 
 class Layers(_Strict):
