@@ -140,3 +140,12 @@ def test_serve_bench_small_runs_both_servers():
     table = r.stdout[r.stdout.index("| server |"):].splitlines()[2:]
     assert [line.split("|")[1].split("(")[0].strip() for line in table] == ["kvguard engine fp16",
                                                                             "kvguard engine int8"]
+
+
+def test_kvsplit_benchmark_smoke():
+    r = subprocess.run([sys.executable, "benchmarks/kvsplit_bench.py", "--smoke"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = r.stdout.splitlines()[-1]
+    assert "ms/step without the split" in line and "MiB of values fetched per step" in line
+    assert not line.endswith(" 0.00 MiB of values fetched per step")  # the split read cold values
