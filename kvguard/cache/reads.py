@@ -4,8 +4,8 @@ On the kernel path a decode step reads the pages in place, every pool of every r
 in one pass of the decode kernels; a causal chunk takes the prefill kernel once per pool, merged
 by log-sum-exp. Elsewhere the pages are dequantized and attended densely in fp32. Offloaded
 pages come back first. A sequence whose cold values live in the K/V split's CPU store is read
-row by row through the split (split.py), which fetches only the values its scores pick. When the evictor scores by attention mass, each read adds its keys' mass
-into the sequence's totals.
+row by row through the split (split.py), which fetches only the values its scores pick. When
+the evictor scores by attention mass, each read adds its keys' mass into the sequence's totals.
 """
 
 from __future__ import annotations
