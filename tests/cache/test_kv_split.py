@@ -233,3 +233,12 @@ def test_on_the_kernel_path_a_split_sequence_is_read_through_the_split():
     chunk = query(3, t=2).half()
     ref, _ = dense_attention(chunk, k[1].half().transpose(0, 1), v[1].half().transpose(0, 1))
     torch.testing.assert_close(m.attend_chunk([seq], 1, chunk[None])[0], ref, rtol=1e-3, atol=1e-3)
+
+
+def test_a_static_decode_step_refuses_a_split_cache():
+    from kvguard.cache.step import StaticStep
+
+    m = make({"window": 8, "top_k": 2}, dtype=torch.float16, use_kernels=True)
+    seq, _, _ = filled(m)
+    with pytest.raises(ConfigError, match="decodes eagerly"):
+        StaticStep(m, [seq], 64)
