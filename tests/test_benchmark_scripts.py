@@ -151,3 +151,10 @@ def test_compaction_error_benchmark_runs():
     assert [int(x[1]) for x in rows] == [0, 1, 2]
     assert all(float(x) == 1.0 for x in rows[0][2:6])  # before any compaction: the single encode itself
     assert all(float(x[3]) == 1.0 and float(x[5]) == 1.0 for x in rows)  # values: codes and scales unchanged
+def test_kvsplit_benchmark_smoke():
+    r = subprocess.run([sys.executable, "benchmarks/kvsplit_bench.py", "--smoke"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = r.stdout.splitlines()[-1]
+    assert "ms/step without the split" in line and "MiB of values fetched per step" in line
+    assert not line.endswith(" 0.00 MiB of values fetched per step")  # the split read cold values

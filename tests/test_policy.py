@@ -164,7 +164,8 @@ def test_calibrate_accepts_within_the_bound():
     p = load_policy(POLICIES / "chat.yaml")
     events = EventQueue()
     d = calibrate(p, Measurement(mean_layer_deviation=0.004, ppl_delta=0.01), tenant="acme", events=events)
-    assert (d.outcome, d.step, d.config) == ("accept", 0, "int8(sink 4, window 128)+streamingllm@4096/s4")
+    assert (d.outcome, d.step, d.config) == ("accept", 0, "int8(sink 4, window 128)+streamingllm@4096/s4"
+                                                          "+kvsplit@m0.001/w512")  # chat splits K/V
     assert events.take_events() == [d]
 
 
@@ -375,3 +376,47 @@ def test_a_decision_reads_back_from_an_older_report():
            "max_ppl_increase": 0.5}
     d = PolicyDecision.from_details(old, Subject("*", "*", "*"))
     assert d.mean_layer_deviation == 0.003 and d.worst_layer_deviation is None and d.evictor == "unreported"
+def test_kv_split_is_a_compression_layer_the_downgrade_steps_may_drop():
+    from kvguard.cache.config import KVSplit
+
+    p = parse_policy(CHAT)
+    assert p.kv_split is not None and p.kv_split.enabled
+    cfg = p.cache_config(SMOLLM2, num_pages=8)
+    assert isinstance(cfg.kv_split, KVSplit) and cfg.kv_split.window == p.kv_split.window
+    assert "+kvsplit@" in p.steps()[0].key and "+kvsplit@" in p.key
+    assert all(s.kv_split is None for s in p.steps()[1:])  # chat's downgrade steps run without it
+    assert p.at(1).cache_options()["kv_split"] is None and p.at(0).cache_options()["kv_split"]
+    off = parse_policy(CHAT.replace("  enabled: true\n", "  enabled: false\n"))
+    assert off.cache_options()["kv_split"] is None and "kvsplit" not in off.key
+    step = parse_policy(CHAT.replace("  - codec: {name: fp16}", "  - codec: {name: fp16}\n    kv_split: {top_k: 8}"))
+    assert step.at(2).cache_options()["kv_split"] == {"window": 256, "top_k": 8}
+    assert step.steps()[2].key == "fp16+kvsplit@8p/w256"
+
+
+def test_the_shipped_chat_rag_and_reasoning_policies_split_keys_and_values():
+    policies = load_policies(POLICIES)
+    for name in ("chat", "rag", "reasoning"):
+        assert policies[name].kv_split is not None and policies[name].kv_split.enabled, name
+
+
+BAD_SPLIT = [
+    (("  mass: 0.001\n", "  mass: 0.001\n  top_k: 4\n"), "kv_split:", "kv_split", "exactly one of top_k"),
+    (("  mass: 0.001\n", ""), "kv_split:", "kv_split", "exactly one of top_k, fraction and mass"),
+    (("  mass: 0.001\n", "  fraction: 0\n"), "fraction: 0", "kv_split.fraction", "greater than 0"),
+    (("  mass: 0.001\n", "  mass: 1\n"), "mass: 1", "kv_split.mass", "less than 1"),
+    (("  window: 512\n", "  windw: 512\n"), "windw", "kv_split.windw", "not permitted"),
+    (("tiers: [device, cpu]", "tiers: [device]"), "kv_split:", "kv_split", "add cpu to tiers"),
+    (("  - codec: {name: fp16}", "  - codec: {name: fp16}\n    kv_split: {top_k: 2, mass: 0.1}"), "kv_split: {",
+     "downgrade[1].kv_split", "exactly one"),
+]
+
+
+@pytest.mark.parametrize("change, needle, field, words", BAD_SPLIT, ids=[b[3] for b in BAD_SPLIT])
+def test_a_bad_kv_split_names_its_line_and_field(change, needle, field, words):
+    text = CHAT.replace(*change)
+    assert text != CHAT
+    with pytest.raises(PolicyError) as e:
+        parse_policy(text, "policies/bad.yaml")
+    msg = str(e.value)
+    assert msg.startswith(f"policies/bad.yaml:{line_of(text, needle)}: {field}: "), msg
+    assert words in msg

@@ -2,12 +2,49 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class KVSplit:
+    """The K/V split tier (split.py): values of full pages older than the last `window` tokens
+    live in CPU memory; each read fetches the values of the cold pages its attention mass picks:
+    the `top_k` pages, a `fraction` of the cold pages (rounded up), or every page whose mass
+    reaches `mass` (one of the three)."""
+
+    window: int = 256
+    top_k: int | None = None
+    fraction: float | None = None
+    mass: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
+            raise ConfigError(f"kv_split window must be an integer >= 0, got {self.window!r}")
+        given = [n for n in ("top_k", "fraction", "mass") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ConfigError(f"kv_split takes exactly one of top_k, fraction and mass, got {given or 'none'}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool)
+                                       or self.top_k < 1):
+            raise ConfigError(f"kv_split top_k must be a positive integer, got {self.top_k!r}")
+        if self.fraction is not None and not 0 < self.fraction <= 1:
+            raise ConfigError(f"kv_split fraction must be in (0, 1], got {self.fraction!r}")
+        if self.mass is not None and not 0 < self.mass < 1:
+            raise ConfigError(f"kv_split mass must be in (0, 1), got {self.mass!r}")
+
+    def pages(self, cold: int) -> int | None:
+        """How many of `cold` pages a read fetches (None: by mass)."""
+        if self.top_k is not None:
+            return min(self.top_k, cold)
+        if self.fraction is not None:
+            return min(cold, math.ceil(self.fraction * cold - 1e-9))
+        return None
+
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -39,6 +76,9 @@ class CacheConfig:
     prefix_sharing: bool = True
     # The lower tiers pages may go to ("cpu", "disk", "redis"); None: whichever the cache is given.
     tiers: tuple[str, ...] | None = None
+    # The K/V split tier: cold pages' values in CPU memory, fetched by attention mass (KVSplit's
+    # fields as a dict, or a KVSplit); None: off.
+    kv_split: KVSplit | dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str):
@@ -63,6 +103,13 @@ class CacheConfig:
         self.device = torch.device(self.device)
         if self.tiers is not None:
             self.tiers = tuple(t for t in self.tiers if t != "device")  # the pools themselves
+        if isinstance(self.kv_split, dict):
+            unknown = sorted(set(self.kv_split) - {"window", "top_k", "fraction", "mass"})
+            if unknown:
+                raise ConfigError(f"kv_split takes window, top_k, fraction and mass, not {unknown}")
+            self.kv_split = KVSplit(**self.kv_split)
+        elif self.kv_split is not None and not isinstance(self.kv_split, KVSplit):
+            raise ConfigError(f"kv_split must be a mapping or a KVSplit, got {type(self.kv_split).__name__}")
         if self.use_kernels is None:
             self.use_kernels = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
         elif self.use_kernels and self.dtype == torch.float32:

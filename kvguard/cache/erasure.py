@@ -58,6 +58,7 @@ class Eraser:
     def _drop(self, seq: Sequence) -> tuple[list[str], int]:
         """Release every device page of a sequence (its tier copies erased before), wipe its
         attention statistics and close it: (freed pages, shared pages kept for others)."""
+        self.residency.closing(seq)
         freed, shared = self.store.release_refs(seq.pages, seq.subject)
         seq.mass_buf.zero_()
         self.seqs.remove(seq)
@@ -67,11 +68,10 @@ class Eraser:
         """Erase every lower-tier copy of the sequences, before anything else of theirs is
         released. Returns the copies erased; raises TierError, having tried every copy."""
         n, failed, first = 0, 0, None
-        tiers = self.residency.tiers
         for seq in seqs:
             for tier, key in self.residency.tier_copies(seq):
                 try:
-                    tiers[tier].erase(key)
+                    self.residency.copy_store(tier).erase(key)
                     n += 1
                 except Exception as e:
                     failed, first = failed + 1, first or e

@@ -77,13 +77,36 @@ class PagesOffloaded(CacheEvent):
     src: str = ""
     dst: str = ""
     stored_bytes: int = 0
+    fields: tuple[str, ...] = ()  # the part of the pages moved ("v": their values); empty: whole pages
+
+    def details(self) -> dict:
+        return _with_fields(self)
 
 
 @dataclass(frozen=True, slots=True)
 class PagesFetched(CacheEvent):
+    """Pages brought back to the device (`fields`: as PagesOffloaded's). A K/V split read's
+    fetch of cold values, for attention only, is one event per step of a sequence across all
+    layers: `pages` each page read in any layer, `bytes` the value bytes moved in all of them."""
+
     op = ops.FETCH
     src: str = ""
     dst: str = ""
+    fields: tuple[str, ...] = ()
+
+    def details(self) -> dict:
+        return _with_fields(self)
+
+
+def _with_fields(event: PagesOffloaded | PagesFetched) -> dict:
+    """An offload's or fetch's details: `fields` only when the move was part of each page, so
+    the records of whole-page moves stay as they were."""
+    d = CacheEvent.details(event)
+    if event.fields:
+        d["fields"] = list(event.fields)
+    else:
+        d.pop("fields")
+    return d
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ Each part owns one job and lives in its own module:
     reads.py         attention and dequantized K/V (`Reader`)
     compaction.py    the evictor's survivors moved into fewer pages (`Compactor`)
     residency.py     pages offloaded to lower tiers and fetched back (`Residency`)
+    split.py         the K/V split: cold values in CPU memory, fetched by score (`ValueSplit`)
     erasure.py       free, erase a user or a session (`Eraser`)
 
 `CacheManager` checks what callers hand it (`checks.py`), then calls the part, all under one
@@ -45,6 +46,7 @@ from .quantize import Quantizer
 from .reads import Reader
 from .residency import Residency
 from .sequence import HOT, MAIN, PageList, PageRef, Sequence, Sequences, page_name
+from .split import ValueSplit
 from .tiers import Tier
 from .writes import Writer
 
@@ -111,12 +113,15 @@ class CacheManager:
         self.seqs = Sequences(c, self.store)
         self.block_tables = BlockTables(c, self.pools)
         self.residency = Residency(c, self.store, self.block_tables, self.tiers, emit)
+        self.split = self.residency.split = (ValueSplit(c, self.store, self.residency.report_offload,
+                                                        self.residency.report_fetch) if c.kv_split else None)
         self.quantizer = Quantizer(c, self.codec, self.store, self.block_tables, emit)
         self.compactor = Compactor(c, self.codec, self.evictor, self.store, self.residency, self.quantizer, emit)
         # A rotating codec stores every page of this cache rotated (kvguard/compress/codecs/rotation.py):
         # K/V are rotated as they are written, a query as it is read and the output back.
         self.rotation = Rotation(c.head_dim, c.device, c.dtype) if self.codec.rotate else None
         self.writer = Writer(c, self.store, self.block_tables, self.quantizer, self.compactor, self.rotation)
+        self.writer.split = self.split
         self.reader = Reader(c, self.evictor, self.store, self.block_tables, self.residency)
         self.eraser = Eraser(self.seqs, self.store, self.residency, emit)
 
@@ -294,6 +299,14 @@ class CacheManager:
         """Move the sequence's oldest full device pages that no other sequence shares
         to a lower tier, freeing device pages. Returns how many moved."""
         return self.residency.offload(self.seqs.get(seq_id), tier, max_pages)
+
+    @_locked
+    def split_cold(self, seq_id: SeqId) -> int:
+        """Move the values of the sequence's pages that left the K/V split's window to CPU
+        memory now (writes do it at each step's first layer). Returns pages moved."""
+        if self.split is None:
+            raise ConfigError("this cache has no K/V split; configure kv_split to split values")
+        return self.split.settle(self.seqs.get(seq_id))
 
     # --- free, erase ----------------------------------------------------------------------------
 

@@ -125,3 +125,28 @@ class PagePool:
         for i, layer in enumerate(self.fields):
             for n, t in layer.items():
                 _raw(t)[page].copy_(blob[f"{i}.{n}"].to(t.device))
+
+    # --- the K/V split: a page's value fields alone (names starting with "v") ----------------------
+
+    def value_fields(self) -> list[str]:
+        return [n for n in self.fields[0] if n.startswith("v")]
+
+    def value_blob(self, page: PageId) -> dict[str, torch.Tensor]:
+        """Every layer's value fields of one page: {"<layer>.<name>": tensor}."""
+        return {f"{i}.{n}": _raw(layer[n])[page].clone() for i, layer in enumerate(self.fields)
+                for n in self.value_fields()}
+
+    def value_bytes(self) -> int:
+        """Bytes of one page's value fields, every layer."""
+        return sum(layer[n][0].numel() * layer[n].element_size() for layer in self.fields for n in self.value_fields())
+
+    def wipe_values(self, pages: list[PageId]) -> None:
+        """Zero the value fields of pages in every layer (their keys stay)."""
+        idx = device_index(pages, self.device)
+        for n in self.value_fields():
+            _raw(self._stacks[n]).index_fill_(1, idx, 0)
+
+    def load_values(self, page: PageId, blob: dict[str, torch.Tensor]) -> None:
+        for i, layer in enumerate(self.fields):
+            for n in self.value_fields():
+                _raw(layer[n])[page].copy_(blob[f"{i}.{n}"].to(layer[n].device))

@@ -3,8 +3,9 @@
 On the kernel path a decode step reads the pages in place, every pool of every row of a batch
 in one pass of the decode kernels; a causal chunk takes the prefill kernel once per pool, merged
 by log-sum-exp. Elsewhere the pages are dequantized and attended densely in fp32. Offloaded
-pages come back first. When the evictor scores by attention mass, each read adds its keys' mass
-into the sequence's totals.
+pages come back first. A sequence whose cold values live in the K/V split's CPU store is read
+row by row through the split (split.py), which fetches only the values its scores pick. When
+the evictor scores by attention mass, each read adds its keys' mass into the sequence's totals.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ class Reader:
         self.tables = tables
         self.residency = residency
         self.needs_mass = evictor is not None and evictor.needs_mass  # reads add their keys' mass
+        self.split = residency.split  # the K/V split, when the cache has one
+
+    def _split(self, seqs: list[Sequence]) -> bool:
+        """Whether some of these sequences' values live in the K/V split's CPU store: their reads
+        take the split path, row by row."""
+        return self.split is not None and any(self.split.away(seq) for seq in seqs)
 
     def kv(self, seq: Sequence, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V over everything the sequence holds, dequantized: [H, L, D]."""
@@ -45,6 +52,14 @@ class Reader:
         if self.needs_mass:
             observe = getattr(self.evictor, "observe", None)  # SnapKV: the last `observe` queries vote
             mass_q = q.shape[0] if observe is None else min(observe, q.shape[0])
+        if self._split([seq]):
+            self.residency.fetch_all(seq, values=False)
+            out, mass = self.split.attend(seq, layer, q, causal, scale, mass_q)
+            if mass is not None:
+                seq.mass_buf[layer, :, : mass.shape[-1]] += mass
+            return out
+        if self.split is not None:
+            self.split.last_read = 1.0  # nothing of this sequence is away: every value read
         if c.use_kernels and q.shape[0] == 1:
             return self.attend_paged([seq], layer, q.contiguous(), scale, mass_q > 0)
         if c.use_kernels and causal:
@@ -57,7 +72,7 @@ class Reader:
 
     def attend_step(self, seqs: list[Sequence], layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
         """Decode attention of a batch, q [B, Hq, D] (16-bit on the kernel path): [B, Hq, D]."""
-        if not self.cfg.use_kernels:
+        if not self.cfg.use_kernels or self._split(seqs):
             return torch.cat([self.attend(seq, layer, q[i : i + 1], True, scale) for i, seq in enumerate(seqs)])
         return self.attend_paged(seqs, layer, q.contiguous(), scale, self.needs_mass)
 
@@ -66,7 +81,8 @@ class Reader:
         """Causal attention of a batch's chunk q [B, T, Hq, D], row i's last counts[i] queries
         real and the rest padding (zeros out): [B, T, Hq, D]."""
         t = q.shape[1]
-        if not self.cfg.use_kernels or self.needs_mass or q.dtype not in (torch.float16, torch.bfloat16):
+        if (not self.cfg.use_kernels or self.needs_mass or self._split(seqs)
+                or q.dtype not in (torch.float16, torch.bfloat16)):
             out = q.new_zeros(q.shape)  # each row its own
             for i, (seq, n) in enumerate(zip(seqs, counts)):
                 if n:

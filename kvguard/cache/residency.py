@@ -18,6 +18,7 @@ from .block_tables import BlockTables
 from .config import CacheConfig
 from .pages import PageStore
 from .sequence import PageRef, Sequence, page_name
+from .split import VALUES
 from .tiers import Tier
 
 
@@ -29,6 +30,7 @@ class Residency:
         self.tables = tables
         self.tiers = tiers
         self.emit = emit
+        self.split = None  # the K/V split (split.ValueSplit) when the cache has one
 
     def offload(self, seq: Sequence, tier: str, max_pages: int | None = None) -> int:
         """Move the sequence's oldest full device pages that no other sequence shares to a
@@ -38,7 +40,7 @@ class Residency:
             raise ConfigError(f"unknown tier {tier!r}; this cache has {sorted(self.tiers) or 'none'}")
         full = min(seq.lengths) // self.cfg.page_size
         cand = [i for i, r in enumerate(seq.pages[:full])
-                if r.where in pools and pools[r.where].ref[int(r.page)] == 1]
+                if r.where in pools and r.values is None and pools[r.where].ref[int(r.page)] == 1]
         cand = cand[:max_pages] if max_pages is not None else cand
         if not cand:
             return 0
@@ -58,16 +60,20 @@ class Residency:
                 seq.pages[i] = PageRef(tier, key, r.where)
         finally:  # pages moved before a failing put are recorded too
             if moved:
-                self.emit(ev.PagesOffloaded(seq=seq.id, subject=seq.subject, pages=tuple(moved),
-                                                   n_tokens=len(moved) * self.cfg.page_size, bytes=nbytes,
-                                                   src="device", dst=tier, stored_bytes=stored))
+                self.report_offload(seq, moved, nbytes, tier, stored)
         return len(moved)
 
-    def fetch_all(self, seq: Sequence) -> None:
-        """Bring the sequence's offloaded pages back to the device. Raises OutOfPages, having
-        moved nothing, when a pool has too few free pages for them. A tier read that fails
-        stops the fetch there: the pages brought back before stay fetched, the failing one
-        stays in its tier and no device page is left taken."""
+    def fetch_all(self, seq: Sequence, values: bool = True) -> None:
+        """Bring the sequence's offloaded pages back to the device, and (with `values`) the
+        values the K/V split holds in CPU memory. Raises OutOfPages, having moved nothing, when
+        a pool has too few free pages for them. A tier read that fails stops the fetch there:
+        the pages brought back before stay fetched, the failing one stays in its tier and no
+        device page is left taken."""
+        self._fetch_pages(seq)
+        if values and self.split is not None and self.split.away(seq):
+            self.split.join(seq)
+
+    def _fetch_pages(self, seq: Sequence) -> None:
         if not self.tables.layout(seq).away:
             return
         pools = self.store.pools
@@ -102,21 +108,41 @@ class Residency:
                     nbytes += pools[r.pool].page_bytes
             finally:  # pages fetched before a failure are recorded too
                 if got:
-                    self.emit(ev.PagesFetched(seq=seq.id, subject=seq.subject, pages=tuple(got),
-                                                     n_tokens=len(got) * self.cfg.page_size, bytes=nbytes,
-                                                     src=tier, dst="device"))
+                    self.report_fetch(seq, got, nbytes, tier)
+
+    def report_offload(self, seq: Sequence, pages: list[str], nbytes: int, dst: str, stored: int,
+                       fields: tuple[str, ...] = ()) -> None:
+        """The event of pages moved off the device (`fields`: the part of each, the K/V split's)."""
+        self.emit(ev.PagesOffloaded(seq=seq.id, subject=seq.subject, pages=tuple(pages),
+                                    n_tokens=len(pages) * self.cfg.page_size, bytes=nbytes, src="device", dst=dst,
+                                    stored_bytes=stored, fields=fields))
+
+    def report_fetch(self, seq: Sequence, pages: list[str], nbytes: int, src: str,
+                     fields: tuple[str, ...] = ()) -> None:
+        """The event of pages brought back to the device (`fields` as report_offload's)."""
+        self.emit(ev.PagesFetched(seq=seq.id, subject=seq.subject, pages=tuple(pages),
+                                  n_tokens=len(pages) * self.cfg.page_size, bytes=nbytes, src=src, dst="device",
+                                  fields=fields))
 
     def erase_or_keep(self, seq: Sequence, tier: str, key: str) -> None:
         """Erase a tier copy the sequence no longer needs; one that cannot be erased now is kept
         on the sequence (`stale`) and erased with it."""
         try:
-            self.tiers[tier].erase(key)
+            self.copy_store(tier).erase(key)
         except Exception:
             seq.stale.append((tier, key))
 
+    def copy_store(self, tier: str) -> Tier:
+        """Where a tier copy lives: a lower tier, or the K/V split's value store."""
+        if tier == VALUES and self.split is not None:
+            return self.split.values
+        return self.tiers[tier]
+
     def tier_copies(self, seq: Sequence) -> list[tuple[str, str]]:
         """Every lower-tier copy of the sequence's data: its offloaded pages and stale copies."""
-        return [(r.where, str(r.page)) for r in seq.pages if r.where not in self.store.pools] + seq.stale
+        pools = self.store.pools
+        return ([(r.where, str(r.page)) for r in seq.pages if r.where not in pools]
+                + [(VALUES, r.values) for r in seq.pages if r.values is not None] + seq.stale)
 
     def offloaded(self, seq: Sequence) -> dict[str, int]:
         """Pages of the sequence per tier."""
@@ -124,4 +150,11 @@ class Residency:
         for r in seq.pages:
             if r.where not in self.store.pools:
                 out[r.where] = out.get(r.where, 0) + 1
+            elif r.values is not None:  # the values alone (the K/V split)
+                out[VALUES] = out.get(VALUES, 0) + 1
         return out
+
+    def closing(self, seq: Sequence) -> None:
+        """A sequence is being released: the K/V split's reads of it are reported."""
+        if self.split is not None:
+            self.split.flush(seq)

@@ -51,6 +51,9 @@ class StaticStep:
         if not c.use_kernels:
             raise ConfigError("a static decode step runs on the kernel path: a cache with use_kernels "
                               "(on CUDA with float16 or bfloat16 K/V)")
+        if c.kv_split is not None:
+            raise ConfigError("a static decode step reads every page's values in place; a cache with "
+                              "kv_split (values in CPU memory, fetched by score) decodes eagerly")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise InputError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         with manager.lock:

@@ -28,15 +28,18 @@ class Writer:
         self.quantizer = quantizer
         self.compactor = compactor
         self.rotation = rotation
+        self.split = None  # the K/V split (split.ValueSplit) when the cache has one
 
     def append(self, seqs: list[Sequence], layer: int, k: torch.Tensor, v: torch.Tensor, counts: list[int]) -> bool:
         """counts[i] new tokens for seqs[i], their K/V [sum(counts), H, D] row after row: compact
         a row past the evictor's budget (first layer), take the 16-bit pages the tokens need (all
         or none), write them, and account for them. False, writing nothing, when the 16-bit pool
         has too few free pages."""
-        if layer == 0:  # a step's first layer: rows past the evictor's budget are compacted first
-            for seq in seqs:
+        if layer == 0:  # a step's first layer: rows past the evictor's budget are compacted first,
+            for seq in seqs:  # then the K/V split moves the values of pages that left its window
                 self.compactor.auto_compact(seq, layer)
+                if self.split is not None:
+                    self.split.settle(seq)
         if not self.reserve(seqs, layer, counts):
             return False
         if k.shape[0]:

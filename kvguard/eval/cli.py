@@ -15,7 +15,7 @@ Measure what kvguard's codecs, evictors and policies do to a real model's attent
 For each text and configuration: the first --prefix tokens are written into the
 configured cache, the next --score tokens are scored against it (teacher-forced, in
 chunks of --chunk), then --generate greedy tokens are generated after the text.
-Reported per configuration: KV bytes held (and read, for sparse) against 16-bit, the
+Reported per configuration: KV bytes held (and read, for sparse and kvsplit) against 16-bit, the
 attention-output relative deviation ||O'-O||/||O|| per layer (mean and worst layer)
 against the same K/V uncompressed, perplexity and its change (absolute and relative),
 the KL divergence of the next-token distributions and top-1 agreement against the
@@ -34,7 +34,7 @@ EPILOG = """\
 methods: none int8 int8-window int4 fp8 int8-rot int8-window-rot fp8-rot int4-rot int4-rot-g64
          int4-rot-w512 h2o streamingllm snapkv h2o-prefix streamingllm-prefix
          snapkv-prefix h2o-shared snapkv-shared h2o-shared-prefix snapkv-shared-prefix
-         h2o-head-prefix snapkv-head-prefix sparse
+         h2o-head-prefix snapkv-head-prefix sparse kvsplit@5 kvsplit@10 kvsplit@25 kvsplit@50
          and only when named (budgets, docs/fidelity.md): h2o-value snapkv-value h2o-value-prefix
          snapkv-value-prefix, and h2o-/snapkv- pyramid, adaptive, pyramid-adaptive, global, each -prefix
          or -value-prefix (e.g. snapkv-adaptive-value-prefix)

@@ -35,7 +35,7 @@ from ..policy import Fidelity, Policy, config_key
 @dataclass(frozen=True)
 class Method:
     name: str
-    kind: str  # "baseline" | "codec" | "evictor" | "simulation" | "sparse" | "policy"
+    kind: str  # "baseline" | "codec" | "evictor" | "simulation" | "sparse" | "split" | "policy"
     options: dict = field(default_factory=dict)  # CacheConfig fields
     sparse_pages: int | None = None  # Quest-style: attend only the top-k pages of each query
     evict_prefix_only: bool = False  # compress the prefix once, keep every later token
@@ -77,9 +77,14 @@ class Method:
         return prefix if budget + page <= prefix + score - 1 else max(prefix, budget)
 
 
+SPLIT_FRACTIONS = (5, 10, 25, 50)  # kvsplit@F: the top F % of the cold pages fetched
+SPLIT_WINDOW = 128  # tokens whose values stay on the device
+
+
 def builtin_methods(budget: int = 256, page_size: int = 16) -> dict[str, Method]:
     """none, int8, int8-window, int4, fp8, h2o, streamingllm, snapkv (each also -prefix),
-    h2o-shared, snapkv-shared (each also -prefix), h2o-head-prefix, snapkv-head-prefix, sparse. `budget`: tokens kept by each evictor, and read by sparse (budget // page_size pages)."""
+    h2o-shared, snapkv-shared (each also -prefix), h2o-head-prefix, snapkv-head-prefix, sparse,
+    kvsplit@5, kvsplit@10, kvsplit@25, kvsplit@50. `budget`: tokens kept by each evictor, and read by sparse (budget // page_size pages)."""
     half = budget // 2
     evictors = {
         "h2o": ({"budget": budget, "sink": 4, "window": half},
@@ -144,6 +149,12 @@ def builtin_methods(budget: int = 256, page_size: int = 16) -> dict[str, Method]
     methods.append(Method("sparse", "sparse", {"codec": "fp16"}, sparse_pages=max(1, budget // page_size),
                           description=f"Quest-style: each query reads its top {budget // page_size} pages "
                                       "by a key bound"))
+    for pct in SPLIT_FRACTIONS:
+        methods.append(Method(f"kvsplit@{pct}", "split",
+                              {"codec": "fp16", "kv_split": {"window": SPLIT_WINDOW, "fraction": pct / 100}},
+                              description=f"K/V split: values older than {SPLIT_WINDOW} tokens in CPU memory; each "
+                                          f"read fetches the {pct} % of those pages with the most attention mass "
+                                          "(exact scores; the rest count in the softmax, their values skipped)"))
     return {m.name: m for m in methods}
 
 

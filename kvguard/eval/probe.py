@@ -50,7 +50,11 @@ class ProbeCache(KVGuardCache):
 
     def _attend_row(self, seq, layer, q, scale):
         if not self.sparse_pages:
-            return super()._attend_row(seq, layer, q, scale)
+            out = super()._attend_row(seq, layer, q, scale)
+            split = self._manager.split
+            if split is not None and self.scoring:  # the K/V split: the fraction of values it read
+                self.read.append(split.last_read)
+            return out
         k, v = self._manager.kv(seq, layer, dtype=torch.float32)
         out, read = quest_attention(q, k, v, page_size=self._manager.cfg.page_size, top_k=self.sparse_pages,
                                     scale=scale)

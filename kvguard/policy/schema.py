@@ -1,7 +1,7 @@
 """The policy schema: one YAML file per serving scenario (policies/*.yaml).
 
 A policy chooses the compression layers (codec with its 16-bit sinks and window,
-evictor and budget), the tiers a sequence may be offloaded to, the prefix-sharing
+evictor and budget, the K/V split of cold values to CPU memory), the tiers a sequence may be offloaded to, the prefix-sharing
 scope, the retention of subject data, and the fidelity bound the choice must
 keep. `load_policy` validates a file and names file, line and field on every
 error.
@@ -144,11 +144,48 @@ class Evictor(_Strict):
         return {"budget": self.budget, "sink": self.sink, "window": self.window, "per_head": self.per_head} | extra
 
 
+class KvSplit(_Strict):
+    """The K/V split tier (kvguard/cache/split.py): keys stay on the device, the values of pages
+    older than the last `window` tokens live in CPU memory, and each read fetches the values of
+    the cold pages that its attention mass picks: the `top_k` pages, a `fraction` of the cold
+    pages, or every page holding at least `mass` of some query head's attention (one of the three)."""
+
+    enabled: Annotated[bool, Field(strict=True)] = True
+    window: Count = 256  # tokens whose values stay on the device
+    top_k: Annotated[int, Field(gt=0, strict=True)] | None = None
+    fraction: Annotated[float, Field(gt=0, le=1)] | None = None
+    mass: Annotated[float, Field(gt=0, lt=1)] | None = None
+
+    @model_validator(mode="after")
+    def _one_rule(self):
+        given = [n for n in ("top_k", "fraction", "mass") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of top_k, fraction and mass (which cold pages a read fetches), "
+                             f"got {', '.join(given) or 'none'}")
+        return self
+
+    def options(self) -> dict:
+        rule = {n: getattr(self, n) for n in ("top_k", "fraction", "mass") if getattr(self, n) is not None}
+        return {"window": self.window} | rule
+
+
+def split_key(split: dict) -> str:
+    """A K/V split as config_key names it: kvsplit@25%/w128, kvsplit@32p/w256, kvsplit@m0.01/w256."""
+    if split.get("top_k") is not None:
+        rule = f"{split['top_k']}p"
+    elif split.get("fraction") is not None:
+        rule = f"{split['fraction'] * 100:g}%"
+    else:
+        rule = f"m{split['mass']:g}"
+    return f"kvsplit@{rule}/w{split.get('window', 256)}"
+
+
 def config_key(options: dict) -> str:
     """A short name of a configuration given as CacheConfig options: int8(sink 4)+h2o@1024/s4/w256
     (evictor budget, sinks, recent window; `/shared` when H2O or SnapKV keep one set for all
     layers and heads instead of one per layer and KV head; `/value` when they score by mass ×
-    the value's norm; `/pyramid`, `/adaptive`, `/pyramid-adaptive`, `/global` for an unequal allocation)."""
+    the value's norm; `/pyramid`, `/adaptive`, `/pyramid-adaptive`, `/global` for an unequal allocation),
+    then the K/V split when there is one (`+kvsplit@25%/w128`)."""
     extra = ", ".join(f"{n} {options[f]}" for n, f in (("sink", "fp_sink"), ("window", "fp_window"))
                       if options.get(f))
     name = options.get("codec") or "fp16"
@@ -159,8 +196,9 @@ def config_key(options: dict) -> str:
         name += f"/g{opts['group']}"
     name += f"({extra})" if extra else ""
     evictor = options.get("evictor")
+    split = "+" + split_key(options["kv_split"]) if options.get("kv_split") else ""
     if not evictor:
-        return name
+        return name + split
     e = options["evictor_options"]
     shape = f"/s{e.get('sink', 4)}" + ("" if evictor == "streamingllm" else f"/w{e.get('window', 64)}")
     if evictor != "streamingllm" and not e.get("per_head", True):
@@ -169,7 +207,7 @@ def config_key(options: dict) -> str:
         shape += "/value"
     if e.get("allocation", "uniform") != "uniform":
         shape += f"/{e['allocation']}"
-    return f"{name}+{evictor}@{e['budget']}{shape}"
+    return f"{name}+{evictor}@{e['budget']}{shape}{split}"
 
 
 class Layers(_Strict):
@@ -177,16 +215,18 @@ class Layers(_Strict):
 
     codec: Codec
     evictor: Evictor | None = None
+    kv_split: KvSplit | None = None
 
     @property
     def key(self) -> str:
         return config_key(self.cache_options())
 
     def cache_options(self) -> dict:
-        e = self.evictor
+        e, split = self.evictor, self.kv_split
         return {"codec": self.codec.name, "codec_options": dict(self.codec.options), "fp_sink": self.codec.fp_sink,
                 "fp_window": self.codec.fp_window, "evictor": e.name if e else None,
-                "evictor_options": e.options() if e else {}}
+                "evictor_options": e.options() if e else {},
+                "kv_split": split.options() if split and split.enabled else None}
 
 
 class Retention(_Strict):
@@ -254,7 +294,7 @@ class Policy(Layers):
 
     def steps(self) -> list[Layers]:
         """The configuration as written, then each downgrade step in order."""
-        return [Layers(codec=self.codec, evictor=self.evictor), *self.downgrade]
+        return [Layers(codec=self.codec, evictor=self.evictor, kv_split=self.kv_split), *self.downgrade]
 
     def at(self, step: int) -> Policy:
         """This policy with step `step` of `steps()` as its compression layers."""
@@ -265,7 +305,7 @@ class Policy(Layers):
         if step >= len(steps):
             raise ConfigError(f"policy {self.name!r} has steps 0 to {len(steps) - 1}, not {step}")
         layers = steps[step]
-        return self.model_copy(update={"codec": layers.codec, "evictor": layers.evictor})
+        return self.model_copy(update={"codec": layers.codec, "evictor": layers.evictor, "kv_split": layers.kv_split})
 
     def cache_options(self) -> dict:
         return super().cache_options() | {"page_size": self.page_size, "tiers": tuple(self.tiers),
@@ -350,6 +390,9 @@ def _check_rules(policy: Policy, lines: dict[tuple, int], source: str) -> None:
             fail(("evictor", "name") if i == 0 else ("downgrade", i - 1, "evictor", "name"),
                  f"the {policy.scenario} scenario never uses h2o (it drops context that later questions "
                  "or reasoning steps need); use streamingllm or no evictor")
+        if step.kv_split and step.kv_split.enabled and "cpu" not in policy.tiers:
+            fail(("kv_split",) if i == 0 else ("downgrade", i - 1, "kv_split"),
+                 "the K/V split keeps cold values in CPU memory: add cpu to tiers, or disable it")
 
 
 def load_policy(path: str | Path) -> Policy:
