@@ -112,7 +112,7 @@ def session(codec: str, qkv: list, *, compactions: int, checkpoints: set[int], b
     seq = m.open(Subject("bench", "compaction", "error"))
     chosen = {}
     select = m.evictor.select
-    m.evictor.select = lambda length, mass: chosen.setdefault("keep", select(length, mass))
+    m.evictor.select = lambda length, mass, values=None: chosen.setdefault("keep", select(length, mass, values))
     arrange = getattr(m.compactor, "arrange", None)
     if arrange is not None:  # a compactor that may reorder each head's survivors says how
         m.compactor.arrange = lambda *a, **kw: chosen.__setitem__("keep", arrange(*a, **kw)) or chosen["keep"]
