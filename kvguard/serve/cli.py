@@ -90,11 +90,15 @@ def gate(policy, report: Path):
     steps = policy.steps()
     if d.get("outcome") == "refuse" or not isinstance(d.get("step"), int) or d["step"] < 0:
         raise ConfigError(f"policy {policy.name!r} was refused by its fidelity gate ({report}): serve a safer one")
-    if d["step"] >= len(steps) or steps[d["step"]].key != d.get("config"):
+    # the configuration measured, wherever the policy now holds it: a step added before it since
+    # (a bolder one, not measured) is skipped, never served unmeasured
+    keys = [step.key for step in steps]
+    if d.get("config") not in keys:
         raise ConfigError(f"{report} measured {d.get('config')!r} for policy {policy.name!r}, which the policy "
                           "file no longer holds: measure it again")
-    decision = PolicyDecision.from_details(d, Subject("*", "*", "*"))
-    return policy.at(d["step"]), decision
+    at = keys.index(d["config"])
+    decision = PolicyDecision.from_details(d | {"step": at}, Subject("*", "*", "*"))
+    return policy.at(at), decision
 
 
 def cache_manager(model, *, policy: Path | None = None, codec: str | None = None, num_pages: int = 2048,

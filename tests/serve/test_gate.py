@@ -39,3 +39,19 @@ def test_the_gate_accepts_downgrades_or_refuses(tmp_path):
     bad.write_text("not json")
     with pytest.raises(ConfigError, match="no kvguard eval report"):
         gate(load_policy(ROOT / "policies/chat.yaml"), bad)
+
+
+def test_a_step_added_before_the_measured_one_is_skipped_not_served(tmp_path):
+    # code.yaml once read [int8+h2o, int8, fp16] and was calibrated to step 1 (int8); it now starts
+    # from rotated INT4: the measured int8 is step 2, and the new, unmeasured steps are not served
+    policy = load_policy(ROOT / "policies/code.yaml")
+    keys = [s.key for s in policy.steps()]
+    measured = "int8(sink 4, window 128)"
+    assert keys.index(measured) == 2 and keys[0].startswith("int4+rot")
+    data = json.loads(REPORT.read_text())
+    old = [d | {"step": 1, "config": measured, "outcome": "downgrade"} if d["policy"] == "code" else d
+           for d in data["decisions"]]
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps({"decisions": old}))
+    served, decision = gate(policy, report)
+    assert served.steps()[0].key == measured and decision.step == 2
