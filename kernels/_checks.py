@@ -124,8 +124,27 @@ def check_pages(pages: dict[str, torch.Tensor]) -> tuple[str, int, int, int, int
         for f in ("v_scale", "v_zero"):
             check(pages[f], f"pages['{f}']", dtype=torch.float16, shape=(p, h, d // ref.INT4_GROUP, s))
     check(k, "pages['k']")
-    check_device(*[pages[f] for f in FIELDS[codec]])
+    dev = check_device(*[pages[f] for f in FIELDS[codec] if not f.startswith("v")])
+    for f in FIELDS[codec]:  # values may be in pinned host memory, which the device reads in place
+        t = pages[f]
+        if f.startswith("v") and t.device != dev and not (dev.type == "cuda" and t.device.type == "cpu"
+                                                          and t.is_pinned()):
+            raise KernelArgError(f"pages['{f}'] must be on {dev} (or, for values, in pinned host memory), "
+                                 f"got {t.device}")
     return codec, p, h, s, d
+
+
+def check_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch.Tensor,
+                 seq_lens: torch.Tensor) -> tuple[str, int, int, int, int, torch.device]:
+    """A decode call's arguments: q [B, Hq, D], one layer's pages, block_table [B, n] (rows
+    contiguous), seq_lens [B]. Returns (codec, H, S, D, B, device)."""
+    codec, _, h, s, d = check_pages(pages)
+    b, _, _ = check_queries(q, 1, h, d)
+    check(block_table, "block_table", dtype=INDEX_DTYPES, shape=(b, None), contiguous=False)
+    if block_table.stride(1) != 1:
+        raise KernelArgError("block_table rows must be contiguous (stride 1 along pages)")
+    check(seq_lens, "seq_lens", dtype=INDEX_DTYPES, shape=(b,))
+    return codec, h, s, d, b, check_device(q, block_table, seq_lens, pages["k"])
 
 
 def field_args(pages: dict[str, torch.Tensor]) -> list[torch.Tensor]:

@@ -39,10 +39,8 @@ from ._checks import (
     KIND,
     KernelArgError,
     check,
-    check_device,
+    check_decode,
     check_int4_tile,
-    check_pages,
-    check_queries,
     field_args,
     interpreting,
     softmax_scale,
@@ -740,13 +738,8 @@ def _plan(q, pages, block_table, seq_lens, max_seq_len, config) -> _Plan:
 
 
 def _choose_tile(q, pages, block_table, seq_lens, config) -> _Tile:
-    codec, _, h, s, d = check_pages(pages)
-    b, hq, _ = check_queries(q, 1, h, d)
-    check(block_table, "block_table", dtype=INDEX_DTYPES, shape=(b, None), contiguous=False)
-    if block_table.stride(1) != 1:
-        raise KernelArgError("block_table rows must be contiguous (stride 1 along pages)")
-    check(seq_lens, "seq_lens", dtype=INDEX_DTYPES, shape=(b,))
-    dev = check_device(q, block_table, seq_lens, pages["k"])
+    codec, h, s, d, b, dev = check_decode(q, pages, block_table, seq_lens)
+    hq = q.shape[1]
     given = config or {}
     cfg = {**(SMALL_HEAD_CONFIG if d <= 64 else DEFAULT_CONFIG)[codec], **given}
     if b == 1:  # one sequence: 'one_sequence' replaces the keys that config does not give

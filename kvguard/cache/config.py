@@ -16,12 +16,14 @@ class KVSplit:
     """The K/V split tier (split.py): values of full pages older than the last `window` tokens
     live in CPU memory; each read fetches the values of the cold pages its attention mass picks:
     the `top_k` pages, a `fraction` of the cold pages (rounded up), or every page whose mass
-    reaches `mass` (one of the three)."""
+    reaches `mass` (one of the three). `capacity`: how many pages the split's pool holds (their
+    keys on the device, their values in host memory); default as many as the codec's pool."""
 
     window: int = 256
     top_k: int | None = None
     fraction: float | None = None
     mass: float | None = None
+    capacity: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
@@ -36,6 +38,9 @@ class KVSplit:
             raise ConfigError(f"kv_split fraction must be in (0, 1], got {self.fraction!r}")
         if self.mass is not None and not 0 < self.mass < 1:
             raise ConfigError(f"kv_split mass must be in (0, 1), got {self.mass!r}")
+        if self.capacity is not None and (not isinstance(self.capacity, int) or isinstance(self.capacity, bool)
+                                          or self.capacity < 1):
+            raise ConfigError(f"kv_split capacity must be a positive integer, got {self.capacity!r}")
 
     def pages(self, cold: int) -> int | None:
         """How many of `cold` pages a read fetches (None: by mass)."""
@@ -104,9 +109,9 @@ class CacheConfig:
         if self.tiers is not None:
             self.tiers = tuple(t for t in self.tiers if t != "device")  # the pools themselves
         if isinstance(self.kv_split, dict):
-            unknown = sorted(set(self.kv_split) - {"window", "top_k", "fraction", "mass"})
+            unknown = sorted(set(self.kv_split) - {"window", "top_k", "fraction", "mass", "capacity"})
             if unknown:
-                raise ConfigError(f"kv_split takes window, top_k, fraction and mass, not {unknown}")
+                raise ConfigError(f"kv_split takes window, top_k, fraction, mass and capacity, not {unknown}")
             self.kv_split = KVSplit(**self.kv_split)
         elif self.kv_split is not None and not isinstance(self.kv_split, KVSplit):
             raise ConfigError(f"kv_split must be a mapping or a KVSplit, got {type(self.kv_split).__name__}")

@@ -71,7 +71,7 @@ class Eraser:
         for seq in seqs:
             for tier, key in self.residency.tier_copies(seq):
                 try:
-                    self.residency.copy_store(tier).erase(key)
+                    self.residency.tiers[tier].erase(key)
                     n += 1
                 except Exception as e:
                     failed, first = failed + 1, first or e

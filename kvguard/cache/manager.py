@@ -75,9 +75,10 @@ class CacheStats:
     pages_free: dict[str, int]
     pages_offloaded: dict[str, int]
     bytes_per_token: dict[str, float]
-    bytes_held: int
+    bytes_held: int  # wherever the pools keep them
     bytes_16bit_equivalent: int
     waste_slots: int  # unused token slots inside partly filled pages
+    bytes_on_device: int = 0  # of bytes_held, those in device memory (the K/V split keeps values in the host's)
 
     @property
     def saving(self) -> float:
@@ -113,7 +114,7 @@ class CacheManager:
         self.seqs = Sequences(c, self.store)
         self.block_tables = BlockTables(c, self.pools)
         self.residency = Residency(c, self.store, self.block_tables, self.tiers, emit)
-        self.split = self.residency.split = (ValueSplit(c, self.store, self.residency.report_offload,
+        self.split = self.residency.split = (ValueSplit(c, self.store, self.block_tables, self.residency.report_offload,
                                                         self.residency.report_fetch) if c.kv_split else None)
         self.quantizer = Quantizer(c, self.codec, self.store, self.block_tables, emit)
         self.compactor = Compactor(c, self.codec, self.evictor, self.store, self.residency, self.quantizer, emit)
@@ -355,4 +356,5 @@ class CacheManager:
             bytes_held=sum(p.used_count * p.page_bytes for p in self.pools.values()),
             bytes_16bit_equivalent=int((tokens + evicted) * per_token_16),
             waste_slots=max(0, slots - tokens),
+            bytes_on_device=sum(p.used_count * p.device_page_bytes for p in self.pools.values()),
         )

@@ -1,7 +1,8 @@
 """The device pages of a cache: its pools, the prefix index over them, and their release.
 
 Two pools: `hot` holds 16-bit pages (tails, sinks, windows), `main` the codec's (only when the
-codec quantizes). Every page leaves a sequence through `release`: a page nobody holds any more
+codec quantizes); a cache with the K/V split has a third, `split`, of the codec's pages whose
+values live in host memory (split.py). Every page leaves a sequence through `release`: a page nobody holds any more
 is overwritten, returned to its pool's free list and forgotten by the prefix index.
 """
 
@@ -17,7 +18,7 @@ from ..types import PageId, Subject
 from .config import CacheConfig
 from .pool import PagePool, device_index
 from .prefix import PrefixIndex
-from .sequence import HOT, MAIN, PageRef, page_name
+from .sequence import HOT, MAIN, SPLIT, PageRef, page_name
 
 
 class PageStore:
@@ -29,6 +30,11 @@ class PageStore:
         self.pools = {HOT: PagePool(Fp16Codec(), num_pages=c.num_hot_pages, **shape)}
         if codec.quantized:
             self.pools[MAIN] = PagePool(codec, num_pages=c.num_pages, **shape)
+        self.codec_pool = MAIN if codec.quantized else HOT  # where the codec's pages live
+        if c.kv_split is not None:
+            pages = c.kv_split.capacity or self.pools[self.codec_pool].num_pages
+            self.pools[SPLIT] = PagePool(self.pools[self.codec_pool].codec, num_pages=pages, **shape,
+                                         values_on=torch.device("cpu"))
         self.prefix = PrefixIndex()
 
     def release(self, pool_name: str, pages: list[PageId], subject: Subject) -> list[PageId]:
@@ -65,8 +71,10 @@ class PageStore:
         """Bytes of pages named "<pool>:<page>", as events name them."""
         return sum(self.pools[p.split(":")[0]].page_bytes for p in pages)
 
-    def gather(self, refs: list[PageRef], layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode pages (all on the device) in order: k, v [H, len(refs) * S, D]."""
+    def gather(self, refs: list[PageRef], layer: int, dtype: torch.dtype,
+               values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode pages (all on the device) in order: k, v [H, len(refs) * S, D]. Without
+        `values`, the values the K/V split keeps in host memory are left unread (zeros)."""
         c = self.cfg
         if not refs:
             empty = torch.zeros(c.num_kv_heads, 0, c.head_dim, dtype=dtype, device=c.device)
@@ -76,7 +84,9 @@ class PageStore:
         for name in self.pools:
             slots = [i for i, r in enumerate(refs) if r.where == name]
             if slots:
-                pk, pv = self.pools[name].decode(layer, [PageId(int(refs[i].page)) for i in slots], dtype)
+                pool = self.pools[name]
+                fields = pool.read(layer, [PageId(int(refs[i].page)) for i in slots], values)
+                pk, pv = pool.codec.decode(fields, dtype)
                 idx = device_index(slots, c.device)
                 k[idx], v[idx] = pk, pv
         # [N, H, S, D] -> [H, N*S, D]

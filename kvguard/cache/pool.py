@@ -3,6 +3,10 @@
 Every page holds `page_size` token slots of every layer's K and V. Running out of
 pages is an ordinary outcome (`allocate` returns None); freeing a page overwrites
 its memory with zeros before the page can be handed out again.
+
+The K/V split's pool (split.py) keeps its value fields in host memory (`values_on`): pinned
+where CUDA is present, so the decode kernels read a page's values in place over the bus (a
+pinned page is mapped into the device's address space), and only its keys take device memory.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 class PagePool:
     def __init__(self, codec: Codec, *, num_pages: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, page_size: int, dtype: torch.dtype, device: torch.device):
+                 head_dim: int, page_size: int, dtype: torch.dtype, device: torch.device,
+                 values_on: torch.device | None = None):
         self.codec = codec
         self.num_pages = num_pages
         self.num_layers = num_layers
@@ -42,12 +47,23 @@ class PagePool:
         # one tensor per field for every layer, [L, P, ...], so that wiping freed pages is one
         # fill per field rather than one per layer and field; fields[layer][name] is its [P, ...]
         # view, what the kernels and the codec take
-        self._stacks = {name: torch.zeros((num_layers, num_pages, *shape), dtype=dt, device=device)
-                        for name, (shape, dt) in spec.items()}
+        self.values_on = values_on  # the value fields' device when not `device` (the K/V split's pool)
+        self.host_values = values_on is not None and values_on != device
+        pin = self.host_values and values_on.type == "cpu" and device.type == "cuda"
+
+        def stack(name, shape, dt):
+            if self.host_values and name.startswith("v"):
+                return torch.zeros((num_layers, num_pages, *shape), dtype=dt, device=values_on, pin_memory=pin)
+            return torch.zeros((num_layers, num_pages, *shape), dtype=dt, device=device)
+
+        self._stacks = {name: stack(name, shape, dt) for name, (shape, dt) in spec.items()}
         self.fields: list[dict[str, torch.Tensor]] = [
             {name: st[layer] for name, st in self._stacks.items()} for layer in range(num_layers)
         ]
         self.page_bytes = codec.page_bytes(num_kv_heads, page_size, head_dim, dtype) * num_layers
+        # of a page's bytes, those in device memory
+        self.device_page_bytes = sum(t[:, 0].numel() * t.element_size() for t in self._stacks.values()
+                                     if t.device == self._stacks["k"].device)
         self._free: deque[int] = deque(range(num_pages))
         self.ref = [0] * num_pages
         # owners[page][subject] = how many references that subject's sequences hold
@@ -96,22 +112,41 @@ class PagePool:
             self._free.extend(freed)
         return freed
 
+    def _index(self, pages, t: torch.Tensor) -> torch.Tensor:
+        return device_index(pages, t.device)
+
+    def _host_sync(self) -> None:
+        """Before the host reads or writes the value fields kept in its memory: let the device
+        finish what it queued, which may still read or write them (a kernel reading a page's
+        values in place, a copy into them)."""
+        if self.host_values and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def wipe(self, pages: list[PageId]) -> None:
         """Zero the pages in every layer: one fill per field."""
-        idx = device_index(pages, self.device)
+        self._host_sync()
         for t in self._stacks.values():
-            _raw(t).index_fill_(1, idx, 0)
+            _raw(t).index_fill_(1, self._index(pages, t), 0)
 
     # --- data ---------------------------------------------------------------------------------
 
-    def read(self, layer: int, pages: list[PageId]) -> dict[str, torch.Tensor]:
-        idx = device_index(pages, self.device)
-        return {name: _raw(t).index_select(0, idx).view(t.dtype) for name, t in self.fields[layer].items()}
+    def read(self, layer: int, pages: list[PageId], values: bool = True) -> dict[str, torch.Tensor]:
+        """The pages' fields of one layer, on the device. Without `values`, value fields kept in
+        host memory come as zeros (the K/V split's key-only reads)."""
+        if values:
+            self._host_sync()  # copies into host memory may still be under way
+        out = {}
+        for name, t in self.fields[layer].items():
+            if self.host_values and name.startswith("v") and not values:
+                out[name] = torch.zeros((len(pages), *t.shape[1:]), dtype=t.dtype, device=self.device)
+            else:
+                out[name] = _raw(t).index_select(0, self._index(pages, t)).view(t.dtype).to(self.device)
+        return out
 
     def write(self, layer: int, pages: list[PageId], values: dict[str, torch.Tensor]) -> None:
-        idx = device_index(pages, self.device)
+        self._host_sync()
         for name, t in self.fields[layer].items():
-            _raw(t).index_copy_(0, idx, _raw(values[name].to(t.dtype)))
+            _raw(t).index_copy_(0, self._index(pages, t), _raw(values[name].to(t.device, t.dtype)))
 
     def decode(self, layer: int, pages: list[PageId], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [N, H, S, D] of the pages, dequantized to `dtype`."""
@@ -119,34 +154,47 @@ class PagePool:
 
     def page_blob(self, page: PageId) -> dict[str, torch.Tensor]:
         """Every layer's fields of one page, for moving it to another tier: {"<layer>.<name>": tensor}."""
+        self._host_sync()
         return {f"{i}.{n}": _raw(t)[page].clone() for i, layer in enumerate(self.fields) for n, t in layer.items()}
 
     def load_blob(self, page: PageId, blob: dict[str, torch.Tensor]) -> None:
+        self._host_sync()
         for i, layer in enumerate(self.fields):
             for n, t in layer.items():
                 _raw(t)[page].copy_(blob[f"{i}.{n}"].to(t.device))
 
-    # --- the K/V split: a page's value fields alone (names starting with "v") ----------------------
+    # --- the K/V split: pages moved between a device pool and the split's pool ---------------------
 
     def value_fields(self) -> list[str]:
-        return [n for n in self.fields[0] if n.startswith("v")]
-
-    def value_blob(self, page: PageId) -> dict[str, torch.Tensor]:
-        """Every layer's value fields of one page: {"<layer>.<name>": tensor}."""
-        return {f"{i}.{n}": _raw(layer[n])[page].clone() for i, layer in enumerate(self.fields)
-                for n in self.value_fields()}
+        return [n for n in self._stacks if n.startswith("v")]
 
     def value_bytes(self) -> int:
         """Bytes of one page's value fields, every layer."""
-        return sum(layer[n][0].numel() * layer[n].element_size() for layer in self.fields for n in self.value_fields())
+        return sum(t[:, 0].numel() * t.element_size() for n, t in self._stacks.items() if n.startswith("v"))
 
-    def wipe_values(self, pages: list[PageId]) -> None:
-        """Zero the value fields of pages in every layer (their keys stay)."""
-        idx = device_index(pages, self.device)
-        for n in self.value_fields():
-            _raw(self._stacks[n]).index_fill_(1, idx, 0)
-
-    def load_values(self, page: PageId, blob: dict[str, torch.Tensor]) -> None:
-        for i, layer in enumerate(self.fields):
-            for n in self.value_fields():
-                _raw(layer[n])[page].copy_(blob[f"{i}.{n}"].to(layer[n].device))
+    def copy_pages(self, src: PagePool, src_pages: list[PageId], dst_pages: list[PageId]) -> None:
+        """Copy every field of `src_pages` of another pool of the same codec and shape into this
+        pool's `dst_pages`, every layer. Copies into host memory are queued on the device's
+        stream (no wait): one copy per layer and run of consecutive destination pages."""
+        if len(src_pages) != len(dst_pages):
+            raise ValueError("copy_pages takes as many destination pages as source pages")
+        if not src_pages:
+            return
+        if src.host_values or (self.host_values and self.device.type != "cuda"):
+            src._host_sync()
+            self._host_sync()
+        for name, t in self._stacks.items():
+            s = src._stacks[name]
+            got = _raw(s).index_select(1, self._index(src_pages, s))  # [L, n, ...] where src keeps it
+            if t.device == s.device or t.device.type != "cpu" or s.device.type != "cuda":
+                _raw(t).index_copy_(1, self._index(dst_pages, t), got.to(t.device))
+                continue
+            runs, start = [], 0  # device -> pinned host: asynchronous copies of contiguous slices
+            for j in range(1, len(dst_pages) + 1):
+                if j == len(dst_pages) or int(dst_pages[j]) != int(dst_pages[j - 1]) + 1:
+                    runs.append((start, j))
+                    start = j
+            for a, b in runs:
+                d0 = int(dst_pages[a])
+                for layer in range(t.shape[0]):
+                    _raw(t)[layer, d0:d0 + b - a].copy_(got[layer, a:b], non_blocking=True)

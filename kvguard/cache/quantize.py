@@ -59,7 +59,6 @@ class Quantizer:
             idx = self.tables.layout(seq).idx[HOT]
             todo = idx[bisect.bisect_left(idx, -(-self.cfg.fp_sink // s)):
                        bisect.bisect_left(idx, (length - self.cfg.fp_window) // s)]
-            todo = [i for i in todo if seq.pages[i].values is None]  # K/V split: values in CPU memory
             if not todo:
                 continue
             hashes = {i: prefix.hash_of((HOT, int(seq.pages[i].page))) for i in todo}

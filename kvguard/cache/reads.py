@@ -3,8 +3,9 @@
 On the kernel path a decode step reads the pages in place, every pool of every row of a batch
 in one pass of the decode kernels; a causal chunk takes the prefill kernel once per pool, merged
 by log-sum-exp. Elsewhere the pages are dequantized and attended densely in fp32. Offloaded
-pages come back first. A sequence whose cold values live in the K/V split's CPU store is read
-row by row through the split (split.py), which fetches only the values its scores pick. When
+pages come back first. A sequence whose cold values live in the K/V split's host memory is read
+through the split (split.py), which reads only the values its scores pick: a decode step on
+the kernel path batched on the device, anything else row by row. When
 the evictor scores by attention mass, each read adds its keys' mass into the sequence's totals.
 """
 
@@ -34,9 +35,20 @@ class Reader:
         self.split = residency.split  # the K/V split, when the cache has one
 
     def _split(self, seqs: list[Sequence]) -> bool:
-        """Whether some of these sequences' values live in the K/V split's CPU store: their reads
-        take the split path, row by row."""
-        return self.split is not None and any(self.split.away(seq) for seq in seqs)
+        """Whether some of these sequences' values live in the K/V split's host memory: their
+        reads take the split path. Pages of theirs in a lower tier come back first (split
+        pages to the split's pool)."""
+        if self.split is None:
+            return False
+        for seq in seqs:
+            self.residency.fetch_all(seq, values=False)
+        return any(self.split.away(seq) for seq in seqs)
+
+    def _split_kernels(self, q: torch.Tensor, mass: bool | int) -> bool:
+        """Whether the K/V split reads on the kernel path: one 16-bit query per row, and no
+        evictor that needs each key's mass (the reference path gives it)."""
+        return (self.cfg.use_kernels and q.shape[0] == 1 and not mass
+                and q.dtype in (torch.float16, torch.bfloat16))
 
     def kv(self, seq: Sequence, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V over everything the sequence holds, dequantized: [H, L, D]."""
@@ -53,7 +65,8 @@ class Reader:
             observe = getattr(self.evictor, "observe", None)  # SnapKV: the last `observe` queries vote
             mass_q = q.shape[0] if observe is None else min(observe, q.shape[0])
         if self._split([seq]):
-            self.residency.fetch_all(seq, values=False)
+            if self._split_kernels(q, mass_q):
+                return self.split.attend_step([seq], layer, q.contiguous(), scale)
             out, mass = self.split.attend(seq, layer, q, causal, scale, mass_q)
             if mass is not None:
                 seq.mass_buf[layer, :, : mass.shape[-1]] += mass
@@ -72,6 +85,8 @@ class Reader:
 
     def attend_step(self, seqs: list[Sequence], layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
         """Decode attention of a batch, q [B, Hq, D] (16-bit on the kernel path): [B, Hq, D]."""
+        if self._split(seqs) and self._split_kernels(q[:1], self.needs_mass):
+            return self.split.attend_step(seqs, layer, q.contiguous(), scale)
         if not self.cfg.use_kernels or self._split(seqs):
             return torch.cat([self.attend(seq, layer, q[i : i + 1], True, scale) for i, seq in enumerate(seqs)])
         return self.attend_paged(seqs, layer, q.contiguous(), scale, self.needs_mass)

@@ -17,7 +17,7 @@ from . import events as ev
 from .block_tables import BlockTables
 from .config import CacheConfig
 from .pages import PageStore
-from .sequence import PageRef, Sequence, page_name
+from .sequence import SPLIT, PageRef, Sequence, page_name
 from .split import VALUES
 from .tiers import Tier
 
@@ -40,7 +40,7 @@ class Residency:
             raise ConfigError(f"unknown tier {tier!r}; this cache has {sorted(self.tiers) or 'none'}")
         full = min(seq.lengths) // self.cfg.page_size
         cand = [i for i, r in enumerate(seq.pages[:full])
-                if r.where in pools and r.values is None and pools[r.where].ref[int(r.page)] == 1]
+                if r.where in pools and pools[r.where].ref[int(r.page)] == 1]
         cand = cand[:max_pages] if max_pages is not None else cand
         if not cand:
             return 0
@@ -128,21 +128,14 @@ class Residency:
         """Erase a tier copy the sequence no longer needs; one that cannot be erased now is kept
         on the sequence (`stale`) and erased with it."""
         try:
-            self.copy_store(tier).erase(key)
+            self.tiers[tier].erase(key)
         except Exception:
             seq.stale.append((tier, key))
-
-    def copy_store(self, tier: str) -> Tier:
-        """Where a tier copy lives: a lower tier, or the K/V split's value store."""
-        if tier == VALUES and self.split is not None:
-            return self.split.values
-        return self.tiers[tier]
 
     def tier_copies(self, seq: Sequence) -> list[tuple[str, str]]:
         """Every lower-tier copy of the sequence's data: its offloaded pages and stale copies."""
         pools = self.store.pools
-        return ([(r.where, str(r.page)) for r in seq.pages if r.where not in pools]
-                + [(VALUES, r.values) for r in seq.pages if r.values is not None] + seq.stale)
+        return [(r.where, str(r.page)) for r in seq.pages if r.where not in pools] + seq.stale
 
     def offloaded(self, seq: Sequence) -> dict[str, int]:
         """Pages of the sequence per tier."""
@@ -150,7 +143,7 @@ class Residency:
         for r in seq.pages:
             if r.where not in self.store.pools:
                 out[r.where] = out.get(r.where, 0) + 1
-            elif r.values is not None:  # the values alone (the K/V split)
+            elif r.where == SPLIT:  # the values alone (the K/V split)
                 out[VALUES] = out.get(VALUES, 0) + 1
         return out
 

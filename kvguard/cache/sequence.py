@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .pages import PageStore
 
 HOT, MAIN = "hot", "main"  # the 16-bit pool and the codec's
+SPLIT = "split"  # the K/V split's pool: the codec's, its values in host memory (split.py)
 
 
 def page_name(pool: str, page) -> str:
@@ -40,9 +41,6 @@ class PageRef:
     where: str
     page: int | str  # page id in a pool, key in a tier
     pool: str = HOT  # the pool it belongs to when on the device (for tiers: where it returns)
-    # a device page whose values live in the K/V split's CPU store (split.py) under this key; its
-    # keys stay on the device, its value fields there are zeros
-    values: str | None = None
 
 
 _VERSIONS = itertools.count(1)
@@ -163,7 +161,7 @@ class Sequences:
         full = min(min(seq.lengths), len(tokens)) // c.page_size
         n = 0
         for ref, h in zip(seq.pages[:full], page_hashes(salt, list(tokens), c.page_size)):
-            if ref.where in self.store.pools and ref.values is None and self.store.prefix.get(h) is None:
+            if ref.where in (HOT, MAIN) and self.store.prefix.get(h) is None:
                 self.store.prefix.put(h, (ref.where, int(ref.page)))
                 n += 1
         return n

@@ -1,161 +1,250 @@
-"""The K/V split tier: keys stay on the device, the values of cold pages live in CPU memory.
+"""The K/V split tier: keys stay on the device, the values of cold pages live in host memory.
 
-For a sequence whose policy enables it (`CacheConfig.kv_split`), the values of its full pages
-older than the last `window` tokens move, between steps (`settle`), into a CPU store (pinned
-memory when CUDA is present): one blob of every layer's value fields per page, in the page's
-codec, as the CPU tier holds whole pages (in this process's memory; nothing of it leaves the
-process). The page stays in its device pool with its keys; its value fields there are zeroed,
-and its `PageRef.values` names the copy.
+For a sequence whose policy enables it (`CacheConfig.kv_split`), its full pages of the codec's
+pool older than the last `window` tokens move, between steps (`settle`), into the split's pool
+(`split` in PageStore.pools): a pool of the same codec whose key fields are on the device and
+whose value fields are in host memory, pinned where CUDA is present. The codec's page is freed,
+so the device keeps a cold page's keys only: about half the bytes (sink pages, 16-bit, stay).
 
-A read (`attend`) scores every key on the device exactly (q·k over the decoded keys of every
-page) and takes the softmax over all of them. The cold pages whose attention mass matters are
-picked, per block of queries, from those scores: the `top_k` pages with the largest mass (the
-largest over query heads and queries of the probability that falls in the page), a `fraction`
-of the cold pages, or every page whose mass reaches `mass`. Only their values are fetched and
-decoded; the pages not fetched keep their share of the softmax normalization and contribute no
-value, so the one approximation is the values skipped: with every page fetched the output is
-full attention's.
+A decode step scores every key on the device exactly and takes the softmax over all of them.
+The cold pages whose attention mass matters are picked from those scores: the `top_k` pages
+with the largest mass (the largest over query heads of the probability that falls in the page),
+a `fraction` of the cold pages, or every page whose mass reaches `mass`. Only their values are
+read; the pages not read keep their share of the softmax normalization and contribute no value,
+so the one approximation is the values skipped: with every page read the output is full
+attention's.
 
-On CUDA the values are staged in pinned memory and copied on a side stream, which the compute
-stream waits for; while a layer attends, the same pages of the next layer are fetched ahead
-(`prefetch`), which overlaps the copy with the layer's work.
+On the kernel path (`attend_step`, one query per row) nothing goes through the host: a pass over
+the keys (kernels/page_scores.py) gives each page's log-sum-exp, the pages are picked on the
+device (a top-k), and the decode kernels read the picked pages' values in place in pinned host
+memory, which is mapped into the device's address space: no staging copy, no wait. Its output
+is rescaled from the picked pages' normalizer to the whole softmax's. Elsewhere (`attend`: the
+CPU, a chunk of queries, an evictor that needs each key's mass) the same picks are made from
+dense fp32 scores and the picked values copied in.
 
-Every move is an event: `settle` one `offload` (`fields: ["v"]`, the device page ids), a read
-one `fetch` per step of a sequence across all layers (the pages read in any layer, the bytes of
-all of them), emitted after the last layer. Anything that needs whole pages (the dense K/V of
-`kv`, the kernel path, compaction) brings the values back first (`join`, one `fetch`).
-Erasure erases the CPU copies with the sequence's tier copies, before its device pages (keys)
-are overwritten.
+Every move is an event: `settle` one `offload` (`fields: ["v"]`, the split pages), a read one
+`fetch` per step of a sequence across all layers (the pages read in any layer and the bytes
+read), emitted after the last layer; on the kernel path the pages are known on the device and
+the event is emitted when the host next looks (`drain`: at the next step, or before the
+sequence is released), so that recording costs the step no wait. Anything that needs whole
+pages on the device (the dense K/V of `kv`, compaction) brings them back to the codec's pool
+first (`join`, one `fetch`). Erasure frees split pages as any other: their keys and values are
+overwritten before the page can be used again.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
-import uuid
+from collections import deque
 from collections.abc import Callable
 
 import torch
 
+from ..errors import OutOfPages
 from ..types import PageId, SeqId
 from .attention import MAX_SCORES
+from .block_tables import BlockTables
 from .config import CacheConfig
 from .pages import PageStore
-from .sequence import PageRef, Sequence, page_name
-from .tiers import CpuTier
+from .sequence import SPLIT, PageRef, Sequence, page_name
 
-VALUES = "cpu-values"  # the value store among a sequence's tier copies (Residency.tier_copies)
+VALUES = "cpu-values"  # the split's pages as Residency.offloaded counts them
 
 
 class ValueSplit:
-    def __init__(self, cfg: CacheConfig, store: PageStore, offloaded: Callable[..., None],
+    def __init__(self, cfg: CacheConfig, store: PageStore, tables: BlockTables, offloaded: Callable[..., None],
                  fetched: Callable[..., None]):
         self.cfg = cfg
         self.rule = cfg.kv_split
         self.store = store
+        self.tables = tables
+        self.pool = store.pools[SPLIT]
+        self.home = store.codec_pool  # the pool whose pages move here
         self.offloaded, self.fetched = offloaded, fetched  # Residency.report_offload, report_fetch
-        self.values = CpuTier(pin=True)  # pinned where CUDA is present
-        self.cuda = cfg.device.type == "cuda" and torch.cuda.is_available()
-        self.prefetch = self.cuda  # fetch the next layer's pages while this one attends
-        self._stream = torch.cuda.Stream(device=cfg.device) if self.cuda else None
-        # seq -> (layer, {value key: {field: device tensor}}, the side stream's event or None)
-        self._ahead: dict[SeqId, tuple[int, dict[str, dict[str, torch.Tensor]], object]] = {}
+        self.cuda = cfg.device.type == "cuda"
         self._moved: dict[SeqId, tuple[dict[str, None], int]] = {}  # seq -> (pages read, bytes) this step
-        self.last_read = 1.0  # fraction of the keys of the last read whose values were read
+        # the kernel path's reads, on the device until the host looks: per layer of this step the
+        # pages picked [B, k] and how many of each row's were read [B]; then per step, on the host
+        self._reads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pending: deque[tuple] = deque()  # (event or None, pages [L, B, k], counts [L, B], seqs)
+        self.last_read = 1.0  # fraction of the keys of the last reference read whose values were read
+
+    @property
+    def page_value_bytes(self) -> int:
+        """Bytes of one split page's values in one layer."""
+        return self.pool.value_bytes() // self.cfg.num_layers
 
     def away(self, seq: Sequence) -> bool:
-        """Whether some of the sequence's values live in the CPU store."""
-        return any(r.values is not None for r in seq.pages)
+        """Whether some of the sequence's values live in host memory (from its layout, kept
+        while its pages do: no walk over them)."""
+        return bool(self.tables.layout(seq).idx[SPLIT])
 
     # --- between steps --------------------------------------------------------------------------
 
     def settle(self, seq: Sequence) -> int:
-        """Move the values of the sequence's full pages older than the window to the CPU store:
-        pages on the device that no other sequence shares and the prefix index does not offer.
-        Returns how many pages moved. Only between steps (every layer holds the same tokens)."""
+        """Move the sequence's full pages of the codec's pool older than the window to the
+        split's pool (as many as it has room for): pages no other sequence shares and the prefix
+        index does not offer. Returns how many moved. Only between steps (every layer holds the
+        same tokens)."""
         if self.rule is None or len(set(seq.lengths)) != 1:
             return 0
-        s, pools, prefix = self.cfg.page_size, self.store.pools, self.store.prefix
+        s, prefix = self.cfg.page_size, self.store.prefix
+        home = self.store.pools[self.home]
         cold = max(0, (seq.lengths[0] - self.rule.window) // s)
-        cand = [i for i, r in enumerate(seq.pages[:cold])
-                if r.where in pools and r.values is None and pools[r.where].ref[int(r.page)] == 1
-                and prefix.hash_of((r.where, int(r.page))) is None]
-        moved, nbytes, stored = [], 0, 0
-        try:
-            for i in cand:
-                r = seq.pages[i]
-                pool, page = pools[r.where], PageId(int(r.page))
-                key = f"{seq.id}-v-{uuid.uuid4().hex}"
-                try:
-                    stored += self.values.put(key, pool.value_blob(page))
-                except BaseException:
-                    self.values.erase(key)
-                    raise
-                pool.wipe_values([page])
-                seq.pages[i] = PageRef(r.where, r.page, r.pool, values=key)
-                moved.append(page_name(r.where, r.page))
-                nbytes += pool.value_bytes()
-        finally:  # pages moved before a failure are recorded too
-            if moved:
-                self.offloaded(seq, moved, nbytes, "cpu", stored, ("v",))
-        return len(moved)
+        idx = self.tables.layout(seq).idx[self.home]  # the sequence's pages there, ascending
+        cand = [i for i in idx[:bisect.bisect_left(idx, cold)]
+                if home.ref[int(seq.pages[i].page)] == 1 and prefix.hash_of((self.home, int(seq.pages[i].page))) is None]
+        cand = cand[:self.pool.free_count]
+        if not cand:
+            return 0
+        dst = self.pool.allocate(len(cand), seq.subject)
+        src = [PageId(int(seq.pages[i].page)) for i in cand]
+        self.pool.copy_pages(home, src, dst)
+        self.store.release(self.home, src, seq.subject)
+        for i, p in zip(cand, dst):
+            seq.pages[i] = PageRef(SPLIT, p, SPLIT)
+        nbytes = len(dst) * self.pool.value_bytes()
+        self.offloaded(seq, [page_name(SPLIT, p) for p in dst], nbytes, "cpu", nbytes, ("v",))
+        return len(dst)
 
     def join(self, seq: Sequence) -> None:
-        """Bring every value the CPU store holds for the sequence back into its device pages
-        (before a read of whole pages); one `fetch` event."""
-        pools, got, nbytes = self.store.pools, [], 0
-        self.flush(seq)
-        try:
-            for i, r in enumerate(seq.pages):
-                if r.values is None:
-                    continue
-                pool = pools[r.where]
-                pool.load_values(PageId(int(r.page)), self.values.get(r.values))
-                seq.pages[i] = PageRef(r.where, r.page, r.pool)
-                self.values.erase(r.values)
-                got.append(page_name(r.where, r.page))
-                nbytes += pool.value_bytes()
-        finally:
-            if got:
-                self.fetched(seq, got, nbytes, "cpu", ("v",))
+        """Bring the sequence's split pages back to the codec's pool (before a read of whole
+        pages); one `fetch` event. Raises OutOfPages, having moved nothing, when that pool has
+        too few free pages."""
+        idx = [i for i, r in enumerate(seq.pages) if r.where == SPLIT]
+        if not idx:
+            return
+        self.drain()
+        home = self.store.pools[self.home]
+        if home.free_count < len(idx):
+            raise OutOfPages(f"no room to bring the K/V split's {len(idx)} pages back to the {self.home} pool "
+                             f"({home.free_count} free); free or offload other sequences first")
+        src = [PageId(int(seq.pages[i].page)) for i in idx]
+        dst = home.allocate(len(idx), seq.subject)
+        home.copy_pages(self.pool, src, dst)
+        self.store.release(SPLIT, src, seq.subject)
+        for i, p in zip(idx, dst):
+            seq.pages[i] = PageRef(self.home, p, self.home)
+        self.fetched(seq, [page_name(SPLIT, p) for p in src], len(src) * self.pool.value_bytes(), "cpu", ("v",))
 
     def flush(self, seq: Sequence) -> None:
-        """Emit the `fetch` of the values read for the sequence since the last one, and drop
-        what was fetched ahead for it."""
-        ahead = self._ahead.pop(seq.id, None)
-        if ahead is not None:
-            if ahead[2] is not None:  # the copy may still be under way on the side stream
-                torch.cuda.current_stream(self.cfg.device).wait_event(ahead[2])
-            for fields in ahead[1].values():
-                for t in fields.values():
-                    t.zero_()
+        """Emit the `fetch` of the values read for the sequence (and every other) so far."""
+        self.drain()
         moved = self._moved.pop(seq.id, None)
         if moved and moved[0]:
             names, nbytes = moved
             self.fetched(seq, list(names), nbytes, "cpu", ("v",))
 
-    # --- reads ----------------------------------------------------------------------------------
+    # --- the kernel path ------------------------------------------------------------------------
+
+    def attend_step(self, seqs: list[Sequence], layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """Decode attention of q [B, Hq, D] (16-bit, one query per row) over every row's pools,
+        the split's pages read as the rule picks them, on the device. [B, Hq, D]."""
+        from kvguard.kernels.page_scores import page_lse
+        from kvguard.kernels.paged_decode import paged_decode_sets
+
+        if layer == 0:
+            self.drain(wait=False)
+        sets, used = self.tables.decode_sets(seqs, layer)
+        names = [name for name, _ in used]
+        tokens = tuple(tuple(t) for _, t in used)
+        lens = self.tables.device_ints(("lens", tokens), lambda: tokens, torch.int32)  # [sets, B]
+        args = [(fields, table, lens[i], max(t)) for i, (fields, table, t) in enumerate(sets)]
+        if SPLIT not in names:
+            return paged_decode_sets(q, args, sm_scale=scale)[0]
+        # every page's log-sum-exp, the split's pages first, in one buffer
+        j = names.index(SPLIT)
+        widths = [table.shape[1] for _, table, _ in sets]
+        scores = torch.empty(q.shape[0], q.shape[1], sum(widths), device=q.device, dtype=torch.float32)
+        at = widths[j]
+        for i, (fields, table, _) in enumerate(sets):
+            lo, at = (0, at) if i == j else (at, at + widths[i])
+            page_lse(q, fields, table, lens[i], scale, out=scores[:, :, lo:lo + widths[i]])
+        top = scores.amax(dim=-1, keepdim=True)  # [B, Hq, 1] (finite: every row holds some token)
+        total = (scores - top).exp_().sum(dim=-1).log_() + top[..., 0]  # [B, Hq]: the softmax's normalizer
+        # a page's mass: the largest over query heads of the probability that falls in it
+        mass = torch.exp((scores[:, :, :widths[j]] - total[..., None]).amax(dim=1))  # [B, n]
+        s = self.cfg.page_size
+        ncold = [t // s for t in used[j][1]]
+        want = [self.rule.pages(n) for n in ncold]
+        k = max(n if w is None else w for n, w in zip(ncold, want))
+        top, pick = mass.topk(k, dim=-1)  # [B, k], largest first
+        if self.rule.mass is not None:
+            count = (top >= self.rule.mass).sum(dim=-1, dtype=torch.int32)
+        else:
+            count = self.tables.device_ints(("split-k", tuple(want)), lambda: list(want), torch.int32)
+        chosen = sets[j][1].gather(1, pick)  # [B, k] split page ids, the first count[b] of row b read
+        args[j] = (sets[j][0], chosen, count * s, k * s)
+        out, part = paged_decode_sets(q, args, sm_scale=scale)
+        # the pages read were normalized among themselves: rescale to the whole softmax, whose
+        # normalizer also counts the pages not read (their values are what the approximation skips)
+        out = (out.float() * torch.exp(part - total)[..., None]).to(q.dtype)
+        self._reads.append((chosen, count))  # reported when the host next looks (drain)
+        if layer == self.cfg.num_layers - 1:
+            self._close_step(seqs)
+        return out
+
+    def _close_step(self, seqs: list[Sequence]) -> None:
+        """After a step's last layer: the pages each layer read, copied to the host without a
+        wait, reported by `drain`."""
+        reads, self._reads = self._reads, []
+        k = max(c.shape[1] for c, _ in reads)
+        pages = torch.stack([torch.nn.functional.pad(c, (0, k - c.shape[1]), value=-1) for c, _ in reads])
+        counts = torch.stack([n for _, n in reads])  # [layers, B]
+        if self.cuda:
+            hp = torch.empty(pages.shape, dtype=pages.dtype, pin_memory=True)
+            hc = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            hp.copy_(pages, non_blocking=True)
+            hc.copy_(counts, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            hp, hc, event = pages, counts, None
+        self._pending.append((event, hp, hc, list(seqs)))
+        if not self.cuda:
+            self.drain()
+
+    def drain(self, wait: bool = True) -> None:
+        """Emit the `fetch` events of the kernel path's reads whose record has reached the host;
+        with `wait`, of all of them (waiting for the device). Without, a step or two may stay
+        pending, so the host runs ahead of the device."""
+        while self._pending:
+            event, pages, counts, seqs = self._pending[0]
+            if event is not None and not event.query():
+                if not wait and len(self._pending) < 3:
+                    return
+                event.synchronize()
+            self._pending.popleft()
+            per_page = self.page_value_bytes
+            for b, seq in enumerate(seqs):
+                n = counts[:, b].tolist()  # pages read in each layer
+                read = sorted({p for layer, m in enumerate(n) for p in pages[layer, b, :m].tolist()})
+                if read:
+                    self.fetched(seq, [page_name(SPLIT, p) for p in read], sum(n) * per_page, "cpu", ("v",))
+
+    # --- the reference path ---------------------------------------------------------------------
 
     def attend(self, seq: Sequence, layer: int, q: torch.Tensor, causal: bool, scale: float | None,
                mass_queries: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attention of q [T, Hq, D] (the last T positions) over what the sequence holds, the
-        cold pages' values fetched as the rule picks them. Returns (out [T, Hq, D] in q's dtype,
-        each key's mass [H, L] summed over the last `mass_queries` queries, or None); the mass
-        is the exact softmax's, whatever was fetched."""
-        c = self.cfg
-        s = c.page_size
+        """Attention of q [T, Hq, D] (the last T positions) over what the sequence holds, in
+        fp32, the split pages' values read as the rule picks them. Returns (out [T, Hq, D] in
+        q's dtype, each key's mass [H, L] summed over the last `mass_queries` queries, or None);
+        the mass is the exact softmax's, whatever was read."""
+        s = self.cfg.page_size
         refs = list(seq.pages)
         n = seq.lengths[layer]
-        k, v = self.store.gather(refs, layer, torch.float32)  # a cold page's values: zeros here
+        k, v = self.store.gather(refs, layer, torch.float32, values=False)  # split pages' values: zeros
         k, v = k[:, :n], v[:, :n]
         t, hq, d = q.shape
         h = k.shape[0]
         g = hq // h
         scale = 1.0 / math.sqrt(d) if scale is None else scale
-        cold = [i for i, r in enumerate(refs) if r.values is not None and (i + 1) * s <= n]
+        cold = [i for i, r in enumerate(refs) if r.where == SPLIT and (i + 1) * s <= n]
         qf = q.float().reshape(t, h, g, d).permute(1, 2, 0, 3)  # [H, g, T, D]
         out = torch.empty(h, g, t, d, device=q.device)
         mass = torch.zeros(h, n, device=q.device) if mass_queries > 0 else None
-        fetched: dict[int, torch.Tensor] = {}  # page index -> its values [H, S, D], fetched once per read
+        fetched: dict[int, torch.Tensor] = {}  # page index -> its values [H, S, D], read once per call
         block = max(1, MAX_SCORES // max(1, h * g * n))
         read = 0
         for lo in range(0, t, block):
@@ -174,8 +263,9 @@ class ValueSplit:
                 chosen = self._pick(probs, cold)
                 need = [i for i in chosen if i not in fetched]
                 if need:
-                    fetched.update(zip(need, self._fetch(seq, layer, refs, need), strict=True))
-                skipped = [i for i in cold if i not in set(chosen)]
+                    fetched.update(zip(need, self._values(seq, layer, refs, need), strict=True))
+                picked = set(chosen)
+                skipped = [i for i in cold if i not in picked]
                 if chosen:
                     vb = v.clone()
                     for i in chosen:
@@ -188,9 +278,7 @@ class ValueSplit:
             read += (hi - lo) * (n - len(skipped) * s)
             out[:, :, lo:hi] = torch.einsum("hgtl,hld->hgtd", probs, vb)
         self.last_read = read / (t * n) if n else 1.0
-        if cold and self.prefetch and layer + 1 < c.num_layers:
-            self._fetch_ahead(seq, layer + 1, [refs[i] for i in sorted(fetched)])
-        if layer == c.num_layers - 1:
+        if layer == self.cfg.num_layers - 1:
             self.flush(seq)
         return out.permute(2, 0, 1, 3).reshape(t, hq, d).to(q.dtype), mass
 
@@ -210,70 +298,13 @@ class ValueSplit:
             pick = per_page.topk(k).indices.tolist()
         return sorted(cold[j] for j in pick)
 
-    def _fetch(self, seq: Sequence, layer: int, refs: list[PageRef], idx: list[int]) -> list[torch.Tensor]:
-        """The values [H, S, D] fp32 of pages idx of the sequence at one layer, from the CPU
-        store (or what was fetched ahead), decoded with their device keys' codec fields."""
-        pools = self.store.pools
-        fields = self._load(seq, layer, [refs[i] for i in idx])
-        out: list[torch.Tensor | None] = [None] * len(idx)
-        for name, pool in pools.items():
-            at = [j for j, i in enumerate(idx) if refs[i].where == name]
-            if not at:
-                continue
-            f = pool.read(layer, [PageId(int(refs[idx[j]].page)) for j in at])
-            for fname in pool.value_fields():
-                dtype = pool.fields[layer][fname].dtype
-                f[fname] = torch.stack([fields[j][fname] for j in at]).view(dtype)
-            _, vv = pool.codec.decode(f, torch.float32)  # [n, H, S, D]
-            for j, x in zip(at, vv):
-                out[j] = x
-        return out
-
-    def _load(self, seq: Sequence, layer: int, refs: list[PageRef]) -> list[dict[str, torch.Tensor]]:
-        """Each page's value fields at one layer, on the device: from what was fetched ahead
-        for this layer, the rest copied now. Counted into the step's `fetch` event."""
-        ahead = self._ahead.pop(seq.id, None)
-        have: dict[str, dict[str, torch.Tensor]] = {}
-        if ahead is not None and ahead[0] == layer:
-            if ahead[2] is not None:
-                torch.cuda.current_stream(self.cfg.device).wait_event(ahead[2])
-            have = ahead[1]
-        missing = [r for r in refs if r.values not in have]
-        if missing:
-            got, event = self._copy(seq, layer, missing)
-            if event is not None:
-                torch.cuda.current_stream(self.cfg.device).wait_event(event)
-            have = {**have, **got}
-        return [have[r.values] for r in refs]
-
-    def _fetch_ahead(self, seq: Sequence, layer: int, refs: list[PageRef]) -> None:
-        """Start fetching these pages' values of `layer` (the next layer's likely pages)."""
-        if refs:
-            got, event = self._copy(seq, layer, refs)
-            self._ahead[seq.id] = (layer, got, event)
-
-    def _copy(self, seq: Sequence, layer: int, refs: list[PageRef]):
-        """Copy the pages' value fields of one layer to the device: on CUDA staged in pinned
-        memory and copied on the side stream (returns the event to wait for), else at once."""
-        dev = self.cfg.device
+    def _values(self, seq: Sequence, layer: int, refs: list[PageRef], idx: list[int]) -> list[torch.Tensor]:
+        """The values [H, S, D] fp32 of split pages idx of the sequence at one layer, copied
+        from host memory and decoded; counted into the step's `fetch` event."""
+        pages = [PageId(int(refs[i].page)) for i in idx]
+        _, v = self.pool.codec.decode(self.pool.read(layer, pages), torch.float32)  # [n, H, S, D]
         names, nbytes = self._moved.setdefault(seq.id, ({}, 0))
-        got: dict[str, dict[str, torch.Tensor]] = {}
-        event = None
-        for r in refs:
-            blob = self.values.get(r.values)
-            prefix = f"{layer}."
-            got[r.values] = {key[len(prefix):]: x for key, x in blob.items() if key.startswith(prefix)}
-            names[page_name(r.where, r.page)] = None
-            nbytes += sum(x.numel() * x.element_size() for x in got[r.values].values())
-        self._moved[seq.id] = (names, nbytes)
-        if self.cuda:
-            with torch.cuda.stream(self._stream):
-                got = {key: {n: x.to(dev, non_blocking=True) for n, x in f.items()} for key, f in got.items()}
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            for f in got.values():
-                for x in f.values():
-                    x.record_stream(torch.cuda.current_stream(dev))
-        else:
-            got = {key: {n: x.to(dev, copy=True) for n, x in f.items()} for key, f in got.items()}
-        return got, event
+        for p in pages:
+            names[page_name(SPLIT, p)] = None
+        self._moved[seq.id] = (names, nbytes + len(pages) * self.page_value_bytes)
+        return list(v)

@@ -1,4 +1,4 @@
-"""The K/V split tier: keys on the device, cold values in CPU memory, fetched by score."""
+"""The K/V split tier: keys on the device, cold values in host memory, read by score."""
 
 from __future__ import annotations
 
@@ -55,7 +55,12 @@ def test_with_int8_pages_every_page_fetched_equals_the_cache_without_split():
     a, _, _ = filled(plain)
     b, _, _ = filled(split)
     assert split.split_cold(b) > 0
-    assert any(r.where == "main" and r.values for r in split.seqs.get(b).pages)  # int8 values in the store
+    pages = split.seqs.get(b).pages
+    moved = sum(r.where == "split" for r in pages)
+    assert moved == split.pools["split"].used_count > 0  # int8 pages in the split's pool
+    assert plain.pools["main"].used_count - split.pools["main"].used_count == moved  # freed on the device
+    assert split.pools["split"]._stacks["v"].device.type == "cpu"  # their values in host memory
+    assert split.stats().bytes_held == plain.stats().bytes_held  # the same bytes, some elsewhere
     for layer in range(L):
         q = query(7 + layer, t=3)
         assert torch.equal(split.attend(b, layer, q), plain.attend(a, layer, q))
@@ -121,7 +126,7 @@ def test_offload_and_fetch_events_name_the_values():
     m.split_cold(seq)
     (off,) = m.events.take_events()
     assert isinstance(off, ev.PagesOffloaded) and off.fields == ("v",) and off.dst == "cpu"
-    assert off.pages == tuple(f"hot:{i}" for i in range(8)) and off.n_tokens == 32
+    assert off.pages == tuple(f"split:{i}" for i in range(8)) and off.n_tokens == 32
     assert off.details()["fields"] == ["v"]
     assert off.bytes == 8 * L * H * S * D * 4  # the fp32 values of 8 pages in every layer
     m.attend(seq, 0, query(1))
@@ -135,7 +140,7 @@ def test_offload_and_fetch_events_name_the_values():
     assert torch.equal(vv, v[0].transpose(0, 1)) and torch.equal(kk, k[0].transpose(0, 1))
     (back,) = m.events.take_events()
     assert back.fields == ("v",) and back.pages == off.pages and back.bytes == off.bytes
-    assert not m.split.values.keys()
+    assert not m.split.away(m.seqs.get(seq)) and m.pools["split"].used_count == 0
 
 
 def test_whole_page_moves_keep_their_records_as_they_were():
@@ -146,34 +151,43 @@ def test_whole_page_moves_keep_their_records_as_they_were():
     assert "fields" not in off.details() and off.fields == ()
 
 
-def test_split_pages_are_neither_offloaded_whole_nor_shared():
-    m = make({"window": 8, "top_k": 1})
-    seq, _, _ = filled(m)
-    m.split_cold(seq)
-    assert m.publish_prefix(seq, list(range(N))) == 2  # the window's full pages only
-    assert m.offload(seq, "cpu") == 2  # the same: the older pages' values are away already
-    assert m.stats().pages_offloaded == {VALUES: 8, "cpu": 2}
-
-
-def test_a_16bit_page_whose_values_are_away_is_not_quantized():
-    m = make({"window": 0, "top_k": 1}, codec="int8", fp_window=16)
+def test_split_pages_are_not_shared_and_go_whole_to_a_lower_tier():
+    m = make({"window": 8, "top_k": 1000})
     seq, k, v = filled(m)
-    assert m.split_cold(seq) == N // S  # the 16-bit window's pages too (window 0)
+    m.split_cold(seq)
+    assert m.stats().pages_offloaded == {VALUES: 8}
+    assert m.publish_prefix(seq, list(range(N))) == 2  # the window's full pages only
+    assert m.offload(seq, "cpu") == 10  # an idle sequence's split pages leave whole, keys too
+    assert m.stats().pages_offloaded == {"cpu": 10} and m.pools["split"].used_count == 0
+    q = query(2)
+    ref, _ = dense_attention(q, k[0].transpose(0, 1), v[0].transpose(0, 1))
+    assert torch.equal(m.attend(seq, 0, q), ref)  # fetched back where they were: split pages again
+    assert m.pools["split"].used_count == 8
+
+
+def test_sinks_and_the_16bit_window_stay_on_the_device():
+    m = make({"window": 0, "top_k": 1000}, codec="int8", fp_sink=4, fp_window=16)
+    seq, k, v = filled(m)
+    assert m.split_cold(seq) == (N - 16) // S - 1  # the codec's pages; the sink page and the 16-bit window stay
     g = torch.Generator().manual_seed(4)
     k2, v2 = torch.randn(L, 8, H, D, generator=g), torch.randn(L, 8, H, D, generator=g)
     for layer in range(L):
         assert m.append(seq, layer, k2[layer], v2[layer])
+    m.split_cold(seq)
     pages = m.seqs.get(seq).pages
-    assert [r.where for r in pages[6:8]] == ["hot", "hot"]  # left the 16-bit window, values away: kept
-    _, vv = m.kv(seq, 0)
-    assert torch.equal(vv[:, 24:40], v[0, 24:40].transpose(0, 1))  # 16-bit values back as they were
+    assert [r.where for r in pages] == ["hot"] + ["split"] * 7 + ["hot"] * 4  # quantized, then split
+    plain = make(None, codec="int8", fp_sink=4, fp_window=16)
+    a, _, _ = filled(plain)
+    for layer in range(L):
+        assert plain.append(a, layer, k2[layer], v2[layer])
+    q = query(5)
+    assert torch.equal(m.attend(seq, 1, q), plain.attend(a, 1, q))
 
 
 def test_writes_split_at_each_steps_first_layer_and_prefetch_gives_the_same_answer():
     plain, m = make(None), make({"window": 8, "top_k": 1000})
     a, _, _ = filled(plain)
     b, _, _ = filled(m)
-    m.split.prefetch = True  # the CUDA path's fetch-ahead, here synchronous
     g = torch.Generator().manual_seed(5)
     for _ in range(6):  # decode steps
         k, v, q = torch.randn(L, 1, H, D, generator=g), torch.randn(L, 1, H, D, generator=g), torch.randn(L, 1, HQ, D,
@@ -182,7 +196,7 @@ def test_writes_split_at_each_steps_first_layer_and_prefetch_gives_the_same_answ
             for mm, s in ((plain, a), (m, b)):
                 assert mm.append(s, layer, k[layer], v[layer])
             assert torch.equal(m.attend(b, layer, q[layer]), plain.attend(a, layer, q[layer]))
-    assert sum(r.values is not None for r in m.seqs.get(b).pages) == (N + 6 - 8) // S
+    assert sum(r.where == "split" for r in m.seqs.get(b).pages) == (N + 6 - 8) // S
 
 
 @pytest.mark.parametrize("how", ["session", "user", "free"])
@@ -192,8 +206,7 @@ def test_erasure_leaves_neither_keys_nor_values(how):
     seq, _, _ = filled(m)
     m.attend(seq, 0, query(1))  # a read left half done: its fetch is reported before the erasure
     assert m.split_cold(seq) > 0
-    stored = [t for key in m.split.values.keys() for t in m.split.values.get(key).values()]
-    assert stored and any(t.abs().sum() > 0 for t in stored)
+    assert m.pools["split"]._stacks["v"].any()
     m.events.take_events()
     if how == "session":
         event = m.erase_session("acme", "s1")
@@ -202,10 +215,8 @@ def test_erasure_leaves_neither_keys_nor_values(how):
     else:
         m.free(seq)
         event = m.events.take_events()[-1]
-    assert event.tier_copies == 8
-    assert not m.split.values.keys()  # the CPU value store holds nothing of it
-    assert all(not t.any() for t in stored)  # and what it held was overwritten
-    for pool in m.pools.values():  # nor do the device pages: the keys are overwritten too
+    assert event.tier_copies == 0 and m.pools["split"].used_count == 0
+    for pool in m.pools.values():  # no page holds anything of it: host values and device keys overwritten
         for t in pool._stacks.values():
             assert not t.view(torch.uint8).any()
     assert m.sequences() == [other]
@@ -221,18 +232,69 @@ def test_config_checks():
         m.split_cold(m.open(SUBJECT))
 
 
-def test_on_the_kernel_path_a_split_sequence_is_read_through_the_split():
-    """A batch step or chunk of a cache on the kernel path reads a split row through the split
-    (the kernels read values in place): no kernel runs here, the answer is full attention's."""
-    m = make({"window": 8, "top_k": 1000}, dtype=torch.float16, use_kernels=True)
-    seq, k, v = filled(m)
-    m.split_cold(seq)
-    q = query(2).half()
-    ref, _ = dense_attention(q, k[0].half().transpose(0, 1), v[0].half().transpose(0, 1))
-    torch.testing.assert_close(m.attend_step([seq], 0, q), ref, rtol=1e-3, atol=1e-3)
-    chunk = query(3, t=2).half()
-    ref, _ = dense_attention(chunk, k[1].half().transpose(0, 1), v[1].half().transpose(0, 1))
-    torch.testing.assert_close(m.attend_chunk([seq], 1, chunk[None])[0], ref, rtol=1e-3, atol=1e-3)
+KD, KS, KN = 32, 16, 200  # the kernel path's shapes: head dim, page size, tokens
+
+
+def kernel_pair(rule: dict, codec: str):
+    """The same cache on the kernel path and on the reference path, two rows of different
+    lengths filled alike (only the first long enough to split), their cold pages split."""
+    def one(use_kernels):
+        m = CacheManager(CacheConfig(num_layers=L, num_kv_heads=H, head_dim=KD, num_query_heads=6, page_size=KS,
+                                     num_pages=64, dtype=torch.float16, codec=codec, fp_sink=0, fp_window=16,
+                                     use_kernels=use_kernels, kv_split={"window": 32, **rule}))
+        g = torch.Generator().manual_seed(11)
+        rows = []
+        for i, n in enumerate((KN, 40)):
+            seq = m.open(Subject("acme", f"u{i}", f"s{i}"))
+            k, v = torch.randn(L, n, H, KD, generator=g), torch.randn(L, n, H, KD, generator=g)
+            k[:, 17::23] *= 3  # some pages matter more than others
+            for layer in range(L):
+                assert m.append(seq, layer, k[layer].half(), v[layer].half())
+            rows.append(seq)
+        assert m.split_cold(rows[0]) > 0 and m.split_cold(rows[1]) == 0
+        m.events.take_events()
+        return m, rows
+    return one(True), one(False)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8"])
+@pytest.mark.parametrize("rule", [{"top_k": 1000}, {"top_k": 3}, {"fraction": 0.5}, {"mass": 0.02}])
+def test_the_kernel_path_reads_what_the_reference_path_reads(codec, rule):
+    """Decode steps of a batch on the kernel path (scores, picks and reads on the device,
+    under Triton's interpreter here) give the reference path's answer and the same fetch
+    events."""
+    (km, krows), (rm, rrows) = kernel_pair(rule, codec)
+    g = torch.Generator().manual_seed(12)
+    for _ in range(3):
+        k, v = torch.randn(L, 2, H, KD, generator=g).half(), torch.randn(L, 2, H, KD, generator=g).half()
+        q = torch.randn(L, 2, 6, KD, generator=g).half()
+        for layer in range(L):
+            km.append_step(krows, layer, k[layer], v[layer])
+            rm.append_step(rrows, layer, k[layer], v[layer])
+            got, want = km.attend_step(krows, layer, q[layer]), rm.attend_step(rrows, layer, q[layer])
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
+        km.split.drain()
+        kf = [e for e in km.events.take_events() if isinstance(e, ev.PagesFetched)]
+        rf = [e for e in rm.events.take_events() if isinstance(e, ev.PagesFetched)]
+        assert [(e.seq, sorted(e.pages), e.bytes) for e in kf] == [(e.seq, sorted(e.pages), e.bytes) for e in rf]
+        if rule.get("top_k") == 1000:
+            assert kf and len(kf[0].pages) == km.pools["split"].used_count
+
+
+def test_the_kernel_path_reads_the_values_of_the_picked_pages_only():
+    """Values of pages not picked are never read: poison them and the answer does not change."""
+    (km, krows), _ = kernel_pair({"top_k": 2}, "int8")
+    q = torch.randn(2, 6, KD, generator=torch.Generator().manual_seed(3)).half()
+    before = km.attend_step(krows, 0, q)  # layer 0 of a step: what it read is still on the device
+    chosen, count = km.split._reads[-1]
+    assert count.tolist() == [2, 0]  # the second row has no split page
+    read = set(chosen[0, :2].tolist())
+    stack = km.pools["split"]._stacks["v"]
+    others = [p for p in range(km.pools["split"].num_pages) if p not in read]
+    stack[:, others] = 127  # every other split page's value codes
+    torch.testing.assert_close(km.attend_step(krows, 0, q), before, rtol=0, atol=0)
+    stack[:, sorted(read)] = 127
+    assert not torch.equal(km.attend_step(krows, 0, q), before)
 
 
 def test_a_static_decode_step_refuses_a_split_cache():

@@ -1,0 +1,121 @@
+"""Each page's log-sum-exp of one decode query's attention logits: the K/V split's scores.
+
+The K/V split (kvguard/cache/split.py) keeps keys on the device and the values of cold pages in
+host memory. Before a decode step reads any value it needs, for every page, how much of the
+softmax falls there: this pass reads keys only and writes, per query head and page, the
+natural log of the sum of exp of the page's scaled logits. The logsumexp over every page of
+every set is the softmax's normalizer, and exp(page - normalizer) the page's mass, exactly.
+
+Grid B x H x page chunks: a program takes one sequence, one KV head with its group of query
+heads (the columns of one tensor-core product, padded to 16), and PAGES pages.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import KIND, KernelArgError, check_decode, field_args, softmax_scale
+from ._launch import launch
+from ._pages import load_keys_f16
+from .paged_decode import _on_gpu, _signature
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _page_lse_kernel(q, kp, ksp, kzp, block_table, seq_lens, out, qk_scale, bt_stride, out_stride, n_pages,
+                     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
+                     KIND: tl.constexpr, PAGES: tl.constexpr, ON_GPU: tl.constexpr):
+    # q [B, Hq, D]; block_table [B, *]; seq_lens [B] tokens; out [B, Hq, n_pages] fp32, rows
+    # (b, hq) out_stride apart
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    c = tl.program_id(2)
+    seq_len = tl.load(seq_lens + b)
+    pi = c * PAGES + tl.arange(0, PAGES)  # the sequence's page slots of this program
+    ok = (pi[:, None] * S + tl.arange(0, S)[None, :]) < seq_len  # [PAGES, S] tokens that exist
+    page = tl.load(block_table + b.to(tl.int64) * bt_stride + pi, mask=pi * S < seq_len, other=0).to(tl.int64)
+    k = load_keys_f16(kp, ksp, kzp, page, ok, h, H, S, D, PAGES, KIND, ON_GPU)  # [PAGES*S, D]
+    r = tl.arange(0, GP)
+    row_ok = r < G
+    qrow = b * (H * G) + h * G + r
+    d = tl.arange(0, D)
+    qv = tl.load(q + qrow[None, :] * D + d[:, None], mask=row_ok[None, :], other=0.0).to(tl.float32)
+    s = tl.dot(k, qv.to(tl.float16)) * qk_scale  # [PAGES*S, GP] base-2 logits
+    s = tl.where(ok.reshape(PAGES * S, 1), s, float("-inf")).reshape(PAGES, S, GP)
+    m = tl.max(s, 1)  # [PAGES, GP]
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.sum(tl.exp2(s - m_use[:, None, :]), 1)
+    lse = tl.where(l > 0.0, (m_use + tl.log2(tl.where(l > 0.0, l, 1.0))) * 0.6931471805599453, float("-inf"))
+    at = out + qrow[None, :].to(tl.int64) * out_stride + pi[:, None]
+    tl.store(at, lse, mask=(pi < n_pages)[:, None] & row_ok[None, :])
+
+
+PAGES_PER_PROGRAM = 8
+
+
+_CHECKED: dict[tuple, tuple] = {}  # what the checks found, per kind of call (as paged_decode's _TILES)
+
+
+def page_lse(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
+             sm_scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hq, D] 16-bit; pages one layer's page fields (any codec; only the keys are read);
+    block_table [B, n] int32 page ids; seq_lens [B] int32 tokens (at most n * S).
+
+    Returns [B, Hq, n] fp32: per query head and page slot, log of the sum over the page's tokens
+    of exp(q . k * sm_scale); -inf for a slot past the sequence's tokens. `out`, if given, is
+    written and returned: [B, Hq, n] fp32 whose last dimension is contiguous (a slice of a wider
+    buffer, so that several sets of pages fill one)."""
+    key = _signature(q, pages, block_table, seq_lens)
+    hit = _CHECKED.get(key) if key is not None else None
+    if hit is None:
+        codec, h, s, d, _, _ = check_decode(q, pages, block_table, seq_lens)
+        g = q.shape[1] // h
+        consts = dict(H=h, G=g, GP=max(16, triton.next_power_of_2(g)), S=s, D=d, KIND=KIND[codec],
+                      PAGES=PAGES_PER_PROGRAM, ON_GPU=_on_gpu(codec, {}, False), num_warps=4)
+        hit = (consts, tuple(sorted(consts.items())), d)
+        if key is not None:
+            if len(_CHECKED) >= 256:
+                _CHECKED.clear()
+            _CHECKED[key] = hit
+    consts, ckey, d = hit
+    b, hq, _ = q.shape
+    n = block_table.shape[1]
+    if out is None:
+        out = torch.empty(b, hq, n, device=q.device, dtype=torch.float32)
+    elif (out.shape != (b, hq, n) or out.dtype != torch.float32 or out.device != q.device or out.stride(2) != 1
+          or out.stride(0) != hq * out.stride(1)):
+        raise KernelArgError(f"out must be [{b}, {hq}, {n}] fp32 on {q.device}, rows evenly strided, pages contiguous")
+    if n == 0 or b == 0:
+        return out
+    scale = softmax_scale(sm_scale, d) * LOG2E
+    args = (q, *field_args(pages)[:3], block_table, seq_lens, out, scale, block_table.stride(0), out.stride(1), n)
+    launch(_page_lse_kernel, (b, consts["H"], triton.cdiv(n, PAGES_PER_PROGRAM)), args, consts, ckey)
+    return out
+
+
+def page_lse_ref(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, sm_scale: float | None = None) -> torch.Tensor:
+    """page_lse in fp32 from the keys dequantized by kernels/quantize.py."""
+    from . import quantize as ref
+
+    b, hq, d = q.shape
+    s = pages["k"].shape[2]
+    h = pages["k"].shape[1]
+    n = block_table.shape[1]
+    scale = softmax_scale(sm_scale, d)
+    out = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
+    for i in range(b):
+        used = -(-int(seq_lens[i]) // s)
+        if not used:
+            continue
+        idx = block_table[i, :used].long()
+        k, _ = ref.decode_pages({f: t[idx.to(t.device)].to(q.device) for f, t in pages.items()})  # [n, H, S, D]
+        k = k.float().repeat_interleave(hq // h, dim=1)  # [n, Hq, S, D]
+        logits = torch.einsum("hd,nhsd->hns", q[i].float(), k) * scale
+        tok = torch.arange(used * s, device=q.device).view(used, s) < int(seq_lens[i])
+        logits = logits.masked_fill(~tok[None], float("-inf"))
+        out[i, :, :used] = torch.logsumexp(logits, dim=-1)
+    return out
