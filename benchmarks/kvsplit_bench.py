@@ -1,20 +1,32 @@
-"""The K/V split's decode step against the same cache without it, on CUDA (or a CPU smoke run).
+"""The K/V split at a fixed device budget for KV: the longest context it holds, and its decode step.
 
-A batch of B sequences holds `--context` tokens of random K/V in every layer; each decode step
-writes one token per row and attends every layer (CacheManager.append_step / attend_step).
-Without the split the step is the cache's own path (the Triton decode kernels on CUDA). With
-it, values older than `--window` tokens live in (pinned) CPU memory and each layer fetches the
-values of the top `--fraction` of the cold pages, the next layer's fetched ahead on a side
-stream. Prints ms per step (median) and the value bytes fetched per step (from the `fetch`
-events), as a ratio against the run without the split in the same process.
+For a model shape and a device budget (`--budget-gb`, default 16), three caches are sized to it:
+16-bit pages, INT8 pages, and INT8 with the K/V split (keys of cold pages on the device, their
+values in pinned host memory, the window's pages whole). Each is filled, through the cache's own
+write path, with the longest context its pools hold for each of `--batch` sequences (within 3
+pages a sequence), and then decodes steps
+(CacheManager.append_step / attend_step, every layer) with random K/V and queries. Printed per
+configuration: tokens held, device bytes of its pools (measured: torch.cuda.memory_allocated
+around the cache), host bytes, ms per step (median), value bytes read from the host per step
+(from the `fetch` events), and the step time against INT8 at INT8's longest context. The split
+is timed at its own longest context and at INT8's, for each `--fractions` (top fraction of the
+cold pages read per layer). Random keys spread attention evenly, so the fraction is set, not
+found; which fraction a real model needs is docs/fidelity.md's question.
 
-    python benchmarks/kvsplit_bench.py --context 8192 --batch 8 --fraction 0.25
-    python benchmarks/kvsplit_bench.py --smoke      # tiny, on the CPU
+Before timing, `--check` (default on) compares on the device the split's kernel path with every
+page read against the same cache without the split, and with a fraction against the split's
+reference path (dense fp32, values copied in).
+
+    python benchmarks/kvsplit_bench.py                      # llama-8b, 16 GB, on CUDA
+    python benchmarks/kvsplit_bench.py --batch 8 --no-check
+    python benchmarks/kvsplit_bench.py --profile            # where the split's step spends its time
+    python benchmarks/kvsplit_bench.py --smoke              # tiny, on the CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -22,80 +34,251 @@ import torch
 
 from kvguard.cache import CacheConfig, CacheManager
 from kvguard.cache import events as ev
+from kvguard.cache.config import KVSplit
 from kvguard.types import Subject
 
 SHAPES = {"smollm2-135m": (30, 3, 64, 9), "llama-8b": (32, 8, 128, 32)}  # layers, KV heads, head dim, query heads
+S = 16
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
-def bench(args, split: dict | None) -> tuple[float, float]:
+def page_bytes(args, codec: str, keys_only: bool = False) -> int:
+    """Device bytes of one page (every layer) of a codec; keys_only: the split pool's."""
+    layers, h, d, _ = SHAPES[args.shape]
+    if codec == "fp16":
+        per = {"k": h * S * d * 2, "v": h * S * d * 2}
+    else:  # int8: codes, per-channel key scales, per-token value scales
+        per = {"k": h * S * d, "k_scale": h * d * 2, "v": h * S * d, "v_scale": h * S * 2}
+    return layers * sum(b for f, b in per.items() if not (keys_only and f.startswith("v")))
+
+
+def sizes(args, kind: str) -> dict:
+    """Pools of one configuration within the budget: (main pages, hot pages, split pages)."""
+    budget = int(args.budget_gb * 2**30)
+    b = args.batch
+    # a prompt chunk in 16-bit, and each row's sink page and 16-bit window with the steps after it
+    hot = -(-(args.chunk + 2 * S) // S) + b * (128 // S + 4) + 8
+    hot_bytes = hot * page_bytes(args, "fp16")
+    if kind == "fp16":
+        return dict(codec="fp16", num_hot_pages=(budget // page_bytes(args, "fp16")), num_pages=1, split=None)
+    if kind == "int8":
+        return dict(codec="int8", num_hot_pages=hot, num_pages=(budget - hot_bytes) // page_bytes(args, "int8"),
+                    split=None)
+    # each row's window, and a chunk quantized before it moves
+    main = -(-(2 * args.chunk) // S) + b * (args.window // S + 2) + 8
+    left = budget - hot_bytes - main * page_bytes(args, "int8")
+    return dict(codec="int8", num_hot_pages=hot, num_pages=main, split=left // page_bytes(args, "int8", True))
+
+
+def make(args, kind: str, fraction: float) -> tuple[CacheManager, int, int]:
+    """The cache, its device bytes (measured) and the tokens each of `--batch` sequences can hold
+    in it (within 3 pages a sequence of the most)."""
     layers, h, d, hq = SHAPES[args.shape]
     dev = torch.device(args.device)
-    dtype = torch.float16 if dev.type == "cuda" else torch.float32
-    s = 16
-    pages = args.batch * (-(-(args.context + args.steps + s) // s) + 2)
-    m = CacheManager(CacheConfig(num_layers=layers, num_kv_heads=h, head_dim=d, num_query_heads=hq, page_size=s,
-                                 num_pages=pages, dtype=dtype, device=dev, codec=args.codec, fp_sink=16,
-                                 fp_window=128, kv_split=split))
+    z = sizes(args, kind)
+    split = None if z["split"] is None else {"window": args.window, "fraction": fraction, "capacity": z["split"]}
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+    m = CacheManager(CacheConfig(num_layers=layers, num_kv_heads=h, head_dim=d, num_query_heads=hq, page_size=S,
+                                 num_pages=z["num_pages"], num_hot_pages=z["num_hot_pages"],
+                                 dtype=torch.float16 if dev.type == "cuda" else torch.float32, device=dev,
+                                 codec=z["codec"], fp_sink=16, fp_window=128, kv_split=split,
+                                 use_kernels=dev.type == "cuda"))
+    used = (torch.cuda.memory_allocated(dev) - before) if dev.type == "cuda" else sum(
+        t.numel() * t.element_size() for p in m.pools.values() for t in p._stacks.values() if t.device == dev)
+    b = args.batch
+    if kind == "fp16":
+        tokens = (z["num_hot_pages"] // b - 3) * S
+    elif kind == "int8":
+        tokens = (z["num_pages"] // b - 3) * S + 128 + 16  # the sink page and the window stay 16-bit
+    else:
+        tokens = (z["split"] // b - 3) * S + args.window
+    return m, used, tokens - args.steps - args.warmup
+
+
+def fill(m: CacheManager, tokens: int, args) -> list:
+    """`--batch` sequences of `tokens` tokens each, written through the cache's write path."""
+    layers, h, d, _ = SHAPES[args.shape]
+    dev, dtype = m.cfg.device, m.cfg.dtype
     g = torch.Generator(device=dev).manual_seed(0)
-    seqs = [m.open(Subject("bench", f"u{i}", f"s{i}")) for i in range(args.batch)]
-    chunk = 1024
-    for seq in seqs:
-        for lo in range(0, args.context, chunk):
-            n = min(chunk, args.context - lo)
+    t0 = time.perf_counter()
+    seqs = []
+    for i in range(args.batch):
+        seq = m.open(Subject("bench", f"u{i}", f"s{i}"))
+        for lo in range(0, tokens, args.chunk):
+            n = min(args.chunk, tokens - lo)
             for layer in range(layers):
                 k = torch.randn(n, h, d, generator=g, device=dev, dtype=dtype)
-                assert m.append(seq, layer, k, torch.randn(n, h, d, generator=g, device=dev, dtype=dtype))
-        if split:
-            m.split_cold(seq)
+                if not m.append(seq, layer, k, torch.randn(n, h, d, generator=g, device=dev, dtype=dtype)):
+                    raise SystemExit(f"the cache ran out of pages at row {i}, {lo} tokens (of {tokens})")
+            if m.split is not None:
+                m.split_cold(seq)
+        seqs.append(seq)
+        sync(dev)
+        print(f"    filled row {i + 1} of {args.batch}: {tokens:,} tokens ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
     m.events.take_events()
-    times, fetched = [], []
+    return seqs
+
+
+def decode(m: CacheManager, seqs: list, args) -> tuple[float, float]:
+    """ms per step (median) and value bytes read from the host per step (mean)."""
+    layers, h, d, hq = SHAPES[args.shape]
+    dev, dtype = m.cfg.device, m.cfg.dtype
+    g = torch.Generator(device=dev).manual_seed(1)
+    times, fetched, hosts = [], [], []
     for step in range(args.warmup + args.steps):
-        k = torch.randn(layers, args.batch, h, d, generator=g, device=dev, dtype=dtype)
-        q = torch.randn(layers, args.batch, hq, d, generator=g, device=dev, dtype=dtype)
+        k = torch.randn(layers, len(seqs), h, d, generator=g, device=dev, dtype=dtype)
+        q = torch.randn(layers, len(seqs), hq, d, generator=g, device=dev, dtype=dtype)
         sync(dev)
         t0 = time.perf_counter()
         for layer in range(layers):
             m.append_step(seqs, layer, k[layer], k[layer])
             m.attend_step(seqs, layer, q[layer])
+        launched = time.perf_counter()
         sync(dev)
+        if m.split is not None:
+            m.split.drain()
+        got = sum(e.bytes for e in m.events.take_events() if isinstance(e, ev.PagesFetched) and e.fields == ("v",))
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
-            fetched.append(sum(e.bytes for e in m.events.take_events()
-                               if isinstance(e, ev.PagesFetched) and e.fields == ("v",)))
-        else:
-            m.events.take_events()
-    for seq in seqs:
-        m.free(seq)
+            hosts.append(launched - t0)
+            fetched.append(got)
+    decode.host_ms = 1000 * statistics.median(hosts)  # the host's share: launching the step's work
     return 1000 * statistics.median(times), statistics.mean(fetched)
+
+
+def check(args) -> None:
+    """The split's kernel path against the cache without it (every page read) and against its
+    reference path (a fraction), on a short context, all on the device."""
+    layers, h, d, hq = SHAPES[args.shape]
+    dev = torch.device(args.device)
+    n = 4096 + 300
+
+    def run(split, kernels):
+        m = CacheManager(CacheConfig(num_layers=2, num_kv_heads=h, head_dim=d, num_query_heads=hq, page_size=S,
+                                     num_pages=512, num_hot_pages=512, dtype=torch.float16, device=dev,
+                                     codec="int8", fp_sink=16, fp_window=128, kv_split=split,
+                                     use_kernels=kernels))
+        g = torch.Generator(device=dev).manual_seed(2)
+        seqs = [m.open(Subject("bench", f"u{i}", f"s{i}")) for i in range(2)]
+        for i, seq in enumerate(seqs):
+            for layer in range(2):
+                k = torch.randn(n - 1000 * i, h, d, generator=g, device=dev, dtype=torch.float16)
+                k[::97] *= 4  # pages that matter more
+                m.append(seq, layer, k, torch.randn(n - 1000 * i, h, d, generator=g, device=dev, dtype=torch.float16))
+            if split:
+                m.split_cold(seq)
+        outs = []
+        for _ in range(3):
+            k = torch.randn(2, 2, h, d, generator=g, device=dev, dtype=torch.float16)
+            q = torch.randn(2, 2, hq, d, generator=g, device=dev, dtype=torch.float16)
+            for layer in range(2):
+                m.append_step(seqs, layer, k[layer], k[layer])
+                outs.append(m.attend_step(seqs, layer, q[layer]).float())
+        if m.split is not None:
+            assert m.pools["split"].used_count > 0
+        return torch.stack(outs)
+
+    rule = {"window": 512}
+    full = (run(None, True) - run({**rule, "fraction": 1.0}, True)).abs().max().item()
+    part = (run({**rule, "fraction": 0.25}, True) - run({**rule, "fraction": 0.25}, False)).abs().max().item()
+    ok = full < 2e-3 and part < 2e-2
+    print(f"check: every page read vs no split max|diff| {full:.2e}; fraction 0.25 kernel vs reference path "
+          f"{part:.2e}: {'PASSED' if ok else 'FAILED'}")
+    if not ok:
+        raise SystemExit(1)
+
+
+def profile(args, fraction: float) -> None:
+    """The device time of each kernel of the split's decode step, at INT8's longest context."""
+    _, _, int8_tokens = make(args, "int8", 1.0)
+    m, _, _ = make(args, "split", fraction)
+    seqs = fill(m, int8_tokens, args)
+    decode(m, seqs, args)
+    import cProfile
+    import pstats
+
+    args.warmup, args.steps = 0, 3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ms, _ = decode(m, seqs, args)
+    print(f"split f={fraction} at {int8_tokens:,} tokens: {ms:.2f} ms/step")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+    host = cProfile.Profile()
+    host.enable()
+    ms, _ = decode(m, seqs, args)
+    host.disable()
+    print(f"under cProfile: {ms:.2f} ms/step")
+    pstats.Stats(host).sort_stats("tottime").print_stats(25)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
-    p.add_argument("--codec", default="int8")
-    p.add_argument("--context", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
+    p.add_argument("--budget-gb", type=float, default=16.0, help="device bytes for the KV pools (GiB)")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together, each as long as fits")
     p.add_argument("--window", type=int, default=512)
-    p.add_argument("--fraction", type=float, default=0.25)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--fractions", default="0.01,0.05,0.25")
+    p.add_argument("--chunk", type=int, default=2048, help="prompt tokens written at a time")
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-check", dest="check", action="store_false")
+    p.add_argument("--profile", action="store_true", help="only profile the split's step at INT8's context")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     args = p.parse_args()
     if args.smoke:
-        args.device, args.context, args.batch, args.steps, args.warmup, args.window = "cpu", 256, 2, 2, 1, 64
-    base, _ = bench(args, None)
-    split, nbytes = bench(args, {"window": args.window, "fraction": args.fraction})
-    print(f"{args.shape} {args.codec} B={args.batch} context={args.context} device={args.device}: "
-          f"{base:.2f} ms/step without the split, {split:.2f} ms/step with it "
-          f"(x{split / base:.2f}; fraction {args.fraction}, window {args.window}), "
-          f"{nbytes / 2**20:.2f} MiB of values fetched per step")
+        args.shape, args.device, args.budget_gb, args.steps, args.warmup = "smollm2-135m", "cpu", 0.035, 1, 0
+        args.chunk, args.window, args.check, args.batch = 256, 64, False, 2
+    if args.check and args.device.startswith("cuda"):
+        check(args)
+    fractions = [float(f) for f in args.fractions.split(",")]
+    rows = []
+    if args.profile:
+        profile(args, fractions[0])
+        return
 
+    def row(name, m, used, ms, fetched, at):
+        host = sum(t.numel() * t.element_size() for pl in m.pools.values() for t in pl._stacks.values()
+                   if t.device.type == "cpu" and m.cfg.device.type != "cpu")
+        rows.append((name, at, used, host, ms, decode.host_ms, fetched))
+        print(f"  {name}: {at:,} tokens a row, {ms:.2f} ms/step ({decode.host_ms:.2f} ms of it launching), "
+              f"{fetched / 2**20:.1f} MiB/step from the host", flush=True)
+
+    for kind in ("fp16", "int8"):
+        m, used, tokens = make(args, kind, 1.0)
+        print(f"{kind}: {used / 2**30:.2f} GiB of pools, {tokens:,} tokens a row", flush=True)
+        seqs = fill(m, tokens, args)
+        ms, fetched = decode(m, seqs, args)
+        row(kind, m, used, ms, fetched, tokens)
+        if kind == "int8":
+            int8_tokens, int8_ms = tokens, ms
+        del m, seqs
+    m, used, tokens = make(args, "split", fractions[0])
+    print(f"int8+split: {used / 2**30:.2f} GiB of pools, {tokens:,} tokens a row", flush=True)
+    for at in (tokens, int8_tokens):
+        seqs = fill(m, at, args)
+        for f in fractions:
+            m.split.rule = KVSplit(window=args.window, fraction=f)
+            ms, fetched = decode(m, seqs, args)
+            row(f"int8+split f={f}", m, used, ms, fetched, at)
+        for seq in seqs:
+            m.free(seq)
+        m.events.take_events()
+    print(f"\n{args.shape}, B={args.batch}, device budget {args.budget_gb:g} GiB for KV pools, device {args.device}"
+          f" ({torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'})")
+    print("| configuration | context a row (tokens) | vs INT8's | device pools GiB | host GiB | ms/step "
+          "| of it launching | x INT8 step | MiB from host/step |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, at, used, host, ms, launch_ms, fetched in rows:
+        print(f"| {name} | {at:,} | {at / int8_tokens:.2f}x | {used / 2**30:.2f} | {host / 2**30:.2f} | {ms:.2f} "
+              f"| {launch_ms:.2f} | {ms / int8_ms:.2f} | {fetched / 2**20:.1f} |")
 
 if __name__ == "__main__":
     main()
