@@ -18,6 +18,33 @@ import torch
 MAX_SCORES = 1 << 26
 
 
+def score_blocks(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None):
+    """The softmax of q [T, Hq, D] over keys k [H, L, D] fp32 (the T queries being the last T of
+    the L positions), a block of queries at a time so that no [H, g, T, L] matrix exists whole.
+    Yields (lo, hi, probs [H, g, hi - lo, L] fp32) for queries lo..hi-1."""
+    t, hq, d = q.shape
+    h, length, _ = k.shape
+    g = hq // h
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qf = q.float().reshape(t, h, g, d).permute(1, 2, 0, 3)  # [H, g, T, D]
+    block = max(1, MAX_SCORES // max(1, h * g * length))
+    for lo in range(0, t, block):
+        hi = min(t, lo + block)
+        scores = torch.einsum("hgtd,hld->hgtl", qf[:, :, lo:hi], k) * scale  # [H, g, hi - lo, L]
+        if causal and t > 1:
+            pos_q = torch.arange(length - t + lo, length - t + hi, device=q.device).unsqueeze(1)
+            pos_k = torch.arange(length, device=q.device).unsqueeze(0)
+            scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
+        yield lo, hi, torch.softmax(scores, dim=-1)
+
+
+def add_mass(mass: torch.Tensor | None, probs: torch.Tensor, lo: int, hi: int, t: int, mass_queries: int) -> None:
+    """Add into mass [H, L] the probabilities of the block's queries among the last `mass_queries`."""
+    first = max(lo, t - mass_queries)
+    if mass is not None and first < hi:
+        mass += probs[:, :, first - lo:].sum(dim=(1, 2))
+
+
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                     mass_queries: int = 0, scale: float | None = None):
     """q [T, Hq, D]; k, v [H, L, D] with the T queries being the last T of the L positions.
@@ -25,23 +52,10 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     Returns (out [T, Hq, D] in q's dtype, mass [H, L] fp32 or None)."""
     t, hq, d = q.shape
     h, length, _ = k.shape
-    g = hq // h
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    qf = q.float().reshape(t, h, g, d).permute(1, 2, 0, 3)  # [H, g, T, D]
-    kf, vf = k.float(), v.float()
-    out = torch.empty(h, g, t, d, device=q.device)
+    vf = v.float()
+    out = torch.empty(h, hq // h, t, d, device=q.device)
     mass = torch.zeros(h, length, device=q.device) if mass_queries > 0 else None
-    block = max(1, MAX_SCORES // max(1, h * g * length))
-    for lo in range(0, t, block):
-        hi = min(t, lo + block)
-        scores = torch.einsum("hgtd,hld->hgtl", qf[:, :, lo:hi], kf) * scale  # [H, g, hi - lo, L]
-        if causal and t > 1:
-            pos_q = torch.arange(length - t + lo, length - t + hi, device=q.device).unsqueeze(1)
-            pos_k = torch.arange(length, device=q.device).unsqueeze(0)
-            scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+    for lo, hi, probs in score_blocks(q, k.float(), causal, scale):
         out[:, :, lo:hi] = torch.einsum("hgtl,hld->hgtd", probs, vf)
-        first = max(lo, t - mass_queries)  # the block's queries among the last `mass_queries`
-        if mass is not None and first < hi:
-            mass += probs[:, :, first - lo :].sum(dim=(1, 2))
+        add_mass(mass, probs, lo, hi, t, mass_queries)
     return out.permute(2, 0, 1, 3).reshape(t, hq, d).to(q.dtype), mass

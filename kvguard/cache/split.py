@@ -35,7 +35,6 @@ overwritten before the page can be used again.
 from __future__ import annotations
 
 import bisect
-import math
 from collections import deque
 from collections.abc import Callable
 
@@ -43,7 +42,7 @@ import torch
 
 from ..errors import OutOfPages
 from ..types import PageId, SeqId
-from .attention import MAX_SCORES
+from .attention import add_mass, score_blocks
 from .block_tables import BlockTables
 from .config import CacheConfig
 from .pages import PageStore
@@ -238,26 +237,13 @@ class ValueSplit:
         k, v = k[:, :n], v[:, :n]
         t, hq, d = q.shape
         h = k.shape[0]
-        g = hq // h
-        scale = 1.0 / math.sqrt(d) if scale is None else scale
         cold = [i for i, r in enumerate(refs) if r.where == SPLIT and (i + 1) * s <= n]
-        qf = q.float().reshape(t, h, g, d).permute(1, 2, 0, 3)  # [H, g, T, D]
-        out = torch.empty(h, g, t, d, device=q.device)
+        out = torch.empty(h, hq // h, t, d, device=q.device)
         mass = torch.zeros(h, n, device=q.device) if mass_queries > 0 else None
         fetched: dict[int, torch.Tensor] = {}  # page index -> its values [H, S, D], read once per call
-        block = max(1, MAX_SCORES // max(1, h * g * n))
         read = 0
-        for lo in range(0, t, block):
-            hi = min(t, lo + block)
-            scores = torch.einsum("hgtd,hld->hgtl", qf[:, :, lo:hi], k) * scale  # [H, g, hi - lo, L]
-            if causal and t > 1:
-                pos_q = torch.arange(n - t + lo, n - t + hi, device=q.device).unsqueeze(1)
-                pos_k = torch.arange(n, device=q.device).unsqueeze(0)
-                scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            first = max(lo, t - mass_queries)
-            if mass is not None and first < hi:
-                mass += probs[:, :, first - lo:].sum(dim=(1, 2))
+        for lo, hi, probs in score_blocks(q, k, causal, scale):
+            add_mass(mass, probs, lo, hi, t, mass_queries)
             vb, skipped = v, []
             if cold:
                 chosen = self._pick(probs, cold)
