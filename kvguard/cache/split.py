@@ -67,6 +67,7 @@ class ValueSplit:
         # pages picked [B, k] and how many of each row's were read [B]; then per step, on the host
         self._reads: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._pending: deque[tuple] = deque()  # (event or None, pages [L, B, k], counts [L, B], seqs)
+        self._rows: list[Sequence] = []  # the rows of the step being read
         self.last_read = 1.0  # fraction of the keys of the last reference read whose values were read
 
     @property
@@ -129,6 +130,8 @@ class ValueSplit:
 
     def flush(self, seq: Sequence) -> None:
         """Emit the `fetch` of the values read for the sequence (and every other) so far."""
+        if self._reads:
+            self._close_step(self._rows)
         self.drain()
         moved = self._moved.pop(seq.id, None)
         if moved and moved[0]:
@@ -144,7 +147,10 @@ class ValueSplit:
         from kvguard.kernels.paged_decode import paged_decode_sets
 
         if layer == 0:
+            if self._reads:  # a step left before its last layer: what it read is reported too
+                self._close_step(self._rows)
             self.drain(wait=False)
+        self._rows = seqs
         sets, used = self.tables.decode_sets(seqs, layer)
         names = [name for name, _ in used]
         tokens = tuple(tuple(t) for _, t in used)

@@ -295,6 +295,10 @@ def test_the_kernel_path_reads_the_values_of_the_picked_pages_only():
     torch.testing.assert_close(km.attend_step(krows, 0, q), before, rtol=0, atol=0)
     stack[:, sorted(read)] = 127
     assert not torch.equal(km.attend_step(krows, 0, q), before)
+    # three reads of layer 0 and none of layer 1: each unfinished step is reported all the same
+    km.free(krows[0])
+    fetches = [e for e in km.events.take_events() if isinstance(e, ev.PagesFetched)]
+    assert [sorted(e.pages) for e in fetches] == [sorted(f"split:{p}" for p in read)] * 3
 
 
 def test_a_static_decode_step_refuses_a_split_cache():
