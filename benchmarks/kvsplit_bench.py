@@ -218,6 +218,34 @@ def profile(args, fraction: float) -> None:
     pstats.Stats(host).sort_stats("tottime").print_stats(25)
 
 
+def sweep(args, contexts: list[int], fractions: list[float]) -> None:
+    """The step of INT8 and of the split at each context, in the same caches (sized to the budget)."""
+    times: dict[tuple, tuple[float, float]] = {}
+    for kind in ("int8", "split"):
+        m, _, most = make(args, kind, fractions[0])
+        for at in contexts:
+            if at > most:
+                raise SystemExit(f"{at} tokens do not fit the {kind} cache's {most}")
+            seqs = fill(m, at, args)
+            for f in fractions if kind == "split" else [None]:
+                if f is not None:
+                    m.split.rule = KVSplit(window=args.window, fraction=f)
+                times[(kind, f, at)] = decode(m, seqs, args)
+                print(f"  {kind} f={f} at {at:,}: {times[(kind, f, at)][0]:.2f} ms/step", flush=True)
+            for seq in seqs:
+                m.free(seq)
+            m.events.take_events()
+        del m
+    print(f"\n{args.shape}, B={args.batch}, ms/step (x INT8's) and MiB of values from the host a step")
+    print("| context | int8 | " + " | ".join(f"int8+split f={f}" for f in fractions) + " |")
+    print("|---" * (2 + len(fractions)) + "|")
+    for at in contexts:
+        base = times[("int8", None, at)][0]
+        cells = [f"{times[('split', f, at)][0]:.2f} (x{times[('split', f, at)][0] / base:.2f}), "
+                 f"{times[('split', f, at)][1] / 2**20:.0f} MiB" for f in fractions]
+        print(f"| {at:,} | {base:.2f} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
@@ -231,6 +259,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-check", dest="check", action="store_false")
     p.add_argument("--profile", action="store_true", help="only profile the split's step at INT8's context")
+    p.add_argument("--contexts", default="", help="instead: INT8 and the split at these contexts (comma-separated "
+                   "tokens a row, each within INT8's longest), step time and bytes from the host")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     args = p.parse_args()
     if args.smoke:
@@ -242,6 +272,9 @@ def main() -> None:
     rows = []
     if args.profile:
         profile(args, fractions[0])
+        return
+    if args.contexts:
+        sweep(args, [int(c) for c in args.contexts.split(",")], fractions)
         return
 
     def row(name, m, used, ms, fetched, at):
