@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
                    help="model and KV dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--num-pages", type=int, default=2048, help="KV pages of the codec's pool (default 2048)")
+    p.add_argument("--split-pages", type=int, default=None,
+                   help="pages of the K/V split's pool, for a policy with kv_split: each holds its keys in device "
+                        "memory (about half a page) and its values in pinned host memory (default: --num-pages)")
     p.add_argument("--max-seqs", type=int, default=64, help="requests served at once; more get 429 (default 64)")
     p.add_argument("--chunk", type=int, default=256, help="prompt tokens per prefill chunk (default 256)")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
@@ -102,11 +105,13 @@ def gate(policy, report: Path):
 
 
 def cache_manager(model, *, policy: Path | None = None, codec: str | None = None, num_pages: int = 2048,
-                  num_hot_pages: int | None = None, fidelity: Path | None = None):
+                  num_hot_pages: int | None = None, fidelity: Path | None = None, split_pages: int | None = None):
     """(the CacheManager for a model's K/V, the name of the policy in force). Without a policy:
     16-bit pages, prompt pages shared within a tenant. With `fidelity` (a `kvguard eval` report)
     the policy runs as its gate decided there (accepted, or downgraded to a step), and the
-    decision goes to the audit log."""
+    decision goes to the audit log. `split_pages`: the K/V split's pool, for a policy that
+    splits (default as many pages as the codec's pool; their keys take device memory, their
+    values pinned host memory)."""
     from ..cache import CacheConfig, CacheManager
     from ..errors import ConfigError
     from ..hf.cache import shape_fields
@@ -131,6 +136,11 @@ def cache_manager(model, *, policy: Path | None = None, codec: str | None = None
         if codec != "int8" or "codec_options" not in opts:
             opts["codec_options"] = {}
         name = f"{name}+codec={codec}"
+    if split_pages is not None:
+        if not opts.get("kv_split"):
+            raise ConfigError(f"--split-pages sizes the K/V split, but the cache in force ({name}) does not split "
+                              "K/V: drop it, or use a policy with kv_split")
+        opts["kv_split"] = {**opts["kv_split"], "capacity": split_pages}
     cfg = CacheConfig(**shape_fields(model.config), **opts, num_pages=num_pages, num_hot_pages=num_hot_pages,
                       device=param.device, dtype=param.dtype)
     manager = CacheManager(cfg)
@@ -143,7 +153,7 @@ def build(model, tokenizer, *, model_name: str, socket, ingest_token: str, polic
           codec: str | None = None, num_pages: int = 2048, max_seqs: int = 64, chunk: int = 256,
           max_model_len: int | None = None, default_user: str | None = None, max_body_bytes: int = 1 << 20,
           num_hot_pages: int | None = None, ignore_eos: bool = False, client_options: dict | None = None,
-          fidelity: Path | None = None):
+          fidelity: Path | None = None, split_pages: int | None = None):
     """(app, engine, client): the engine started, the sidecar client started. num_hot_pages: the
     16-bit pool beside a codec's (default: as many pages as the codec's pool)."""
     from ..client import SidecarClient
@@ -152,7 +162,7 @@ def build(model, tokenizer, *, model_name: str, socket, ingest_token: str, polic
     from .keys import KeyChecker
 
     manager, name = cache_manager(model, policy=policy, codec=codec, num_pages=num_pages,
-                                  num_hot_pages=num_hot_pages, fidelity=fidelity)
+                                  num_hot_pages=num_hot_pages, fidelity=fidelity, split_pages=split_pages)
     client = SidecarClient(manager, token=ingest_token, socket=socket, on_full="refuse",
                            **(client_options or {})).start()
     engine = Engine(model, tokenizer, manager, client=client, chunk=chunk, max_seqs=max_seqs,
@@ -176,8 +186,8 @@ def run(args: argparse.Namespace) -> int:
     socket = args.socket or Path(os.environ.get("KVGUARD_SOCKET", "./.data/ingest.sock"))
     if not socket.exists():
         raise ConfigError(f"no sidecar socket at {socket}: start 'kvguard serve' first, or pass --socket")
-    for name in ("num_pages", "max_seqs", "chunk", "max_body_bytes"):
-        if getattr(args, name) < 1:
+    for name in ("num_pages", "max_seqs", "chunk", "max_body_bytes", "split_pages"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer")
     print(f"kvguard serve-llm: loading {args.model} ...", file=sys.stderr)
     model, tok, model_name = load(args.model, args.device, args.dtype)
@@ -185,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
     app, engine, client = build(model, tok, model_name=model_name, socket=socket, ingest_token=token,
                                 policy=args.policy, codec=args.codec, num_pages=args.num_pages, fidelity=args.fidelity,
                                 max_seqs=args.max_seqs, chunk=args.chunk, max_model_len=args.max_model_len,
-                                default_user=args.default_user, max_body_bytes=args.max_body_bytes)
+                                default_user=args.default_user, max_body_bytes=args.max_body_bytes,
+                                split_pages=args.split_pages)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=5,
                     limit_concurrency=args.max_seqs * 4 + 16)

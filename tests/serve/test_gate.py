@@ -55,3 +55,21 @@ def test_a_step_added_before_the_measured_one_is_skipped_not_served(tmp_path):
     report.write_text(json.dumps({"decisions": old}))
     served, decision = gate(policy, report)
     assert served.steps()[0].key == measured and decision.step == 2
+
+
+def test_split_pages_size_the_split_pool_of_a_splitting_policy():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvguard.serve.cli import cache_manager
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    chat = ROOT / "policies/chat.yaml"  # splits K/V
+    manager, _ = cache_manager(model, policy=chat, num_pages=64)
+    assert manager.pools["split"].num_pages == 64  # as many as the codec's pool by default
+    manager, _ = cache_manager(model, policy=chat, num_pages=64, split_pages=16)
+    assert manager.pools["split"].num_pages == 16 and manager.pools["main"].num_pages == 64
+    with pytest.raises(ConfigError, match="does not split"):
+        cache_manager(model, policy=ROOT / "policies/code.yaml", num_pages=64, split_pages=16)
