@@ -115,7 +115,20 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("change, needle, field, words", BAD, ids=[b[2] for b in BAD])
+BAD_SPLIT = [
+    (("  mass: 0.001\n", "  mass: 0.001\n  top_k: 4\n"), "kv_split:", "kv_split", "exactly one of top_k"),
+    (("  mass: 0.001\n", ""), "kv_split:", "kv_split", "exactly one of top_k, fraction and mass"),
+    (("  mass: 0.001\n", "  fraction: 0\n"), "fraction: 0", "kv_split.fraction", "greater than 0"),
+    (("  mass: 0.001\n", "  mass: 1\n"), "mass: 1", "kv_split.mass", "less than 1"),
+    (("  window: 512\n", "  windw: 512\n"), "windw", "kv_split.windw", "not permitted"),
+    (("tiers: [device, cpu]", "tiers: [device]"), "kv_split:", "kv_split", "add cpu to tiers"),
+    (("  - codec: {name: fp16}", "  - codec: {name: fp16}\n    kv_split: {top_k: 2, mass: 0.1}"), "kv_split: {",
+     "downgrade[1].kv_split", "exactly one"),
+]
+
+
+@pytest.mark.parametrize("change, needle, field, words", BAD + BAD_SPLIT,
+                         ids=[b[2] for b in BAD] + [b[3] for b in BAD_SPLIT])
 def test_bad_policy_names_file_line_and_field(change, needle, field, words):
     text = CHAT.replace(*change)
     assert text != CHAT
@@ -399,24 +412,3 @@ def test_the_shipped_chat_rag_and_reasoning_policies_split_keys_and_values():
         assert policies[name].kv_split is not None and policies[name].kv_split.enabled, name
 
 
-BAD_SPLIT = [
-    (("  mass: 0.001\n", "  mass: 0.001\n  top_k: 4\n"), "kv_split:", "kv_split", "exactly one of top_k"),
-    (("  mass: 0.001\n", ""), "kv_split:", "kv_split", "exactly one of top_k, fraction and mass"),
-    (("  mass: 0.001\n", "  fraction: 0\n"), "fraction: 0", "kv_split.fraction", "greater than 0"),
-    (("  mass: 0.001\n", "  mass: 1\n"), "mass: 1", "kv_split.mass", "less than 1"),
-    (("  window: 512\n", "  windw: 512\n"), "windw", "kv_split.windw", "not permitted"),
-    (("tiers: [device, cpu]", "tiers: [device]"), "kv_split:", "kv_split", "add cpu to tiers"),
-    (("  - codec: {name: fp16}", "  - codec: {name: fp16}\n    kv_split: {top_k: 2, mass: 0.1}"), "kv_split: {",
-     "downgrade[1].kv_split", "exactly one"),
-]
-
-
-@pytest.mark.parametrize("change, needle, field, words", BAD_SPLIT, ids=[b[3] for b in BAD_SPLIT])
-def test_a_bad_kv_split_names_its_line_and_field(change, needle, field, words):
-    text = CHAT.replace(*change)
-    assert text != CHAT
-    with pytest.raises(PolicyError) as e:
-        parse_policy(text, "policies/bad.yaml")
-    msg = str(e.value)
-    assert msg.startswith(f"policies/bad.yaml:{line_of(text, needle)}: {field}: "), msg
-    assert words in msg
