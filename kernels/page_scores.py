@@ -53,28 +53,31 @@ def _page_lse_kernel(q, kp, ksp, kzp, block_table, seq_lens, out, qk_scale, bt_s
     tl.store(at, lse, mask=(pi < n_pages)[:, None] & row_ok[None, :])
 
 
-PAGES_PER_PROGRAM = 8
+DEFAULT_CONFIG = {"pages": 8, "num_warps": 4, "num_stages": 3}  # pages a program, and the launch's
 
 
 _CHECKED: dict[tuple, tuple] = {}  # what the checks found, per kind of call (as paged_decode's _TILES)
 
 
 def page_lse(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
-             sm_scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+             sm_scale: float | None = None, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """q [B, Hq, D] 16-bit; pages one layer's page fields (any codec; only the keys are read);
     block_table [B, n] int32 page ids; seq_lens [B] int32 tokens (at most n * S).
 
     Returns [B, Hq, n] fp32: per query head and page slot, log of the sum over the page's tokens
     of exp(q . k * sm_scale); -inf for a slot past the sequence's tokens. `out`, if given, is
     written and returned: [B, Hq, n] fp32 whose last dimension is contiguous (a slice of a wider
-    buffer, so that several sets of pages fill one)."""
-    key = _signature(q, pages, block_table, seq_lens)
+    buffer, so that several sets of pages fill one). `config` overrides DEFAULT_CONFIG (pages a
+    program, num_warps, num_stages), for tuning."""
+    key = _signature(q, pages, block_table, seq_lens) if config is None else None
     hit = _CHECKED.get(key) if key is not None else None
     if hit is None:
         codec, h, s, d, _, _ = check_decode(q, pages, block_table, seq_lens)
         g = q.shape[1] // h
+        cfg = {**DEFAULT_CONFIG, **(config or {})}
         consts = dict(H=h, G=g, GP=max(16, triton.next_power_of_2(g)), S=s, D=d, KIND=KIND[codec],
-                      PAGES=PAGES_PER_PROGRAM, ON_GPU=_on_gpu(codec, {}, False), num_warps=4)
+                      PAGES=cfg["pages"], ON_GPU=_on_gpu(codec, {}, False), num_warps=cfg["num_warps"],
+                      num_stages=cfg["num_stages"])
         hit = (consts, tuple(sorted(consts.items())), d)
         if key is not None:
             if len(_CHECKED) >= 256:
@@ -92,7 +95,7 @@ def page_lse(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch
         return out
     scale = softmax_scale(sm_scale, d) * LOG2E
     args = (q, *field_args(pages)[:3], block_table, seq_lens, out, scale, block_table.stride(0), out.stride(1), n)
-    launch(_page_lse_kernel, (b, consts["H"], triton.cdiv(n, PAGES_PER_PROGRAM)), args, consts, ckey)
+    launch(_page_lse_kernel, (b, consts["H"], triton.cdiv(n, consts["PAGES"])), args, consts, ckey)
     return out
 
 

@@ -63,11 +63,11 @@ class ValueSplit:
         self.offloaded, self.fetched = offloaded, fetched  # Residency.report_offload, report_fetch
         self.cuda = cfg.device.type == "cuda"
         self._moved: dict[SeqId, tuple[dict[str, None], int]] = {}  # seq -> (pages read, bytes) this step
-        # the kernel path's reads, on the device until the host looks: per layer of this step the
-        # pages picked [B, k] and how many of each row's were read [B]; then per step, on the host
-        self._reads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # the kernel path's reads, on the device until the host looks: per batch of rows (the
+        # same rows may be read as one batch or one by one) the rows and, per layer of this step,
+        # the pages picked [B, k] and how many of each row's were read [B]; then per step, on the host
+        self._reads: dict[tuple[SeqId, ...], tuple[list[Sequence], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         self._pending: deque[tuple] = deque()  # (event or None, pages [L, B, k], counts [L, B], seqs)
-        self._rows: list[Sequence] = []  # the rows of the step being read
         self.last_read = 1.0  # fraction of the keys of the last reference read whose values were read
 
     @property
@@ -130,8 +130,8 @@ class ValueSplit:
 
     def flush(self, seq: Sequence) -> None:
         """Emit the `fetch` of the values read for the sequence (and every other) so far."""
-        if self._reads:
-            self._close_step(self._rows)
+        for key in list(self._reads):
+            self._close_step(key)
         self.drain()
         moved = self._moved.pop(seq.id, None)
         if moved and moved[0]:
@@ -143,25 +143,51 @@ class ValueSplit:
     def attend_step(self, seqs: list[Sequence], layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
         """Decode attention of q [B, Hq, D] (16-bit, one query per row) over every row's pools,
         the split's pages read as the rule picks them, on the device. [B, Hq, D]."""
-        from kvguard.kernels.page_scores import page_lse
         from kvguard.kernels.paged_decode import paged_decode_sets
 
+        rows = tuple(seq.id for seq in seqs)
         if layer == 0:
-            if self._reads:  # a step left before its last layer: what it read is reported too
-                self._close_step(self._rows)
+            if rows in self._reads:  # a step of these rows left before its last layer: reported too
+                self._close_step(rows)
             self.drain(wait=False)
-        self._rows = seqs
         sets, used = self.tables.decode_sets(seqs, layer)
         names = [name for name, _ in used]
         tokens = tuple(tuple(t) for _, t in used)
         lens = self.tables.device_ints(("lens", tokens), lambda: tokens, torch.int32)  # [sets, B]
-        args = [(fields, table, lens[i], max(t)) for i, (fields, table, t) in enumerate(sets)]
+        bounded = [(fields, table, max(t)) for fields, table, t in sets]
         if SPLIT not in names:
-            return paged_decode_sets(q, args, sm_scale=scale)[0]
-        # every page's log-sum-exp, the split's pages first, in one buffer
+            return paged_decode_sets(q, [(f, t, lens[i], n) for i, (f, t, n) in enumerate(bounded)],
+                                     sm_scale=scale)[0]
         j = names.index(SPLIT)
+        want = [self.rule.pages(t // self.cfg.page_size) for t in used[j][1]]
+        k = count = None
+        if self.rule.mass is None:
+            k = max(want)
+            count = self.tables.device_ints(("split-k", tuple(want)), lambda: list(want), torch.int32)
+        out, chosen, count = self.decode(q, bounded, lens, j, k, count, scale)
+        self._reads.setdefault(rows, (seqs, []))[1].append((chosen, count))  # reported when the host looks
+        if layer == self.cfg.num_layers - 1:
+            self._close_step(rows)
+        return out
+
+    def decode(self, q: torch.Tensor, sets: list[tuple], lens: torch.Tensor, j: int, k: int | None,
+               want: torch.Tensor | None, scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One layer's decode over sets of pages, set j the split's, all on the device with no
+        host wait and no shape that depends on the data (a CUDA graph captures it: StaticStep).
+
+        sets: (page fields, block table [B, n_i] int32, an upper bound of the tokens a row holds
+        there) per pool; lens [sets, B] int32: the tokens. The rule picks the split pages whose
+        values are read: with `want` ([B] int32, pages per row), the want[b] of largest mass
+        among the top k (k >= every want[b]); without (the mass rule), every page whose mass
+        reaches the rule's, in page order (no sort). Returns out [B, Hq, D] in q's dtype, the
+        split pages picked [B, k or n_j] int32 and how many of each row's were read [B] int32."""
+        from kvguard.kernels.page_scores import page_lse
+        from kvguard.kernels.paged_decode import paged_decode_sets
+
+        b, s = q.shape[0], self.cfg.page_size
         widths = [table.shape[1] for _, table, _ in sets]
-        scores = torch.empty(q.shape[0], q.shape[1], sum(widths), device=q.device, dtype=torch.float32)
+        # every page's log-sum-exp, the split's pages first, in one buffer
+        scores = torch.empty(b, q.shape[1], sum(widths), device=q.device, dtype=torch.float32)
         at = widths[j]
         for i, (fields, table, _) in enumerate(sets):
             lo, at = (0, at) if i == j else (at, at + widths[i])
@@ -170,33 +196,35 @@ class ValueSplit:
         total = (scores - top).exp_().sum(dim=-1).log_() + top[..., 0]  # [B, Hq]: the softmax's normalizer
         # a page's mass: the largest over query heads of the probability that falls in it
         mass = torch.exp((scores[:, :, :widths[j]] - total[..., None]).amax(dim=1))  # [B, n]
-        s = self.cfg.page_size
-        ncold = [t // s for t in used[j][1]]
-        want = [self.rule.pages(n) for n in ncold]
-        k = max(n if w is None else w for n, w in zip(ncold, want))
-        top, pick = mass.topk(k, dim=-1)  # [B, k], largest first
-        if self.rule.mass is not None:
-            count = (top >= self.rule.mass).sum(dim=-1, dtype=torch.int32)
+        table, n = sets[j][1], widths[j]
+        if want is None:  # each kept page to the next free slot of its row, the rest to a spare column
+            keep = mass >= self.rule.mass
+            count = keep.sum(dim=-1, dtype=torch.int32)
+            slot = torch.where(keep, keep.cumsum(dim=-1) - 1, n)
+            chosen = table.new_zeros(b, n + 1).scatter_(1, slot, table)[:, :n]
+            k = n
         else:
-            count = self.tables.device_ints(("split-k", tuple(want)), lambda: list(want), torch.int32)
-        chosen = sets[j][1].gather(1, pick)  # [B, k] split page ids, the first count[b] of row b read
+            count = want
+            chosen = table.gather(1, mass.topk(k, dim=-1).indices)  # [B, k], largest first
+        args = [(fields, tb, lens[i], bound) for i, (fields, tb, bound) in enumerate(sets)]
         args[j] = (sets[j][0], chosen, count * s, k * s)
         out, part = paged_decode_sets(q, args, sm_scale=scale)
         # the pages read were normalized among themselves: rescale to the whole softmax, whose
         # normalizer also counts the pages not read (their values are what the approximation skips)
         out = (out.float() * torch.exp(part - total)[..., None]).to(q.dtype)
-        self._reads.append((chosen, count))  # reported when the host next looks (drain)
-        if layer == self.cfg.num_layers - 1:
-            self._close_step(seqs)
-        return out
+        return out, chosen, count
 
-    def _close_step(self, seqs: list[Sequence]) -> None:
-        """After a step's last layer: the pages each layer read, copied to the host without a
-        wait, reported by `drain`."""
-        reads, self._reads = self._reads, []
+    def _close_step(self, rows: tuple[SeqId, ...]) -> None:
+        """After a step's last layer: the pages each layer read for these rows, reported by `drain`."""
+        seqs, reads = self._reads.pop(rows)
         k = max(c.shape[1] for c, _ in reads)
         pages = torch.stack([torch.nn.functional.pad(c, (0, k - c.shape[1]), value=-1) for c, _ in reads])
-        counts = torch.stack([n for _, n in reads])  # [layers, B]
+        self.record(pages, torch.stack([n for _, n in reads]), seqs)
+
+    def record(self, pages: torch.Tensor, counts: torch.Tensor, seqs: list[Sequence]) -> None:
+        """A step's reads, pages [layers, B, k] picked and counts [layers, B] of them read, copied
+        to the host without a wait (they may be a CUDA graph's buffers, rewritten at its next
+        replay: the copy is ordered before it) and reported by `drain`."""
         if self.cuda:
             hp = torch.empty(pages.shape, dtype=pages.dtype, pin_memory=True)
             hc = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
@@ -205,7 +233,7 @@ class ValueSplit:
             event = torch.cuda.Event()
             event.record()
         else:
-            hp, hc, event = pages, counts, None
+            hp, hc, event = pages.clone(), counts.clone(), None
         self._pending.append((event, hp, hc, list(seqs)))
         if not self.cuda:
             self.drain()

@@ -31,7 +31,7 @@ from ..errors import ConfigError, InputError, OutOfPages
 from ..types import SeqId
 from . import paged
 from .manager import CacheManager
-from .sequence import Sequence
+from .sequence import SPLIT, Sequence
 
 
 class StaticStep:
@@ -51,9 +51,10 @@ class StaticStep:
         if not c.use_kernels:
             raise ConfigError("a static decode step runs on the kernel path: a cache with use_kernels "
                               "(on CUDA with float16 or bfloat16 K/V)")
-        if c.kv_split is not None:
-            raise ConfigError("a static decode step reads every page's values in place; a cache with "
-                              "kv_split (values in CPU memory, fetched by score) decodes eagerly")
+        split = manager.split
+        if split is not None and manager.evictor is not None and manager.evictor.needs_mass:
+            raise ConfigError("a K/V split cache whose evictor scores by attention mass decodes eagerly (the "
+                              "mass of every key comes from its reference path)")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise InputError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         with manager.lock:
@@ -80,6 +81,14 @@ class StaticStep:
         # mass_into row table): rewritten when a buffer moves (a compaction replaces it)
         self.mass_rows = (torch.zeros(c.num_layers, b, 3, dtype=torch.int64, device=dev)
                           if self.with_mass else None)
+        # the K/V split: how many cold pages each row reads (top-k and fraction rules), and the
+        # pages each layer read, reported after the step (split.ValueSplit.record)
+        self.split = split
+        if split is not None:
+            self.k = split.rule.pages(self.pages)  # None: the mass rule, whose picks are not sorted
+            self.want = torch.zeros(b, dtype=torch.int32, device=dev) if self.k is not None else None
+            self.reads = torch.zeros(c.num_layers, b, self.k or self.pages, dtype=torch.int32, device=dev)
+            self.read_counts = torch.zeros(c.num_layers, b, dtype=torch.int32, device=dev)
         self._versions: tuple | None = None  # the page-list versions the tables were filled from
         self._mass_at: tuple | None = None
         self._open = False
@@ -127,14 +136,18 @@ class StaticStep:
                 if seq.lengths[0] + 1 > self.max_tokens:
                     raise InputError(f"sequence {seq.id} would hold {seq.lengths[0] + 1} tokens; this step "
                                      f"was made for at most {self.max_tokens}")
-            for seq in seqs:
+            for seq in seqs:  # as an eager step's first layer: compaction, then the split's moves
                 m.compactor.auto_compact(seq, 0)
+                if self.split is not None:
+                    self.split.settle(seq)
+            if self.split is not None:
+                self.split.drain(wait=False)  # earlier steps' reads that reached the host
             if not m.writer.reserve(seqs, 0, [1] * len(seqs)):
                 starting = sum(seq.lengths[0] // s >= len(seq.pages) for seq in seqs)
                 raise OutOfPages(f"no free 16-bit page for the next token of {starting} rows: raise "
                                  "num_hot_pages or configure an evictor with a budget")
-            for seq in seqs:
-                m.residency.fetch_all(seq)
+            for seq in seqs:  # pages back from lower tiers; split values stay in host memory
+                m.residency.fetch_all(seq, values=self.split is None)
                 if self.with_mass:
                     seq.grow_mass(self.pages * s)
             self._fill(seqs)
@@ -151,6 +164,10 @@ class StaticStep:
         n = [seq.lengths[0] + 1 for seq in seqs]  # every layer's tokens once this step has written
         tokens = [[bt.held(lay, name, k) for k, lay in zip(n, lays)] for name in self.names]
         self.lens.copy_(torch.tensor(tokens, dtype=torch.int32), non_blocking=True)
+        if self.split is not None and self.want is not None:
+            cold = tokens[self.names.index(SPLIT)]
+            self.want.copy_(torch.tensor([self.split.rule.pages(t // self.manager.cfg.page_size) for t in cold],
+                                         dtype=torch.int32), non_blocking=True)
         versions = tuple(lay.version for lay in lays)
         if versions != self._versions:
             for name in self.names:
@@ -181,6 +198,8 @@ class StaticStep:
             for seq in self._seqs:  # what Sequence.written does once every layer has the token
                 seq.lengths = [n + 1 for n in seq.lengths]
                 seq.grow_mass(seq.lengths[0])
+            if self.split is not None:
+                self.split.record(self.reads, self.read_counts, self._seqs)
             m.quantizer.quantize_ready(self._seqs)
         finally:
             self._open = False
@@ -214,10 +233,19 @@ class StaticStep:
         """Decode attention of q [B, Hq, D] over what every row holds (this step's token included)."""
         m = self.manager
         sets = [(m.pools[name].fields[layer], self.tables[name], self.max_tokens) for name in self.names]
+        if self.split is not None:
+            return self._rotated(lambda q: self._attend_split(layer, q, sets, scale), q)
         into = None
         if self.with_mass:
             into = [(self.mass_rows[layer], self.positions[name]) for name in self.names]
-        r = m.rotation
-        if r is None:
-            return paged.decode(q, sets, self.lens, into, scale=scale)
-        return r.inverse(paged.decode(r(q), sets, self.lens, into, scale=scale))
+        return self._rotated(lambda q: paged.decode(q, sets, self.lens, into, scale=scale), q)
+
+    def _attend_split(self, layer: int, q: torch.Tensor, sets: list[tuple], scale: float | None) -> torch.Tensor:
+        out, chosen, count = self.split.decode(q, sets, self.lens, self.names.index(SPLIT), self.k, self.want, scale)
+        self.reads[layer].copy_(chosen)
+        self.read_counts[layer].copy_(count)
+        return out
+
+    def _rotated(self, fn, q: torch.Tensor) -> torch.Tensor:
+        r = self.manager.rotation
+        return fn(q) if r is None else r.inverse(fn(r(q)))

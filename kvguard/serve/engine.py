@@ -61,9 +61,11 @@ class Engine:
         self.policy_name = policy_name  # named in each request's `open` record
         # on the kernel path, decode steps replay from a CUDA graph per batch size (one bucket per
         # number of rows), rebound to each step's rows; capture=False runs them eagerly through
-        # the same fixed buffers (a CPU under Triton's interpreter); a K/V split cache decodes
-        # eagerly (its reads fetch values by score, which a captured graph cannot)
-        graphs = manager.cfg.use_kernels and use_graphs and manager.cfg.kv_split is None
+        # the same fixed buffers (a CPU under Triton's interpreter); a K/V split cache whose
+        # evictor needs each key's attention mass decodes eagerly (that mass comes from its
+        # reference path)
+        needs_mass = manager.evictor is not None and manager.evictor.needs_mass
+        graphs = manager.cfg.use_kernels and use_graphs and not (manager.cfg.kv_split is not None and needs_mass)
         self.graphs: dict[int, DecodeGraph] | None = {} if graphs else None
         limit = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(limit, max_model_len or limit)

@@ -281,12 +281,35 @@ def test_the_kernel_path_reads_what_the_reference_path_reads(codec, rule):
             assert kf and len(kf[0].pages) == km.pools["split"].used_count
 
 
+def test_rows_read_one_by_one_are_reported_as_their_own():
+    """A batch's rows attended one at a time, layer after layer (a model that runs its rows
+    separately), are each reported once per step under their own sequence, as in a batch."""
+    (km, krows), (rm, rrows) = kernel_pair({"top_k": 3}, "int8")
+    k, v = torch.randn(2, L, 20, H, KD, generator=torch.Generator().manual_seed(13)).half()
+    for layer in range(L):  # the second row grows past the split's window: both rows read split pages
+        km.append(krows[1], layer, k[layer], v[layer])
+        rm.append(rrows[1], layer, k[layer], v[layer])
+    assert km.split_cold(krows[1]) == rm.split_cold(rrows[1]) == 1
+    km.events.take_events(), rm.events.take_events()
+    g = torch.Generator().manual_seed(14)
+    for _ in range(2):
+        q = torch.randn(L, 2, 6, KD, generator=g).half()
+        for layer in range(L):
+            for i, row in enumerate(krows):
+                km.attend_step([row], layer, q[layer, i:i + 1])
+            rm.attend_step(rrows, layer, q[layer])
+        km.split.drain()
+        kf = [(e.seq, sorted(e.pages), e.bytes) for e in km.events.take_events() if isinstance(e, ev.PagesFetched)]
+        rf = [(e.seq, sorted(e.pages), e.bytes) for e in rm.events.take_events() if isinstance(e, ev.PagesFetched)]
+        assert sorted(kf) == sorted(rf) and len(kf) == 2
+
+
 def test_the_kernel_path_reads_the_values_of_the_picked_pages_only():
     """Values of pages not picked are never read: poison them and the answer does not change."""
     (km, krows), _ = kernel_pair({"top_k": 2}, "int8")
     q = torch.randn(2, 6, KD, generator=torch.Generator().manual_seed(3)).half()
     before = km.attend_step(krows, 0, q)  # layer 0 of a step: what it read is still on the device
-    chosen, count = km.split._reads[-1]
+    chosen, count = km.split._reads[tuple(krows)][1][-1]
     assert count.tolist() == [2, 0]  # the second row has no split page
     read = set(chosen[0, :2].tolist())
     stack = km.pools["split"]._stacks["v"]
@@ -301,10 +324,66 @@ def test_the_kernel_path_reads_the_values_of_the_picked_pages_only():
     assert [sorted(e.pages) for e in fetches] == [sorted(f"split:{p}" for p in read)] * 3
 
 
-def test_a_static_decode_step_refuses_a_split_cache():
+def static_pair(rule: dict, codec: str, **options):
+    """The same split cache twice on the kernel path, rows filled alike and split: one to step
+    eagerly, one through a StaticStep."""
+    def one():
+        m = CacheManager(CacheConfig(num_layers=L, num_kv_heads=H, head_dim=KD, num_query_heads=6, page_size=KS,
+                                     num_pages=64, dtype=torch.float16, codec=codec, fp_sink=0, fp_window=16,
+                                     use_kernels=True, kv_split={"window": 32, **rule}, **options))
+        g = torch.Generator().manual_seed(21)
+        rows = []
+        for i, n in enumerate((KN, 60)):
+            seq = m.open(Subject("acme", f"u{i}", f"s{i}"))
+            k, v = torch.randn(L, n, H, KD, generator=g), torch.randn(L, n, H, KD, generator=g)
+            k[:, 17::23] *= 3
+            for layer in range(L):
+                assert m.append(seq, layer, k[layer].half(), v[layer].half())
+            rows.append(seq)
+        m.events.take_events()
+        return m, rows
+    return one(), one()
+
+
+@pytest.mark.parametrize("codec,rule", [("fp16", {"top_k": 3}), ("int8", {"fraction": 0.5}),
+                                        ("fp16", {"mass": 0.02})])
+def test_a_static_decode_step_reads_what_an_eager_step_reads(codec, rule):
+    """Decode steps through StaticStep's fixed buffers (what a CUDA graph replays) give the
+    eager kernel path's answers and fetch events, while pages move to the split between
+    steps (the second row reaches the split's window during the steps)."""
     from kvguard.cache.step import StaticStep
 
-    m = make({"window": 8, "top_k": 2}, dtype=torch.float16, use_kernels=True)
+    (em, erows), (sm, srows) = static_pair(rule, codec)
+    step = StaticStep(sm, srows, KN + 40)
+    # a static step quantizes the page that left the 16-bit window after its last layer, which
+    # reads it in 16-bit; an eager step's last layer reads it in INT8
+    tol = 2e-3 if codec == "fp16" else 1e-2
+    g = torch.Generator().manual_seed(22)
+    for _ in range(10):
+        k, v = torch.randn(L, 2, H, KD, generator=g).half(), torch.randn(L, 2, H, KD, generator=g).half()
+        q = torch.randn(L, 2, 6, KD, generator=g).half()
+        with step:
+            got = []
+            for layer in range(L):
+                step.write(layer, k[layer], v[layer])
+                got.append(step.attend(layer, q[layer]))
+        for layer in range(L):
+            em.append_step(erows, layer, k[layer], v[layer])
+            want = em.attend_step(erows, layer, q[layer])
+            torch.testing.assert_close(got[layer].float(), want.float(), rtol=tol, atol=tol)
+        ef = [(e.seq, sorted(e.pages), e.bytes) for e in em.events.take_events() if isinstance(e, ev.PagesFetched)]
+        sf = [(e.seq, sorted(e.pages), e.bytes) for e in sm.events.take_events() if isinstance(e, ev.PagesFetched)]
+        assert sf == ef and sf
+    assert [sm.length(r) for r in srows] == [em.length(r) for r in erows] == [KN + 10, 70]
+    assert sm.pools["split"].used_count == em.pools["split"].used_count
+    assert any(r.where == "split" for r in sm.seqs.get(srows[1]).pages)  # the short row split during the steps
+
+
+def test_a_static_decode_step_refuses_a_split_cache_whose_evictor_needs_mass():
+    from kvguard.cache.step import StaticStep
+
+    m = make({"window": 8, "top_k": 2}, dtype=torch.float16, use_kernels=True, evictor="h2o",
+             evictor_options={"budget": 64, "sink": 4, "window": 8})
     seq, _, _ = filled(m)
     with pytest.raises(ConfigError, match="decodes eagerly"):
         StaticStep(m, [seq], 64)

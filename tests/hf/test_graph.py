@@ -69,6 +69,8 @@ for capture in runs:
     assert events(cache) == want_events, (events(cache), want_events)
     if "evictor" in opts:
         assert cache.stats().tokens_evicted > 0 and "PagesQuantized" in want_events
+    if "kv_split" in opts:  # values went to host memory and were read back by score
+        assert "PagesOffloaded" in want_events and "PagesFetched" in want_events
 print("ok")
 """
 
@@ -77,10 +79,12 @@ print("ok")
     {"codec": "fp16", "num_pages": 32},
     {"codec": "int8", "num_pages": 32, "fp_sink": 4, "evictor": "h2o",
      "evictor_options": {"budget": 16, "sink": 4, "window": 8}},
-], ids=["fp16", "int8-h2o"])
+    {"codec": "int8", "num_pages": 32, "fp_sink": 4, "page_size": 8, "kv_split": {"window": 8, "top_k": 2}},
+], ids=["fp16", "int8-h2o", "int8-kv-split"])
 def test_greedy_through_static_steps_equals_generate(opts):
     # 16 new tokens: pages fill and get quantized; with H2O the rows are compacted on the way
-    # (their mass buffers replaced, their positions no longer token indices)
+    # (their mass buffers replaced, their positions no longer token indices); with the K/V
+    # split, pages move to it between steps and each step reads the values of two of them
     env = dict(os.environ)
     if not GPU:
         env["TRITON_INTERPRET"] = "1"

@@ -57,3 +57,15 @@ def test_page_lse_refuses_bad_input():
         page_lse(torch.randn(1, 3, 64).half().to(DEVICE), pages, table, lens)  # 3 heads over 2 KV heads
     with pytest.raises(KernelArgError):
         page_lse(q, pages, table.float(), lens)
+
+
+def test_a_tuning_configuration_gives_the_same_scores():
+    pages = pages_of("int8", 40, 2, 16, 64)
+    q = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(2)).half().to(DEVICE)
+    table = torch.stack([torch.randperm(40, generator=torch.Generator().manual_seed(i))[:37] for i in range(2)])
+    lens = torch.tensor([37 * 16, 20 * 16 + 1], dtype=torch.int32, device=DEVICE)
+    table = table.int().to(DEVICE)
+    want = page_lse(q, pages, table, lens)
+    got = page_lse(q, pages, table, lens, config={"pages": 16, "num_warps": 2, "num_stages": 2})
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.isinf(got[1, :, 21:]).all() and torch.isfinite(got[1, :, :21]).all()

@@ -1,5 +1,6 @@
 """The serving engine's decode steps through a DecodeGraph per batch size, rebound to each
-step's rows, give the tokens of its eager steps as requests join and leave.
+step's rows, give the tokens of its eager steps as requests join and leave, with and without
+the K/V split.
 
 Without a GPU the graphs' steps run eagerly through their fixed buffers on the kernel path
 under Triton's interpreter, in a fresh interpreter (TRITON_INTERPRET is read when triton loads)."""
@@ -37,9 +38,10 @@ class Tok:
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(map(str, ids))
 
-def run(graphs, codec):
+def run(graphs, codec, **extra):
     m = CacheManager(CacheConfig(**shape_fields(cfg), codec=codec, num_pages=64, device=dev, dtype=torch.float16,
-                                 use_kernels=True, prefix_sharing=False))
+                                 use_kernels=True, prefix_sharing=False, **extra))
+    split = []  # the K/V split's pages after each step (rows past its window read values by score)
     e = Engine(model, Tok(), m, chunk=64, max_seqs=4, ignore_eos=True, use_graphs=graphs)
     reqs = [Request(str(i), Subject("t", "u", f"s{i}"), [(7 * i + j) % 96 for j in range(9 + 5 * i)],
                     SamplingParams(max_tokens=6 + 2 * i, temperature=0)) for i in range(3)]
@@ -49,14 +51,18 @@ def run(graphs, codec):
     e.submit(reqs[2])  # joins while the others decode: batch sizes 2, 3, then 2 and 1 as they leave
     while e.scheduler.active:
         e.step()
+        split.append(m.pools["split"].used_count if "split" in m.pools else 0)
     assert m.sequences() == []
+    assert ("kv_split" in extra) == (max(split) > 0), split
     return [r.output for r in reqs], sorted(e.graphs or {})
 
-for codec in ("int8",):  # int8 pages: the 16-bit window's pages and the codec's, both through the graph
-    eager, none = run(False, codec)
-    replayed, sizes = run(True, codec)
+# int8 pages: the 16-bit window's pages and the codec's, both through the graph; then with the
+# K/V split's pages as well (keys scored on the device, the values of two a row read)
+for codec, extra in (("int8", {}), ("int8", {"page_size": 8, "kv_split": {"window": 8, "top_k": 2}})):
+    eager, none = run(False, codec, **extra)
+    replayed, sizes = run(True, codec, **extra)
     assert none == [] and sizes == [1, 2, 3], sizes
-    assert replayed == eager, (codec, replayed, eager)
+    assert replayed == eager, (codec, extra, replayed, eager)
     assert [len(o) for o in eager] == [6, 8, 10]
 print("ok")
 """
