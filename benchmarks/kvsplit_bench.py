@@ -99,7 +99,7 @@ def make(args, kind: str, fraction: float) -> tuple[CacheManager, int, int]:
         tokens = (z["num_pages"] // b - 3) * S + 128 + 16  # the sink page and the window stay 16-bit
     else:
         tokens = (z["split"] // b - 3) * S + args.window
-    return m, used, tokens - args.steps - args.warmup
+    return m, used, tokens - 2 * (args.steps + args.warmup) - 2  # room for the eager steps and the graph's
 
 
 def fill(m: CacheManager, tokens: int, args) -> list:
@@ -143,9 +143,7 @@ def decode(m: CacheManager, seqs: list, args) -> tuple[float, float]:
             m.attend_step(seqs, layer, q[layer])
         launched = time.perf_counter()
         sync(dev)
-        if m.split is not None:
-            m.split.drain()
-        got = sum(e.bytes for e in m.events.take_events() if isinstance(e, ev.PagesFetched) and e.fields == ("v",))
+        got = reported(m)
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
             hosts.append(launched - t0)
@@ -154,14 +152,83 @@ def decode(m: CacheManager, seqs: list, args) -> tuple[float, float]:
     return 1000 * statistics.median(times), statistics.mean(fetched)
 
 
+def decode_graph(m: CacheManager, seqs: list, args) -> tuple[float, float]:
+    """As `decode`, through a StaticStep whose layers are captured in one CUDA graph and replayed
+    (what the serving engine does on CUDA): the host's work per step is the step's bookkeeping
+    (begin/end) and one launch. ms per step (median) and value bytes read from the host per step."""
+    from kvguard.cache.step import StaticStep
+
+    layers, h, d, hq = SHAPES[args.shape]
+    dev, dtype = m.cfg.device, m.cfg.dtype
+    step = StaticStep(m, seqs, max(m.length(s) for s in seqs) + args.warmup + args.steps + 2)
+    g = torch.Generator(device=dev).manual_seed(1)
+    k = torch.randn(layers, len(seqs), h, d, generator=g, device=dev, dtype=dtype)
+    q = torch.randn(layers, len(seqs), hq, d, generator=g, device=dev, dtype=dtype)
+
+    def body():
+        for layer in range(layers):
+            step.write(layer, k[layer], k[layer])
+            step.attend(layer, q[layer])
+
+    side = torch.cuda.Stream(device=dev)  # the first step eagerly, off the default stream (as DecodeGraph)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with step, torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with step:
+        with torch.cuda.graph(graph):
+            body()
+        graph.replay()
+    sync(dev)
+    m.events.take_events()
+    times, fetched, phases = [], [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        step.begin()
+        t1 = time.perf_counter()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        t2 = time.perf_counter()
+        step.end()
+        t3 = time.perf_counter()
+        got = reported(m)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+            fetched.append(got)
+            phases.append((t1 - t0, start.elapsed_time(end) / 1000, t3 - t2, time.perf_counter() - t3))
+    del graph
+    # the step's parts: the host's bookkeeping before (begin) and after (end), the device's
+    # replay, and reading back the events (the split's fetch records)
+    decode_graph.phases = [1000 * statistics.median(p) for p in zip(*phases)]
+    return 1000 * statistics.median(times), statistics.mean(fetched)
+
+
+def reported(m: CacheManager) -> int:
+    """Value bytes the step's `fetch` events report reading from the host (the split's reads
+    emitted first: waits for the device)."""
+    if m.split is not None:
+        m.split.drain()
+    return sum(e.bytes for e in m.events.take_events() if isinstance(e, ev.PagesFetched) and e.fields == ("v",))
+
+
 def check(args) -> None:
-    """The split's kernel path against the cache without it (every page read) and against its
-    reference path (a fraction), on a short context, all on the device."""
+    """The split's kernel path against the cache without it (every page read), against its
+    reference path (a fraction), and its steps replayed from a CUDA graph (StaticStep) against
+    its eager steps, on a short context, all on the device."""
+    from kvguard.cache.step import StaticStep
+
     layers, h, d, hq = SHAPES[args.shape]
     dev = torch.device(args.device)
     n = 4096 + 300
+    g = torch.Generator(device=dev).manual_seed(3)
+    ks = torch.randn(3, 2, 2, h, d, generator=g, device=dev, dtype=torch.float16)  # steps, layers, rows
+    qs = torch.randn(3, 2, 2, hq, d, generator=g, device=dev, dtype=torch.float16)
 
-    def run(split, kernels):
+    def run(split, kernels, graph=False):
         m = CacheManager(CacheConfig(num_layers=2, num_kv_heads=h, head_dim=d, num_query_heads=hq, page_size=S,
                                      num_pages=512, num_hot_pages=512, dtype=torch.float16, device=dev,
                                      codec="int8", fp_sink=16, fp_window=128, kv_split=split,
@@ -176,12 +243,32 @@ def check(args) -> None:
             if split:
                 m.split_cold(seq)
         outs = []
-        for _ in range(3):
-            k = torch.randn(2, 2, h, d, generator=g, device=dev, dtype=torch.float16)
-            q = torch.randn(2, 2, hq, d, generator=g, device=dev, dtype=torch.float16)
-            for layer in range(2):
-                m.append_step(seqs, layer, k[layer], k[layer])
-                outs.append(m.attend_step(seqs, layer, q[layer]).float())
+        if graph:  # the first step eagerly through the fixed buffers, then captured and replayed
+            step, cuda_graph = StaticStep(m, seqs, n + 10), None
+            kb, qb = ks[0].clone(), qs[0].clone()
+
+            def body():
+                for layer in range(2):
+                    step.write(layer, kb[layer], kb[layer])
+                    yield step.attend(layer, qb[layer])
+            for i in range(3):
+                kb.copy_(ks[i])
+                qb.copy_(qs[i])
+                with step:
+                    if i == 0:
+                        outs += [o.float() for o in body()]
+                        continue
+                    if cuda_graph is None:
+                        cuda_graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(cuda_graph):
+                            captured = list(body())
+                    cuda_graph.replay()
+                outs += [o.float() for o in captured]
+        else:
+            for i in range(3):
+                for layer in range(2):
+                    m.append_step(seqs, layer, ks[i, layer], ks[i, layer])
+                    outs.append(m.attend_step(seqs, layer, qs[i, layer]).float())
         if m.split is not None:
             assert m.pools["split"].used_count > 0
         return torch.stack(outs)
@@ -189,9 +276,12 @@ def check(args) -> None:
     rule = {"window": 512}
     full = (run(None, True) - run({**rule, "fraction": 1.0}, True)).abs().max().item()
     part = (run({**rule, "fraction": 0.25}, True) - run({**rule, "fraction": 0.25}, False)).abs().max().item()
-    ok = full < 2e-3 and part < 2e-2
+    graph = max((run({**rule, **r}, True, graph=True) - run({**rule, **r}, True)).abs().max().item()
+                for r in ({"fraction": 0.25}, {"mass": 1e-3}))
+    ok = full < 2e-3 and part < 2e-2 and graph < 2e-2
     print(f"check: every page read vs no split max|diff| {full:.2e}; fraction 0.25 kernel vs reference path "
-          f"{part:.2e}: {'PASSED' if ok else 'FAILED'}")
+          f"{part:.2e}; replayed from a CUDA graph vs eager (fraction 0.25, mass 1e-3) {graph:.2e}: "
+          f"{'PASSED' if ok else 'FAILED'}")
     if not ok:
         raise SystemExit(1)
 
@@ -218,9 +308,85 @@ def profile(args, fraction: float) -> None:
     pstats.Stats(host).sort_stats("tottime").print_stats(25)
 
 
+def tune(args, context: int) -> None:
+    """The split's per-layer device work at one context, apart: the key pass (page_lse) in each
+    configuration against a device copy of the same bytes (the bandwidth ceiling), the page
+    picks (top-k of 1 % and the mass rule's threshold), and one layer of INT8's decode over
+    the whole context (keys and values), which the split's step is compared with."""
+    import itertools
+
+    from kvguard.kernels import quantize as ref
+    from kvguard.kernels.page_scores import DEFAULT_CONFIG, page_lse
+    from kvguard.kernels.paged_decode import paged_decode_sets
+
+    _, h, d, hq = SHAPES[args.shape]
+    dev, b = torch.device(args.device), args.batch
+    n = context // S  # pages a row
+    g = torch.Generator(device=dev).manual_seed(0)
+    parts = [ref.encode_int8(torch.randn(1024, h, S, d, generator=g, device=dev),
+                             torch.randn(1024, h, S, d, generator=g, device=dev)) for _ in range(-(-n * b // 1024))]
+    pages = {f: torch.cat([p[f] for p in parts])[: n * b].contiguous() for f in parts[0]}
+    del parts
+    table = torch.randperm(n * b, device=dev, dtype=torch.int64).to(torch.int32).view(b, n)
+    lens = torch.full((b,), n * S, dtype=torch.int32, device=dev)
+    q = torch.randn(b, hq, d, generator=g, device=dev, dtype=torch.float16)
+    key_bytes = pages["k"].numel() + pages["k_scale"].numel() * 2  # what the key pass reads
+
+    def ms(fn, reps=20) -> float:
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps
+
+    keys = pages["k"]
+    copy_ms = ms(lambda: torch.empty_like(keys).copy_(keys))
+    print(f"\n{args.shape}, B={b}, {context:,} tokens a row ({n:,} pages), one layer; keys {key_bytes / 2**20:.0f} MiB")
+    print(f"device copy of the key codes: {copy_ms * 1e3:.0f} us, {2 * keys.numel() / copy_ms / 1e6:.0f} GB/s "
+          "(read + write)")
+    want = page_lse(q, pages, table, lens, config=DEFAULT_CONFIG)
+    print("| key pass: pages a program | warps | stages | us | GB/s read | x copy time |\n|---|---|---|---|---|---|")
+    results = []
+    for pg, w, st in itertools.product((4, 8, 16, 32), (2, 4, 8), (2, 3, 4)):
+        cfg = {"pages": pg, "num_warps": w, "num_stages": st}
+        try:
+            got = page_lse(q, pages, table, lens, config=cfg)
+        except Exception as e:  # a configuration the compiler refuses (registers, shared memory)
+            print(f"| {pg} | {w} | {st} | failed: {type(e).__name__} | | |")
+            continue
+        if not torch.allclose(got, want, rtol=1e-3, atol=1e-3):
+            print(f"| {pg} | {w} | {st} | WRONG | | |")
+            continue
+        t = ms(lambda cfg=cfg: page_lse(q, pages, table, lens, config=cfg))
+        results.append((t, pg, w, st))
+        print(f"| {pg} | {w} | {st} | {t * 1e3:.0f} | {key_bytes / t / 1e6:.0f} | {t / copy_ms:.2f} |", flush=True)
+    best = min(results)
+    print(f"fastest: pages {best[1]}, warps {best[2]}, stages {best[3]}: {best[0] * 1e3:.0f} us "
+          f"(default {DEFAULT_CONFIG}: {[r[0] for r in results if r[1:] == tuple(DEFAULT_CONFIG.values())][0] * 1e3:.0f} us)")
+    mass = torch.rand(b, n, device=dev)
+    k = max(1, n // 100)
+    topk_ms = ms(lambda: table.gather(1, mass.topk(k, dim=-1).indices))
+
+    def threshold():
+        keep = mass >= 0.99
+        slot = torch.where(keep, keep.cumsum(dim=-1) - 1, n)
+        return table.new_zeros(b, n + 1).scatter_(1, slot, table)[:, :n], keep.sum(dim=-1, dtype=torch.int32)
+
+    thr_ms = ms(threshold)
+    int8_ms = ms(lambda: paged_decode_sets(q, [(pages, table, lens, n * S)])[0])
+    print(f"picks: top-k of 1 % ({k} of {n:,} pages) {topk_ms * 1e3:.0f} us; mass threshold (no sort) "
+          f"{thr_ms * 1e3:.0f} us")
+    print(f"INT8 decode of the layer (keys and values): {int8_ms * 1e3:.0f} us; the fastest key pass is "
+          f"{best[0] / int8_ms:.2f}x of it")
+
+
 def sweep(args, contexts: list[int], fractions: list[float]) -> None:
     """The step of INT8 and of the split at each context, in the same caches (sized to the budget)."""
-    times: dict[tuple, tuple[float, float]] = {}
+    times: dict[tuple, tuple[float, float, float]] = {}
+    graphs = args.device.startswith("cuda")
     for kind in ("int8", "split"):
         m, _, most = make(args, kind, fractions[0])
         for at in contexts:
@@ -230,20 +396,25 @@ def sweep(args, contexts: list[int], fractions: list[float]) -> None:
             for f in fractions if kind == "split" else [None]:
                 if f is not None:
                     m.split.rule = KVSplit(window=args.window, fraction=f)
-                times[(kind, f, at)] = decode(m, seqs, args)
-                print(f"  {kind} f={f} at {at:,}: {times[(kind, f, at)][0]:.2f} ms/step", flush=True)
+                ms, fetched = decode(m, seqs, args)
+                gms = decode_graph(m, seqs, args)[0] if graphs else float("nan")
+                times[(kind, f, at)] = ms, fetched, gms
+                print(f"  {kind} f={f} at {at:,}: {ms:.2f} ms/step, graph {gms:.2f}", flush=True)
             for seq in seqs:
                 m.free(seq)
             m.events.take_events()
         del m
-    print(f"\n{args.shape}, B={args.batch}, ms/step (x INT8's) and MiB of values from the host a step")
+    print(f"\n{args.shape}, B={args.batch}, ms/step eager / replayed from a CUDA graph (x INT8's) and MiB of "
+          "values from the host a step")
     print("| context | int8 | " + " | ".join(f"int8+split f={f}" for f in fractions) + " |")
     print("|---" * (2 + len(fractions)) + "|")
     for at in contexts:
-        base = times[("int8", None, at)][0]
-        cells = [f"{times[('split', f, at)][0]:.2f} (x{times[('split', f, at)][0] / base:.2f}), "
-                 f"{times[('split', f, at)][1] / 2**20:.0f} MiB" for f in fractions]
-        print(f"| {at:,} | {base:.2f} | " + " | ".join(cells) + " |")
+        base, _, gbase = times[("int8", None, at)]
+        cells = []
+        for f in fractions:
+            ms, fetched, gms = times[("split", f, at)]
+            cells.append(f"{ms:.2f} (x{ms / base:.2f}) / {gms:.2f} (x{gms / gbase:.2f}), {fetched / 2**20:.0f} MiB")
+        print(f"| {at:,} | {base:.2f} / {gbase:.2f} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:
@@ -261,6 +432,9 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="only profile the split's step at INT8's context")
     p.add_argument("--contexts", default="", help="instead: INT8 and the split at these contexts (comma-separated "
                    "tokens a row, each within INT8's longest), step time and bytes from the host")
+    p.add_argument("--tune", type=int, default=0, metavar="TOKENS",
+                   help="instead: the split's per-layer device work at this context, the key pass in each "
+                   "configuration against the copy ceiling (CUDA)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     args = p.parse_args()
     if args.smoke:
@@ -273,25 +447,37 @@ def main() -> None:
     if args.profile:
         profile(args, fractions[0])
         return
+    if args.tune:
+        tune(args, args.tune)
+        return
     if args.contexts:
         sweep(args, [int(c) for c in args.contexts.split(",")], fractions)
         return
 
-    def row(name, m, used, ms, fetched, at):
+    graphs = args.device.startswith("cuda")
+
+    def row(name, m, seqs, used, at):
+        """One configuration's eager step, then its step replayed from a CUDA graph."""
+        ms, fetched = decode(m, seqs, args)
+        host_ms = decode.host_ms
+        gms = decode_graph(m, seqs, args)[0] if graphs else float("nan")
+        if graphs:
+            print("    graph step's parts, ms: begin {:.2f}, device {:.2f}, end {:.2f}, events {:.2f}".format(
+                *decode_graph.phases))
         host = sum(t.numel() * t.element_size() for pl in m.pools.values() for t in pl._stacks.values()
                    if t.device.type == "cpu" and m.cfg.device.type != "cpu")
-        rows.append((name, at, used, host, ms, decode.host_ms, fetched))
-        print(f"  {name}: {at:,} tokens a row, {ms:.2f} ms/step ({decode.host_ms:.2f} ms of it launching), "
-              f"{fetched / 2**20:.1f} MiB/step from the host", flush=True)
+        rows.append((name, at, used, host, ms, host_ms, gms, fetched))
+        print(f"  {name}: {at:,} tokens a row, {ms:.2f} ms/step ({host_ms:.2f} ms of it launching), "
+              f"graph {gms:.2f} ms/step, {fetched / 2**20:.1f} MiB/step from the host", flush=True)
+        return ms, gms
 
     for kind in ("fp16", "int8"):
         m, used, tokens = make(args, kind, 1.0)
         print(f"{kind}: {used / 2**30:.2f} GiB of pools, {tokens:,} tokens a row", flush=True)
         seqs = fill(m, tokens, args)
-        ms, fetched = decode(m, seqs, args)
-        row(kind, m, used, ms, fetched, tokens)
+        ms, gms = row(kind, m, seqs, used, tokens)
         if kind == "int8":
-            int8_tokens, int8_ms = tokens, ms
+            int8_tokens, int8_ms, int8_gms = tokens, ms, gms
         del m, seqs
     m, used, tokens = make(args, "split", fractions[0])
     print(f"int8+split: {used / 2**30:.2f} GiB of pools, {tokens:,} tokens a row", flush=True)
@@ -299,19 +485,18 @@ def main() -> None:
         seqs = fill(m, at, args)
         for f in fractions:
             m.split.rule = KVSplit(window=args.window, fraction=f)
-            ms, fetched = decode(m, seqs, args)
-            row(f"int8+split f={f}", m, used, ms, fetched, at)
+            row(f"int8+split f={f}", m, seqs, used, at)
         for seq in seqs:
             m.free(seq)
         m.events.take_events()
     print(f"\n{args.shape}, B={args.batch}, device budget {args.budget_gb:g} GiB for KV pools, device {args.device}"
           f" ({torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'})")
-    print("| configuration | context a row (tokens) | vs INT8's | device pools GiB | host GiB | ms/step "
-          "| of it launching | x INT8 step | MiB from host/step |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, at, used, host, ms, launch_ms, fetched in rows:
+    print("| configuration | context a row (tokens) | vs INT8's | device pools GiB | host GiB | eager ms/step "
+          "| of it launching | x INT8 eager | graph ms/step | x INT8 graph | MiB from host/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, at, used, host, ms, launch_ms, gms, fetched in rows:
         print(f"| {name} | {at:,} | {at / int8_tokens:.2f}x | {used / 2**30:.2f} | {host / 2**30:.2f} | {ms:.2f} "
-              f"| {launch_ms:.2f} | {ms / int8_ms:.2f} | {fetched / 2**20:.1f} |")
+              f"| {launch_ms:.2f} | {ms / int8_ms:.2f} | {gms:.2f} | {gms / int8_gms:.2f} | {fetched / 2**20:.1f} |")
 
 if __name__ == "__main__":
     main()
