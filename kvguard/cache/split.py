@@ -69,6 +69,8 @@ class ValueSplit:
         self._reads: dict[tuple[SeqId, ...], tuple[list[Sequence], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         self._pending: deque[tuple] = deque()  # (event or None, pages [L, B, k], counts [L, B], seqs)
         self.last_read = 1.0  # fraction of the keys of the last reference read whose values were read
+        # each split page's name in events, made once: a step's read may name thousands
+        self.names = [page_name(SPLIT, p) for p in range(self.pool.num_pages)]
 
     @property
     def page_value_bytes(self) -> int:
@@ -177,11 +179,12 @@ class ValueSplit:
 
         sets: (page fields, block table [B, n_i] int32, an upper bound of the tokens a row holds
         there) per pool; lens [sets, B] int32: the tokens. The rule picks the split pages whose
-        values are read: with `want` ([B] int32, pages per row), the want[b] of largest mass
-        among the top k (k >= every want[b]); without (the mass rule), every page whose mass
-        reaches the rule's, in page order (no sort). Returns out [B, Hq, D] in q's dtype, the
-        split pages picked [B, k or n_j] int32 and how many of each row's were read [B] int32."""
-        from kvguard.kernels.page_scores import page_lse
+        values are read (kernels/page_scores.py page_pick): with `want` ([B] int32, pages per
+        row), the want[b] of largest mass, k (>= every want[b]) the width of the picks; without
+        (the mass rule), every page whose mass reaches the rule's. Returns out [B, Hq, D] in q's
+        dtype, the split pages picked [B, k or n_j] int32 in slot order, and how many of each
+        row's were read [B] int32."""
+        from kvguard.kernels.page_scores import page_lse, page_pick, page_total, rescale
         from kvguard.kernels.paged_decode import paged_decode_sets
 
         b, s = q.shape[0], self.cfg.page_size
@@ -192,27 +195,18 @@ class ValueSplit:
         for i, (fields, table, _) in enumerate(sets):
             lo, at = (0, at) if i == j else (at, at + widths[i])
             page_lse(q, fields, table, lens[i], scale, out=scores[:, :, lo:lo + widths[i]])
-        top = scores.amax(dim=-1, keepdim=True)  # [B, Hq, 1] (finite: every row holds some token)
-        total = (scores - top).exp_().sum(dim=-1).log_() + top[..., 0]  # [B, Hq]: the softmax's normalizer
-        # a page's mass: the largest over query heads of the probability that falls in it
-        mass = torch.exp((scores[:, :, :widths[j]] - total[..., None]).amax(dim=1))  # [B, n]
-        table, n = sets[j][1], widths[j]
-        if want is None:  # each kept page to the next free slot of its row, the rest to a spare column
-            keep = mass >= self.rule.mass
-            count = keep.sum(dim=-1, dtype=torch.int32)
-            slot = torch.where(keep, keep.cumsum(dim=-1) - 1, n)
-            chosen = table.new_zeros(b, n + 1).scatter_(1, slot, table)[:, :n]
-            k = n
-        else:
-            count = want
-            chosen = table.gather(1, mass.topk(k, dim=-1).indices)  # [B, k], largest first
+        total = page_total(scores)  # [B, Hq]: the softmax's normalizer (finite: a row holds tokens)
+        # the pages read: by a page's mass, the largest over query heads of the probability in it
+        n = widths[j]
+        k = n if want is None else k
+        chosen, count = page_pick(scores[:, :, :n], total, sets[j][1], k, want,
+                                  0.0 if self.rule.mass is None else self.rule.mass)
         args = [(fields, tb, lens[i], bound) for i, (fields, tb, bound) in enumerate(sets)]
         args[j] = (sets[j][0], chosen, count * s, k * s)
         out, part = paged_decode_sets(q, args, sm_scale=scale)
         # the pages read were normalized among themselves: rescale to the whole softmax, whose
         # normalizer also counts the pages not read (their values are what the approximation skips)
-        out = (out.float() * torch.exp(part - total)[..., None]).to(q.dtype)
-        return out, chosen, count
+        return rescale(out, part, total), chosen, count
 
     def _close_step(self, rows: tuple[SeqId, ...]) -> None:
         """After a step's last layer: the pages each layer read for these rows, reported by `drain`."""
@@ -250,11 +244,12 @@ class ValueSplit:
                 event.synchronize()
             self._pending.popleft()
             per_page = self.page_value_bytes
+            read = torch.arange(pages.shape[-1])[None, :] < counts[..., None]  # [layers, B, k]: the first count[l, b]
+            total = counts.sum(dim=0).tolist()  # pages read a row, over the layers
             for b, seq in enumerate(seqs):
-                n = counts[:, b].tolist()  # pages read in each layer
-                read = sorted({p for layer, m in enumerate(n) for p in pages[layer, b, :m].tolist()})
-                if read:
-                    self.fetched(seq, [page_name(SPLIT, p) for p in read], sum(n) * per_page, "cpu", ("v",))
+                if total[b]:
+                    ids = torch.unique(pages[:, b][read[:, b]]).tolist()  # ascending
+                    self.fetched(seq, [self.names[p] for p in ids], total[b] * per_page, "cpu", ("v",))
 
     # --- the reference path ---------------------------------------------------------------------
 

@@ -66,6 +66,72 @@ def test_a_tuning_configuration_gives_the_same_scores():
     lens = torch.tensor([37 * 16, 20 * 16 + 1], dtype=torch.int32, device=DEVICE)
     table = table.int().to(DEVICE)
     want = page_lse(q, pages, table, lens)
-    got = page_lse(q, pages, table, lens, config={"pages": 16, "num_warps": 2, "num_stages": 2})
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for config in ({"pages": 16, "num_warps": 2, "num_stages": 2}, {"pages": 4, "iters": 3}):
+        got = page_lse(q, pages, table, lens, config=config)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.isinf(got[1, :, 21:]).all() and torch.isfinite(got[1, :, :21]).all()
+
+
+def scores_of(b: int, hq: int, n: int, lens: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """page_lse-like scores [B, Hq, n] (-inf past each row's pages) and their normalizer."""
+    s = torch.randn(b, hq, n, generator=torch.Generator().manual_seed(seed)) * 3
+    for i, m in enumerate(lens):
+        s[i, :, m:] = float("-inf")
+    return s.to(DEVICE), torch.logsumexp(s, dim=-1).to(DEVICE)
+
+
+def test_page_pick_takes_the_pages_of_largest_mass():
+    from kvguard.kernels.page_scores import page_pick
+
+    b, hq, n = 4, 6, 700
+    lens = [700, 450, 3, 0]
+    scores, total = scores_of(b, hq, n, lens)
+    table = torch.stack([torch.randperm(5000, generator=torch.Generator().manual_seed(i))[:n] for i in range(b)])
+    table = table.int().to(DEVICE)
+    mass = torch.exp(scores - total[..., None]).amax(dim=1).cpu()  # [B, n]
+    want = torch.tensor([37, 450, 2, 0], dtype=torch.int32, device=DEVICE)
+    for config in (None, {"block": 256, "num_warps": 4}):  # several steps of the loops, and one
+        chosen, count = page_pick(scores, total, table, 450, want, config=config)
+        assert count.tolist() == want.tolist()
+        for i in range(b):
+            k = int(want[i])
+            expect = set(table[i, mass[i].topk(k).indices.to(DEVICE)].tolist()) if k else set()
+            assert set(chosen[i, :k].tolist()) == expect
+    # the mass rule: every page whose mass reaches the threshold, in slot order
+    t = float(mass[0].median())
+    chosen, count = page_pick(scores, total, table, n, threshold=t)
+    for i in range(b):
+        slots = (mass[i] >= t).nonzero().flatten().to(DEVICE)
+        assert int(count[i]) == len(slots) and torch.equal(chosen[i, :len(slots)], table[i, slots])
+    assert int(count[3]) == 0 and int(count[0]) >= n // 2
+
+
+def test_page_pick_breaks_ties_by_slot():
+    from kvguard.kernels.page_scores import page_pick
+
+    scores = torch.zeros(1, 2, 300, device=DEVICE)  # every page the same mass
+    scores[0, :, 7] = 5.0  # but one
+    total = torch.logsumexp(scores, dim=-1)
+    table = torch.arange(300, dtype=torch.int32, device=DEVICE)[None].contiguous()
+    chosen, count = page_pick(scores, total, table, 10, torch.tensor([10], dtype=torch.int32, device=DEVICE))
+    assert int(count[0]) == 10 and sorted(chosen[0].tolist()) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    with pytest.raises(KernelArgError):
+        page_pick(scores, total, table.long(), 10, torch.tensor([10], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(KernelArgError):
+        page_pick(scores.half(), total, table, 10)
+
+
+def test_page_total_and_rescale_match_torch():
+    from kvguard.kernels.page_scores import page_total, rescale
+
+    scores, _ = scores_of(3, 5, 2500, [2500, 17, 0], seed=4)  # several blocks a row, and a row of none
+    total = page_total(scores)
+    want = torch.logsumexp(scores, dim=-1)
+    torch.testing.assert_close(total[:2], want[:2], rtol=1e-5, atol=1e-5)
+    assert torch.isinf(total[2]).all() and (total[2] < 0).all()
+    out = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(5)).half().to(DEVICE)
+    part = total[:2] - torch.rand(2, 5, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    expect = (out.float() * torch.exp(part - total[:2])[..., None]).half()
+    torch.testing.assert_close(rescale(out.clone(), part.contiguous(), total[:2].contiguous()), expect, rtol=0, atol=1e-3)
+    with pytest.raises(KernelArgError):
+        rescale(out[:, :, :48].contiguous(), part, total[:2])  # D not a power of 2
