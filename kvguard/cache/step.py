@@ -74,8 +74,12 @@ class StaticStep:
         self.with_mass = manager.evictor is not None and manager.evictor.needs_mass
         self.rows = torch.zeros(b * h, dtype=torch.long, device=dev)
         self.lens = torch.zeros(len(self.names), b, dtype=torch.int32, device=dev)
-        self.tables = {name: torch.zeros(b, self.pages, dtype=torch.int32, device=dev) for name in self.names}
-        self.positions = ({name: torch.full((b, self.pages * s), -1, dtype=torch.long, device=dev)
+        # a row's pages in a pool: at most the step's, and at most the pool's (a K/V split cache's
+        # 16-bit and codec pools hold a window: a table as wide as the context would have the
+        # kernels walk empty slots)
+        self.width = {name: min(self.pages, manager.pools[name].num_pages) for name in self.names}
+        self.tables = {name: torch.zeros(b, self.width[name], dtype=torch.int32, device=dev) for name in self.names}
+        self.positions = ({name: torch.full((b, self.width[name] * s), -1, dtype=torch.long, device=dev)
                            for name in self.names} if self.with_mass else {})
         # (address, head stride, columns) of each row's mass buffer, per layer (paged_decode_sets'
         # mass_into row table): rewritten when a buffer moves (a compaction replaces it)
@@ -85,9 +89,9 @@ class StaticStep:
         # pages each layer read, reported after the step (split.ValueSplit.record)
         self.split = split
         if split is not None:
-            self.k = split.rule.pages(self.pages)  # None: the mass rule, whose picks are not sorted
+            self.k = split.rule.pages(self.width[SPLIT])  # None: the mass rule
             self.want = torch.zeros(b, dtype=torch.int32, device=dev) if self.k is not None else None
-            self.reads = torch.zeros(c.num_layers, b, self.k or self.pages, dtype=torch.int32, device=dev)
+            self.reads = torch.zeros(c.num_layers, b, self.k or self.width[SPLIT], dtype=torch.int32, device=dev)
             self.read_counts = torch.zeros(c.num_layers, b, dtype=torch.int32, device=dev)
         self._versions: tuple | None = None  # the page-list versions the tables were filled from
         self._mass_at: tuple | None = None
@@ -232,7 +236,9 @@ class StaticStep:
     def attend(self, layer: int, q: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """Decode attention of q [B, Hq, D] over what every row holds (this step's token included)."""
         m = self.manager
-        sets = [(m.pools[name].fields[layer], self.tables[name], self.max_tokens) for name in self.names]
+        s = m.cfg.page_size
+        sets = [(m.pools[name].fields[layer], self.tables[name], min(self.max_tokens, self.width[name] * s))
+                for name in self.names]
         if self.split is not None:
             return self._rotated(lambda q: self._attend_split(layer, q, sets, scale), q)
         into = None
