@@ -316,7 +316,7 @@ def tune(args, context: int) -> None:
     import itertools
 
     from kvguard.kernels import quantize as ref
-    from kvguard.kernels.page_scores import DEFAULT_CONFIG, page_lse
+    from kvguard.kernels.page_scores import DEFAULT_CONFIG, page_lse, page_pick
     from kvguard.kernels.paged_decode import paged_decode_sets
 
     _, h, d, hq = SHAPES[args.shape]
@@ -347,38 +347,44 @@ def tune(args, context: int) -> None:
     print(f"\n{args.shape}, B={b}, {context:,} tokens a row ({n:,} pages), one layer; keys {key_bytes / 2**20:.0f} MiB")
     print(f"device copy of the key codes: {copy_ms * 1e3:.0f} us, {2 * keys.numel() / copy_ms / 1e6:.0f} GB/s "
           "(read + write)")
-    want = page_lse(q, pages, table, lens, config=DEFAULT_CONFIG)
-    print("| key pass: pages a program | warps | stages | us | GB/s read | x copy time |\n|---|---|---|---|---|---|")
+    scores = page_lse(q, pages, table, lens, config=DEFAULT_CONFIG)
+    print("| key pass: pages a step | steps | warps | words | us | GB/s read | x copy time |\n"
+          "|---|---|---|---|---|---|---|")
     results = []
-    for pg, w, st in itertools.product((4, 8, 16, 32), (2, 4, 8), (2, 3, 4)):
-        cfg = {"pages": pg, "num_warps": w, "num_stages": st}
+    for pg, it, w, st in itertools.product((2, 4, 8), (1, 4), (1, 2, 4), (False, True)):
+        cfg = {"pages": pg, "iters": it, "num_warps": w, "words": st}
         try:
             got = page_lse(q, pages, table, lens, config=cfg)
         except Exception as e:  # a configuration the compiler refuses (registers, shared memory)
-            print(f"| {pg} | {w} | {st} | failed: {type(e).__name__} | | |")
+            print(f"| {pg} | {it} | {w} | {st} | failed: {type(e).__name__} | | |")
             continue
-        if not torch.allclose(got, want, rtol=1e-3, atol=1e-3):
-            print(f"| {pg} | {w} | {st} | WRONG | | |")
+        if not torch.allclose(got, scores, rtol=1e-3, atol=1e-3):
+            print(f"| {pg} | {it} | {w} | {st} | WRONG | | |")
             continue
         t = ms(lambda cfg=cfg: page_lse(q, pages, table, lens, config=cfg))
-        results.append((t, pg, w, st))
-        print(f"| {pg} | {w} | {st} | {t * 1e3:.0f} | {key_bytes / t / 1e6:.0f} | {t / copy_ms:.2f} |", flush=True)
+        results.append((t, pg, it, w, st))
+        print(f"| {pg} | {it} | {w} | {st} | {t * 1e3:.0f} | {key_bytes / t / 1e6:.0f} | {t / copy_ms:.2f} |", flush=True)
     best = min(results)
-    print(f"fastest: pages {best[1]}, warps {best[2]}, stages {best[3]}: {best[0] * 1e3:.0f} us "
-          f"(default {DEFAULT_CONFIG}: {[r[0] for r in results if r[1:] == tuple(DEFAULT_CONFIG.values())][0] * 1e3:.0f} us)")
-    mass = torch.rand(b, n, device=dev)
+    default_ms = ms(lambda: page_lse(q, pages, table, lens))
+    print(f"fastest: pages {best[1]}, steps {best[2]}, warps {best[3]}, words {best[4]}: {best[0] * 1e3:.0f} us; "
+          f"the default {DEFAULT_CONFIG}: {default_ms * 1e3:.0f} us")
+    total = torch.logsumexp(scores, dim=-1)
     k = max(1, n // 100)
-    topk_ms = ms(lambda: table.gather(1, mass.topk(k, dim=-1).indices))
-
-    def threshold():
-        keep = mass >= 0.99
-        slot = torch.where(keep, keep.cumsum(dim=-1) - 1, n)
-        return table.new_zeros(b, n + 1).scatter_(1, slot, table)[:, :n], keep.sum(dim=-1, dtype=torch.int32)
-
-    thr_ms = ms(threshold)
+    wants = torch.full((b,), k, dtype=torch.int32, device=dev)
+    old_ms = ms(lambda: table.gather(1, torch.exp(scores - total[..., None]).amax(dim=1).topk(k, dim=-1).indices))
+    print(f"picks of 1 % ({k} of {n:,} pages), mass included: torch topk + gather {old_ms * 1e3:.0f} us")
+    print("| page_pick: block | warps | top-k us | mass threshold us |\n|---|---|---|---|")
+    ref = set(table[0, torch.exp(scores - total[..., None]).amax(dim=1)[0].topk(k).indices].tolist())
+    for blk, w in ((1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16), (16384, 16)):
+        cfg = {"block": blk, "num_warps": w}
+        chosen, count = page_pick(scores, total, table, k, wants, config=cfg)
+        if int(count[0]) != k or set(chosen[0].tolist()) != ref:
+            print(f"| {blk} | {w} | WRONG | |")
+            continue
+        t1 = ms(lambda cfg=cfg: page_pick(scores, total, table, k, wants, config=cfg))
+        t2 = ms(lambda cfg=cfg: page_pick(scores, total, table, n, threshold=1e-3, config=cfg))
+        print(f"| {blk} | {w} | {t1 * 1e3:.0f} | {t2 * 1e3:.0f} |", flush=True)
     int8_ms = ms(lambda: paged_decode_sets(q, [(pages, table, lens, n * S)])[0])
-    print(f"picks: top-k of 1 % ({k} of {n:,} pages) {topk_ms * 1e3:.0f} us; mass threshold (no sort) "
-          f"{thr_ms * 1e3:.0f} us")
     print(f"INT8 decode of the layer (keys and values): {int8_ms * 1e3:.0f} us; the fastest key pass is "
           f"{best[0] / int8_ms:.2f}x of it")
 
