@@ -9,6 +9,12 @@ their codes and scales (kernels/compact.py: values per token always; keys, one s
 channel, where a page's survivors stay together), and `arrange` orders each head's survivors so
 that they do. Only survivors that must join another page's grid are requantized, from their
 exactly decoded values.
+
+A new page whose survivors are one old page's tokens, whole, in every layer and head, is that
+old page, relinked rather than copied: StreamingLLM's compaction by a page's worth of tokens
+shifts every page after the sinks so, and only the sinks' page is rebuilt. A K/V split page
+stays in the split's pool then (its values in host memory); one whose survivors are copied
+comes home first.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from .config import CacheConfig
 from .pages import PageStore
 from .quantize import Quantizer
 from .residency import Residency
-from .sequence import HOT, MAIN, PageRef, Sequence
+from .sequence import HOT, MAIN, SPLIT, PageRef, Sequence
 
 
 class Compactor:
@@ -103,6 +109,31 @@ class Compactor:
         rows = rows.clone()
         rows[:, slots] = torch.tensor(got, dtype=rows.dtype)
         return rows.reshape(keep.shape)
+
+    def _whole_pages(self, keep: torch.Tensor, seq: Sequence, first: int, quantized: set[int]) -> dict[int, int]:
+        """New pages (index from `first`) whose survivors in every layer and head are one old
+        page's tokens, whole and in order: {new: old page index}. They move by relinking, with
+        no copy (StreamingLLM's compaction by a page shifts every page after the sinks so), where
+        the old page is on the device in the pool the new one needs (a codec or K/V split page
+        where the codec's goes, a 16-bit one where a 16-bit one goes)."""
+        s = self.cfg.page_size
+        full = (keep.shape[-1] - first * s) // s
+        if full <= 0:
+            return {}
+        rows = keep.reshape(-1, keep.shape[-1])[:, first * s: (first + full) * s].reshape(-1, full, s)
+        base = rows[0, :, 0]
+        whole = ((rows == rows[:1]).all(0).all(-1) & (rows[0] == base[:, None] + torch.arange(s)).all(-1)
+                 & (base % s == 0))
+        split_home = SPLIT in self.store.pools and self.store.codec_pool  # the pool split pages came from
+        codec = (MAIN, SPLIT) if split_home == MAIN else (MAIN,)
+        window = (HOT, SPLIT) if split_home == HOT else (HOT,)
+        out = {}
+        for j in whole.nonzero().flatten().tolist():
+            p = int(base[j]) // s
+            if seq.pages[p].where in (codec if j in quantized else window):
+                out[j] = p
+        return out
+
     def _value_norms(self, seq: Sequence, length: int) -> torch.Tensor:
         """Each position's value L1 norm as the pages hold it, [layers, H, length] on the CPU,
         for an evictor that scores by mass × ‖v‖ (its pages fetched back to the device first)."""
@@ -130,15 +161,24 @@ class Compactor:
         ident = (keep == torch.arange(new_len)).flatten(0, -2).all(0).int()
         same = int(ident.cumprod(0).sum())  # leading positions that move in no layer or head
         first = same // s  # pages before this one stay as they are
-        self.residency.fetch_all(seq)
+        n_new = math.ceil((new_len - first * s) / s)
+        quantized = [j for j in range(n_new) if self.codec.quantized and self.quantizer.quantizable(first + j, new_len)
+                     and (first + j + 1) * s <= new_len]
+        relinked = self._whole_pages(keep, seq, first, set(quantized))
+        self.residency.fetch_all(seq, values=False)
+        # the survivors that are copied come from pages on the device: the K/V split's pages
+        # among their sources come home first (not those that move whole)
+        rel = (keep[..., first * s:] - first * s).to(c.device)  # [layers, H, new_len - first * s]
+        copied = [j for j in range(n_new) if j not in relinked]
+        if copied and self.residency.split is not None:
+            cols = torch.tensor([j * s + i for j in copied for i in range(s) if (first + j) * s + i < new_len])
+            sources = (keep[..., first * s:][..., cols] // s).unique().tolist()
+            self.residency.split.join(seq, [p for p in sources if seq.pages[p].where == SPLIT])
         old_refs = seq.pages[first:]
         # per layer and head, the surviving positions from page `first` on (rows are sorted
         # and their first `same` >= first * s entries are 0, 1, 2, ...)
-        rel = (keep[..., first * s:] - first * s).to(c.device)  # [layers, H, new_len - first * s]
-        n_new = math.ceil((new_len - first * s) / s)
-        main_slots = [j for j in range(n_new) if self.codec.quantized and self.quantizer.quantizable(first + j, new_len)
-                      and (first + j + 1) * s <= new_len]
-        hot_slots = [j for j in range(n_new) if j not in main_slots]
+        main_slots = [j for j in quantized if j not in relinked]
+        hot_slots = [j for j in copied if j not in main_slots]
         pools = self.store.pools
         got_hot = pools[HOT].allocate(len(hot_slots), seq.subject)
         got_main = pools[MAIN].allocate(len(main_slots), seq.subject) if main_slots else []
@@ -152,6 +192,8 @@ class Compactor:
             keep = self.arrange(keep, seq, first, [first + j for j in main_slots])
             rel = (keep[..., first * s:] - first * s).to(c.device)
         new_refs = [None] * n_new
+        for j, p in relinked.items():
+            new_refs[j] = seq.pages[p]
         for j, p in zip(hot_slots, got_hot):
             new_refs[j] = PageRef(HOT, p, HOT)
         for j, p in zip(main_slots, got_main):
@@ -168,6 +210,15 @@ class Compactor:
             if c.use_kernels:
                 dst_main = paged.page_ids(got_main, c.device)
                 src_main = src_main.to(torch.int32)
+        if hot_slots:  # the 16-bit slots' sources: only the old pages they come from are read
+            cols = torch.tensor([j * s + i for j in hot_slots for i in range(s) if j * s + i < rel.shape[-1]],
+                                device=c.device)
+            src = rel[..., cols]  # [layers, H, columns] positions from page `first` on
+            need = (src // s).unique()
+            lut = torch.zeros(len(old_refs), dtype=torch.long, device=c.device)
+            lut[need] = torch.arange(len(need), device=c.device)
+            src = lut[src // s] * s + src % s  # into the needed pages' tokens
+            sources = [old_refs[i] for i in need.tolist()]
         for layer in range(c.num_layers):
             if main_slots:
                 main_pool, hot_pool = pools[MAIN], pools[HOT]
@@ -179,18 +230,19 @@ class Compactor:
                                hot_pool.fields[layer], group=getattr(self.codec, "group", kq.INT4_GROUP))
             if not hot_slots:
                 continue
-            k, v = self.store.gather(old_refs, layer, c.dtype)  # [H, n_old*S, D]
-            idx = rel[layer].unsqueeze(-1).expand(-1, -1, c.head_dim)
+            k, v = self.store.gather(sources, layer, c.dtype)  # [H, sources * S, D], none a split page
+            idx = src[layer].unsqueeze(-1).expand(-1, -1, c.head_dim)
             k, v = k.gather(1, idx), v.gather(1, idx)
-            pad = n_new * s - k.shape[1]
+            pad = len(hot_slots) * s - k.shape[1]  # the last slot may be part of a page
             if pad:
                 z = torch.zeros(c.num_kv_heads, pad, c.head_dim, dtype=c.dtype, device=c.device)
                 k, v = torch.cat([k, z], 1), torch.cat([v, z], 1)
             # [H, N*S, D] -> [N, H, S, D]
-            k = k.reshape(c.num_kv_heads, n_new, s, c.head_dim).transpose(0, 1)
-            v = v.reshape(c.num_kv_heads, n_new, s, c.head_dim).transpose(0, 1)
-            pools[HOT].write(layer, got_hot, {"k": k[hot_slots], "v": v[hot_slots]})
-        freed, _ = self.store.release_refs(old_refs, seq.subject)
+            k = k.reshape(c.num_kv_heads, len(hot_slots), s, c.head_dim).transpose(0, 1)
+            v = v.reshape(c.num_kv_heads, len(hot_slots), s, c.head_dim).transpose(0, 1)
+            pools[HOT].write(layer, got_hot, {"k": k, "v": v})
+        moved = set(relinked.values())  # old pages that are new ones now
+        freed, _ = self.store.release_refs([r for i, r in enumerate(old_refs, first) if i not in moved], seq.subject)
         seq.pages = seq.pages[:first] + new_refs
         seq.lengths = [new_len] * c.num_layers
         # H2O's mass accumulates for good; SnapKV's votes are those of the queries since the

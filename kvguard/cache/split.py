@@ -110,11 +110,11 @@ class ValueSplit:
         self.offloaded(seq, [page_name(SPLIT, p) for p in dst], nbytes, "cpu", nbytes, ("v",))
         return len(dst)
 
-    def join(self, seq: Sequence) -> None:
-        """Bring the sequence's split pages back to the codec's pool (before a read of whole
-        pages); one `fetch` event. Raises OutOfPages, having moved nothing, when that pool has
-        too few free pages."""
-        idx = [i for i, r in enumerate(seq.pages) if r.where == SPLIT]
+    def join(self, seq: Sequence, pages: list[int] | None = None) -> None:
+        """Bring the sequence's split pages (those at these indices of its pages; default all)
+        back to the codec's pool (before a read of whole pages); one `fetch` event. Raises
+        OutOfPages, having moved nothing, when that pool has too few free pages."""
+        idx = [i for i in (range(len(seq.pages)) if pages is None else pages) if seq.pages[i].where == SPLIT]
         if not idx:
             return
         self.drain()

@@ -387,3 +387,40 @@ def test_a_static_decode_step_refuses_a_split_cache_whose_evictor_needs_mass():
     seq, _, _ = filled(m)
     with pytest.raises(ConfigError, match="decodes eagerly"):
         StaticStep(m, [seq], 64)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8"])
+def test_streamingllm_compaction_moves_split_pages_by_relinking_them(codec):
+    """StreamingLLM past its budget drops a page's worth of old tokens each time: the pages
+    after the sinks move whole, so the split's pages stay where they are (their values in host
+    memory), none is brought home, and every answer is the cache's without the split."""
+    opts = dict(codec=codec, evictor="streamingllm", evictor_options={"budget": 32, "sink": 2})
+    if codec == "int8":
+        opts["fp_window"] = 8
+    plain, split = make(None, **opts), make({"window": 8, "fraction": 1.0}, **opts)
+    seqs = [filled(m)[0] for m in (plain, split)]
+    assert split.split_cold(seqs[1]) > 0
+    before = {r.page for r in split.seqs.get(seqs[1]).pages if r.where == "split"}
+    g = torch.Generator().manual_seed(9)
+    split.events.take_events()
+    for _ in range(3 * S):  # three compactions
+        k, v = torch.randn(2, L, 1, H, D, generator=g)
+        q = query(int(torch.randint(0, 1000, (1,), generator=g)))
+        for layer in range(L):
+            outs = []
+            for m, seq in zip((plain, split), seqs):
+                m.append_step([seq], layer, k[layer], v[layer])
+                outs.append(m.attend_step([seq], layer, q))
+            torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    events = split.events.take_events()
+    evicted = [e for e in events if isinstance(e, ev.TokensEvicted)]
+    assert len(evicted) == 3 and all(e.kept == 32 for e in evicted)
+    # a fetch a step for the values read (6 cold pages), and per compaction the two split pages
+    # that are the sources of its new first page (the sinks' and the page the drop cuts) come
+    # home: no other
+    fetches = [e for e in events if isinstance(e, ev.PagesFetched)]
+    assert sorted(len(e.pages) for e in fetches) == [2] * 3 + [6] * 3 * S
+    after = {r.page for r in split.seqs.get(seqs[1]).pages if r.where == "split"}
+    # of the 8 split pages the compactions freed the sink page, the pages dropped and each time
+    # the page the drop cut (its last survivors join the sinks' new 16-bit page); 3 never moved
+    assert len(before) == 8 and len(before & after) == 3
