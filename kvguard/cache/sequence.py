@@ -161,7 +161,7 @@ class Sequences:
         full = min(min(seq.lengths), len(tokens)) // c.page_size
         n = 0
         for ref, h in zip(seq.pages[:full], page_hashes(salt, list(tokens), c.page_size)):
-            if ref.where in (HOT, MAIN) and self.store.prefix.get(h) is None:
+            if ref.where in (HOT, MAIN, SPLIT) and self.store.prefix.get(h) is None:
                 self.store.prefix.put(h, (ref.where, int(ref.page)))
                 n += 1
         return n

@@ -86,23 +86,27 @@ class ValueSplit:
 
     def settle(self, seq: Sequence) -> int:
         """Move the sequence's full pages of the codec's pool older than the window to the
-        split's pool (as many as it has room for): pages no other sequence shares and the prefix
-        index does not offer. Returns how many moved. Only between steps (every layer holds the
-        same tokens)."""
+        split's pool (as many as it has room for): pages no other sequence shares. A page the
+        prefix index offers is offered as the split page from then on (a later sequence of the
+        tenant shares it there). Returns how many moved. Only between steps (every layer holds
+        the same tokens)."""
         if self.rule is None or len(set(seq.lengths)) != 1:
             return 0
         s, prefix = self.cfg.page_size, self.store.prefix
         home = self.store.pools[self.home]
         cold = max(0, (seq.lengths[0] - self.rule.window) // s)
         idx = self.tables.layout(seq).idx[self.home]  # the sequence's pages there, ascending
-        cand = [i for i in idx[:bisect.bisect_left(idx, cold)]
-                if home.ref[int(seq.pages[i].page)] == 1 and prefix.hash_of((self.home, int(seq.pages[i].page))) is None]
+        cand = [i for i in idx[:bisect.bisect_left(idx, cold)] if home.ref[int(seq.pages[i].page)] == 1]
         cand = cand[:self.pool.free_count]
         if not cand:
             return 0
         dst = self.pool.allocate(len(cand), seq.subject)
         src = [PageId(int(seq.pages[i].page)) for i in cand]
         self.pool.copy_pages(home, src, dst)
+        for p, q in zip(src, dst):  # the offer moves with the page (before its old page is freed)
+            h = prefix.hash_of((self.home, int(p)))
+            if h is not None:
+                prefix.put(h, (SPLIT, int(q)))
         self.store.release(self.home, src, seq.subject)
         for i, p in zip(cand, dst):
             seq.pages[i] = PageRef(SPLIT, p, SPLIT)

@@ -151,12 +151,12 @@ def test_whole_page_moves_keep_their_records_as_they_were():
     assert "fields" not in off.details() and off.fields == ()
 
 
-def test_split_pages_are_not_shared_and_go_whole_to_a_lower_tier():
+def test_split_pages_go_whole_to_a_lower_tier():
     m = make({"window": 8, "top_k": 1000})
     seq, k, v = filled(m)
     m.split_cold(seq)
     assert m.stats().pages_offloaded == {VALUES: 8}
-    assert m.publish_prefix(seq, list(range(N))) == 2  # the window's full pages only
+    assert m.publish_prefix(seq, list(range(N))) == 10  # every full page, split ones too
     assert m.offload(seq, "cpu") == 10  # an idle sequence's split pages leave whole, keys too
     assert m.stats().pages_offloaded == {"cpu": 10} and m.pools["split"].used_count == 0
     q = query(2)
@@ -424,3 +424,27 @@ def test_streamingllm_compaction_moves_split_pages_by_relinking_them(codec):
     # of the 8 split pages the compactions freed the sink page, the pages dropped and each time
     # the page the drop cut (its last survivors join the sinks' new 16-bit page); 3 never moved
     assert len(before) == 8 and len(before & after) == 3
+
+
+def test_a_prefix_offered_for_sharing_moves_to_the_split_and_is_shared_there():
+    """A sequence's offered prompt pages move to the split as its others do, and the offer with
+    them: a later sequence of the tenant shares the split pages (nothing copied), reads what
+    the first one reads, and keeps them when the first is erased."""
+    m = make({"window": 8, "fraction": 1.0}, prefix_sharing=True)
+    tokens = list(range(N))
+    first, k, v = filled(m)
+    assert m.publish_prefix(first, tokens) == N // S
+    assert m.split_cold(first) == 8  # offered pages too
+    second = m.open(Subject("acme", "bob", "s2"), tokens)  # the same tenant, the same prompt
+    assert m.length(second) == N and m.pools["split"].used_count == 8  # shared, not copied
+    assert [r.where for r in m.seqs.get(second).pages] == ["split"] * 8 + ["hot"] * 2
+    q = query(4)
+    want = m.attend(first, 0, q)
+    torch.testing.assert_close(m.attend(second, 0, q), want, rtol=0, atol=0)
+    ref, _ = dense_attention(q, k[0].transpose(0, 1), v[0].transpose(0, 1))
+    torch.testing.assert_close(want, ref, rtol=1e-5, atol=1e-5)
+    m.erase_user("acme", "alice")  # alice's sequence goes; bob's shared pages stay, and read the same
+    torch.testing.assert_close(m.attend(second, 0, q), want, rtol=0, atol=0)
+    assert m.pools["split"].used_count == 8
+    m.free(second)
+    assert m.pools["split"].used_count == 0 and len(m.store.prefix) == 0
