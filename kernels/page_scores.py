@@ -226,7 +226,7 @@ def page_pick(scores: torch.Tensor, total: torch.Tensor, table: torch.Tensor, wi
         raise KernelArgError(f"table must be [{b}, {n}] int32 with contiguous rows")
     if want is not None and (want.shape != (b,) or want.dtype != torch.int32):
         raise KernelArgError(f"want must be [{b}] int32")
-    if not 0 <= width <= n and not (want is None and width == n):
+    if not 0 <= width <= n:
         raise KernelArgError(f"width {width} must lie in [0, {n}]")
     chosen, count = out if out is not None else (
         torch.empty(b, width, device=scores.device, dtype=torch.int32),

@@ -119,6 +119,8 @@ def test_page_pick_breaks_ties_by_slot():
         page_pick(scores, total, table.long(), 10, torch.tensor([10], dtype=torch.int32, device=DEVICE))
     with pytest.raises(KernelArgError):
         page_pick(scores.half(), total, table, 10)
+    with pytest.raises(KernelArgError):
+        page_pick(scores, total, table, 301)  # wider than the pages
 
 
 def test_page_total_and_rescale_match_torch():
