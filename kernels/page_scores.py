@@ -202,7 +202,6 @@ def _page_pick_kernel(mass, table, want, chosen, count, n, threshold, m_row, t_r
 
 def page_pick(scores: torch.Tensor, total: torch.Tensor, table: torch.Tensor, width: int,
               want: torch.Tensor | None = None, threshold: float = 0.0,
-              out: tuple[torch.Tensor, torch.Tensor] | None = None,
               config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The pages a decode step reads, chosen on the device with no host wait.
 
@@ -213,8 +212,8 @@ def page_pick(scores: torch.Tensor, total: torch.Tensor, table: torch.Tensor, wi
     to the lower slots); without, every page whose mass reaches `threshold`.
 
     Returns (chosen [B, width] int32, the page ids in slot order in the first count[b] of row b;
-    count [B] int32); `out` receives them in place. `config` overrides PICK_CONFIG (pages a
-    step of the pick's loops, and its warps), for tuning.
+    count [B] int32). `config` overrides PICK_CONFIG (pages a step of the pick's loops, and its
+    warps), for tuning.
 
     One program a row picks: the top-k by a radix select over the masses' bits (four passes
     over the row's masses, then one that writes the picks), the threshold in that last pass."""
@@ -228,9 +227,8 @@ def page_pick(scores: torch.Tensor, total: torch.Tensor, table: torch.Tensor, wi
         raise KernelArgError(f"want must be [{b}] int32")
     if not 0 <= width <= n:
         raise KernelArgError(f"width {width} must lie in [0, {n}]")
-    chosen, count = out if out is not None else (
-        torch.empty(b, width, device=scores.device, dtype=torch.int32),
-        torch.empty(b, device=scores.device, dtype=torch.int32))
+    chosen = torch.empty(b, width, device=scores.device, dtype=torch.int32)
+    count = torch.empty(b, device=scores.device, dtype=torch.int32)
     if b == 0:
         return chosen, count
     mass = torch.empty(b, n, device=scores.device, dtype=torch.float32)

@@ -110,6 +110,12 @@ class Compactor:
         rows[:, slots] = torch.tensor(got, dtype=rows.dtype)
         return rows.reshape(keep.shape)
 
+    def _columns(self, slots: list[int], width: int, device: torch.device | None = None) -> torch.Tensor:
+        """The token columns (from page `first` on) of new pages `slots`, those below `width`."""
+        s = self.cfg.page_size
+        return torch.tensor([j * s + i for j in slots for i in range(s) if j * s + i < width], dtype=torch.long,
+                            device=device)
+
     def _whole_pages(self, keep: torch.Tensor, seq: Sequence, first: int, quantized: set[int]) -> dict[int, int]:
         """New pages (index from `first`) whose survivors in every layer and head are one old
         page's tokens, whole and in order: {new: old page index}. They move by relinking, with
@@ -171,8 +177,7 @@ class Compactor:
         rel = (keep[..., first * s:] - first * s).to(c.device)  # [layers, H, new_len - first * s]
         copied = [j for j in range(n_new) if j not in relinked]
         if copied and self.residency.split is not None:
-            cols = torch.tensor([j * s + i for j in copied for i in range(s) if (first + j) * s + i < new_len])
-            sources = (keep[..., first * s:][..., cols] // s).unique().tolist()
+            sources = (keep[..., first * s:][..., self._columns(copied, rel.shape[-1])] // s).unique().tolist()
             self.residency.split.join(seq, [p for p in sources if seq.pages[p].where == SPLIT])
         old_refs = seq.pages[first:]
         # per layer and head, the surviving positions from page `first` on (rows are sorted
@@ -201,7 +206,7 @@ class Compactor:
         # survivors written into codec pages move with their codes and scales (kernels/compact.py):
         # each new slot's source, page * S + offset in the codec's pool, or -1 - that in the 16-bit one
         if main_slots:
-            cols = torch.tensor([j * s + i for j in main_slots for i in range(s)], device=c.device)
+            cols = self._columns(main_slots, rel.shape[-1], c.device)
             src = rel[..., cols]  # [layers, H, len(main_slots) * S]
             where = torch.tensor([r.where == MAIN for r in old_refs], device=c.device)
             page = torch.tensor([int(r.page) for r in old_refs], device=c.device)
@@ -211,9 +216,7 @@ class Compactor:
                 dst_main = paged.page_ids(got_main, c.device)
                 src_main = src_main.to(torch.int32)
         if hot_slots:  # the 16-bit slots' sources: only the old pages they come from are read
-            cols = torch.tensor([j * s + i for j in hot_slots for i in range(s) if j * s + i < rel.shape[-1]],
-                                device=c.device)
-            src = rel[..., cols]  # [layers, H, columns] positions from page `first` on
+            src = rel[..., self._columns(hot_slots, rel.shape[-1], c.device)]  # [layers, H, columns] positions from page `first` on
             need = (src // s).unique()
             lut = torch.zeros(len(old_refs), dtype=torch.long, device=c.device)
             lut[need] = torch.arange(len(need), device=c.device)
