@@ -7,7 +7,9 @@ natural log of the sum of exp of the page's scaled logits. The logsumexp over ev
 every set is the softmax's normalizer, and exp(page - normalizer) the page's mass, exactly.
 
 Grid B x H x page chunks: a program takes one sequence, one KV head with its group of query
-heads (the columns of one tensor-core product, padded to 16), and PAGES pages.
+heads (the columns of one tensor-core product, padded to 16), and PAGES pages. Queries of one
+sequence (a chunk's, which share its block table) may go ROWS to a program (`shared`): each
+page's keys are then read once for ROWS queries, the product's columns ROWS groups of heads.
 """
 
 from __future__ import annotations
@@ -26,17 +28,19 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _page_lse_kernel(q, kp, ksp, kzp, block_table, seq_lens, out, qk_scale, bt_stride, out_stride, n_pages,
-                     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-                     KIND: tl.constexpr, PAGES: tl.constexpr, ITERS: tl.constexpr, ON_GPU: tl.constexpr):
+                     n_rows, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S: tl.constexpr,
+                     D: tl.constexpr, KIND: tl.constexpr, PAGES: tl.constexpr, ITERS: tl.constexpr,
+                     ON_GPU: tl.constexpr, ROWS: tl.constexpr = 1):
     # q [B, Hq, D]; block_table [B, *]; seq_lens [B] tokens; out [B, Hq, n_pages] fp32, rows
-    # (b, hq) out_stride apart. A program takes ITERS steps of PAGES pages.
-    b = tl.program_id(0)
+    # (b, hq) out_stride apart. A program takes ITERS steps of PAGES pages, and ROWS queries
+    # (rows ROWS * program .. of n_rows) that share the first one's block table and length.
+    b = tl.program_id(0) * ROWS
     h = tl.program_id(1)
     c = tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
     r = tl.arange(0, GP)
-    row_ok = r < G
-    qrow = b * (H * G) + h * G + r
+    row_ok = (r < ROWS * G) & (b + r // G < n_rows)
+    qrow = (b + r // G) * (H * G) + h * G + r % G
     d = tl.arange(0, D)
     qv = tl.load(q + qrow[None, :] * D + d[:, None], mask=row_ok[None, :], other=0.0).to(tl.float16)
     for it in range(ITERS):
@@ -56,13 +60,15 @@ def _page_lse_kernel(q, kp, ksp, kzp, block_table, seq_lens, out, qk_scale, bt_s
 
 # pages a step, steps a program, and the launch's (benchmarks/kvsplit_bench.py --tune)
 DEFAULT_CONFIG = {"pages": 8, "iters": 1, "num_warps": 4, "num_stages": 3}
+SHARED_COLUMNS = 64  # query heads of a product when rows share their pages (page_lse's `shared`)
 
 
 _CHECKED: dict[tuple, tuple] = {}  # what the checks found, per kind of call (as paged_decode's _TILES)
 
 
 def page_lse(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
-             sm_scale: float | None = None, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+             sm_scale: float | None = None, out: torch.Tensor | None = None, config: dict | None = None,
+             shared: bool = False) -> torch.Tensor:
     """q [B, Hq, D] 16-bit; pages one layer's page fields (any codec; only the keys are read);
     block_table [B, n] int32 page ids; seq_lens [B] int32 tokens (at most n * S).
 
@@ -70,16 +76,21 @@ def page_lse(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch
     of exp(q . k * sm_scale); -inf for a slot past the sequence's tokens. `out`, if given, is
     written and returned: [B, Hq, n] fp32 whose last dimension is contiguous (a slice of a wider
     buffer, so that several sets of pages fill one). `config` overrides DEFAULT_CONFIG (pages a
-    step, steps a program, num_warps, num_stages), for tuning."""
+    step, steps a program, num_warps, num_stages), for tuning. `shared`: every row has the same
+    block table and length (a chunk's queries over one sequence's pages; block_table and
+    seq_lens may then be expanded views): a program takes several rows, each page read once
+    for them (SHARED_COLUMNS query heads a product)."""
     key = _signature(q, pages, block_table, seq_lens) if config is None else None
+    key = key and (key, shared)
     hit = _CHECKED.get(key) if key is not None else None
     if hit is None:
         codec, h, s, d, _, _ = check_decode(q, pages, block_table, seq_lens)
         g = q.shape[1] // h
+        rows = max(1, SHARED_COLUMNS // g) if shared else 1
         cfg = {**DEFAULT_CONFIG, **(config or {})}
         # codes as int32 words need 4-byte aligned rows (true of whole page tensors)
         words = bool(cfg.get("words")) and s % 4 == 0 and pages["k"].data_ptr() % 4 == 0
-        consts = dict(H=h, G=g, GP=max(16, triton.next_power_of_2(g)), S=s, D=d, KIND=KIND[codec],
+        consts = dict(H=h, G=g, GP=max(16, triton.next_power_of_2(rows * g)), ROWS=rows, S=s, D=d, KIND=KIND[codec],
                       PAGES=cfg["pages"], ITERS=cfg["iters"], ON_GPU=_on_gpu(codec, {}, words),
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         hit = (consts, tuple(sorted(consts.items())), d)
@@ -98,8 +109,9 @@ def page_lse(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch
     if n == 0 or b == 0:
         return out
     scale = softmax_scale(sm_scale, d) * LOG2E
-    args = (q, *field_args(pages)[:3], block_table, seq_lens, out, scale, block_table.stride(0), out.stride(1), n)
-    launch(_page_lse_kernel, (b, consts["H"], triton.cdiv(n, consts["PAGES"] * consts["ITERS"])), args, consts, ckey)
+    args = (q, *field_args(pages)[:3], block_table, seq_lens, out, scale, block_table.stride(0), out.stride(1), n, b)
+    launch(_page_lse_kernel, (triton.cdiv(b, consts["ROWS"]), consts["H"], triton.cdiv(n, consts["PAGES"] * consts["ITERS"])),
+           args, consts, ckey)
     return out
 
 

@@ -46,6 +46,22 @@ def test_page_lse_matches_the_dense_reference(codec, group):
     torch.testing.assert_close(total, torch.logsumexp(want[0], dim=-1), rtol=1e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("codec", ["16bit", "int8"])
+@pytest.mark.parametrize("group, rows", [(4, 37), (3, 5), (1, 70)])
+def test_page_lse_of_rows_sharing_their_pages_reads_them_once_for_many(codec, group, rows):
+    """A chunk's queries over one sequence's pages (an expanded table and length), several rows
+    a program: the same scores as one row a program, a last program with fewer rows included."""
+    h, s, d = 2, 16, 64
+    pages = pages_of(codec, 24, h, s, d)
+    q = torch.randn(rows, h * group, d, generator=torch.Generator().manual_seed(4)).half().to(DEVICE)
+    table = torch.randperm(24, generator=torch.Generator().manual_seed(5))[:13].int().to(DEVICE)[None].expand(rows, -1)
+    lens = torch.full((rows,), 12 * s + 7, dtype=torch.int32, device=DEVICE)
+    got = page_lse(q, pages, table, lens, shared=True)
+    want = page_lse(q, pages, table.contiguous(), lens)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, page_lse_ref(q, pages, table, lens), rtol=1e-3, atol=2e-3)
+
+
 def test_page_lse_refuses_bad_input():
     pages = pages_of("int8", 4, 2, 16, 64)
     q = torch.randn(1, 4, 64).half().to(DEVICE)
