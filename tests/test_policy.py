@@ -404,6 +404,10 @@ def test_kv_split_is_a_compression_layer_the_downgrade_steps_may_drop():
     step = parse_policy(CHAT.replace("  - codec: {name: fp16}", "  - codec: {name: fp16}\n    kv_split: {top_k: 8}"))
     assert step.at(2).cache_options()["kv_split"] == {"window": 256, "top_k": 8}
     assert step.steps()[2].key == "fp16+kvsplit@8p/w256"
+    norm = parse_policy(CHAT.replace("  enabled: true\n", "  enabled: true\n  normalize: all\n"))
+    assert norm.cache_config(SMOLLM2, num_pages=8).kv_split.normalize == "all" and norm.key.endswith("/all")
+    with pytest.raises(PolicyError, match="normalize"):
+        parse_policy(CHAT.replace("  enabled: true\n", "  enabled: true\n  normalize: some\n"))
 
 
 def test_the_shipped_chat_rag_and_reasoning_policies_split_keys_and_values():

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from ..errors import ConfigError
+
+NORMALIZE = ("read", "all")  # KVSplit.normalize
 
 
 @dataclass(frozen=True)
@@ -16,14 +18,19 @@ class KVSplit:
     """The K/V split tier (split.py): values of full pages older than the last `window` tokens
     live in CPU memory; each read fetches the values of the cold pages its attention mass picks:
     the `top_k` pages, a `fraction` of the cold pages (rounded up), or every page whose mass
-    reaches `mass` (one of the three). `capacity`: how many pages the split's pool holds (their
-    keys on the device, their values in host memory); default as many as the codec's pool."""
+    reaches `mass` (one of the three); each query picks its own. `normalize`: the softmax of what
+    a query reads, "read" (over the keys whose values it read: the pages not read drop out) or
+    "all" (over every key: the pages not read keep their weight and add no value, which pulls
+    the output towards zero by the mass skipped). `capacity`: how many pages the split's pool
+    holds (their keys on the device, their values in host memory); default as many as the
+    codec's pool."""
 
     window: int = 256
     top_k: int | None = None
     fraction: float | None = None
     mass: float | None = None
     capacity: int | None = None
+    normalize: str = "read"
 
     def __post_init__(self) -> None:
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
@@ -41,6 +48,8 @@ class KVSplit:
         if self.capacity is not None and (not isinstance(self.capacity, int) or isinstance(self.capacity, bool)
                                           or self.capacity < 1):
             raise ConfigError(f"kv_split capacity must be a positive integer, got {self.capacity!r}")
+        if self.normalize not in NORMALIZE:
+            raise ConfigError(f"kv_split normalize must be one of {', '.join(NORMALIZE)}, got {self.normalize!r}")
 
     def pages(self, cold: int) -> int | None:
         """How many of `cold` pages a read fetches (None: by mass)."""
@@ -109,9 +118,10 @@ class CacheConfig:
         if self.tiers is not None:
             self.tiers = tuple(t for t in self.tiers if t != "device")  # the pools themselves
         if isinstance(self.kv_split, dict):
-            unknown = sorted(set(self.kv_split) - {"window", "top_k", "fraction", "mass", "capacity"})
+            known = {f.name for f in fields(KVSplit)}
+            unknown = sorted(set(self.kv_split) - known)
             if unknown:
-                raise ConfigError(f"kv_split takes window, top_k, fraction, mass and capacity, not {unknown}")
+                raise ConfigError(f"kv_split takes {', '.join(sorted(known))}, not {unknown}")
             self.kv_split = KVSplit(**self.kv_split)
         elif self.kv_split is not None and not isinstance(self.kv_split, KVSplit):
             raise ConfigError(f"kv_split must be a mapping or a KVSplit, got {type(self.kv_split).__name__}")

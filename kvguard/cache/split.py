@@ -6,19 +6,23 @@ pool older than the last `window` tokens move, between steps (`settle`), into th
 whose value fields are in host memory, pinned where CUDA is present. The codec's page is freed,
 so the device keeps a cold page's keys only: about half the bytes (sink pages, 16-bit, stay).
 
-A decode step scores every key on the device exactly and takes the softmax over all of them.
-The cold pages whose attention mass matters are picked from those scores: the `top_k` pages
-with the largest mass (the largest over query heads of the probability that falls in the page),
-a `fraction` of the cold pages, or every page whose mass reaches `mass`. Only their values are
-read; the pages not read keep their share of the softmax normalization and contribute no value,
-so the one approximation is the values skipped: with every page read the output is full
+A read scores every key on the device exactly and takes the softmax over all of them. Each
+query picks the cold pages whose attention mass matters from those scores: the `top_k` pages
+with the largest mass (the largest over its query heads of the probability that falls in the
+page), a `fraction` of the cold pages, or every page whose mass reaches `mass`. Only their
+values are read. With `normalize: read` (the default) the query's softmax is then taken over
+the keys whose values it read, the pages not read dropping out; with `normalize: all` they keep
+their share of the normalization and contribute no value, which pulls the output towards zero
+by the mass skipped (on SmolLM2 that costs far more: docs/fidelity.md, "K/V split"). Either
+way the one approximation is the values skipped: with every page read the output is full
 attention's.
 
 On the kernel path (`attend_step`, one query per row) nothing goes through the host: a pass over
 the keys (kernels/page_scores.py) gives each page's log-sum-exp, the pages are picked on the
 device (a top-k), and the decode kernels read the picked pages' values in place in pinned host
-memory, which is mapped into the device's address space: no staging copy, no wait. Its output
-is rescaled from the picked pages' normalizer to the whole softmax's. Elsewhere (`attend`: the
+memory, which is mapped into the device's address space: no staging copy, no wait (with
+`normalize: all` its output is rescaled from the picked pages' normalizer to the whole
+softmax's). Elsewhere (`attend`: the
 CPU, a chunk of queries, an evictor that needs each key's mass) the same picks are made from
 dense fp32 scores and the picked values copied in.
 
@@ -208,9 +212,9 @@ class ValueSplit:
         args = [(fields, tb, lens[i], bound) for i, (fields, tb, bound) in enumerate(sets)]
         args[j] = (sets[j][0], chosen, count * s, k * s)
         out, part = paged_decode_sets(q, args, sm_scale=scale)
-        # the pages read were normalized among themselves: rescale to the whole softmax, whose
-        # normalizer also counts the pages not read (their values are what the approximation skips)
-        return rescale(out, part, total), chosen, count
+        if self.rule.normalize == "all":  # the pages read were normalized among themselves: rescale to
+            out = rescale(out, part, total)  # the whole softmax (the pages not read keep their weight)
+        return out, chosen, count
 
     def _close_step(self, rows: tuple[SeqId, ...]) -> None:
         """After a step's last layer: the pages each layer read for these rows, reported by `drain`."""
@@ -275,47 +279,45 @@ class ValueSplit:
         mass = torch.zeros(h, n, device=q.device) if mass_queries > 0 else None
         fetched: dict[int, torch.Tensor] = {}  # page index -> its values [H, S, D], read once per call
         read = 0
+        tok = (torch.tensor(cold, device=q.device)[:, None] * s + torch.arange(s, device=q.device)).flatten()
         for lo, hi, probs in score_blocks(q, k, causal, scale):
             add_mass(mass, probs, lo, hi, t, mass_queries)
-            vb, skipped = v, []
+            vb = v
             if cold:
-                chosen = self._pick(probs, cold)
-                need = [i for i in chosen if i not in fetched]
+                picked = self._pick(probs[..., tok].unflatten(-1, (len(cold), s)).sum(-1))  # [hi - lo, cold]
+                union = [cold[j] for j in picked.any(dim=0).nonzero().flatten().tolist()]
+                need = [i for i in union if i not in fetched]
                 if need:
                     fetched.update(zip(need, self._values(seq, layer, refs, need), strict=True))
-                picked = set(chosen)
-                skipped = [i for i in cold if i not in picked]
-                if chosen:
+                if union:
                     vb = v.clone()
-                    for i in chosen:
+                    for i in union:
                         vb[:, i * s:(i + 1) * s] = fetched[i]
-                if skipped:
-                    keep = torch.ones(n, device=q.device)
-                    for i in skipped:
-                        keep[i * s:(i + 1) * s] = 0
-                    probs = probs * keep  # skipped values: their weight stays in the normalization
-            read += (hi - lo) * (n - len(skipped) * s)
+                keep = torch.ones(hi - lo, n, device=q.device)  # [query, key]: the values each query read
+                keep[:, tok] = picked.to(keep.dtype).repeat_interleave(s, dim=1)
+                probs = probs * keep  # a page not read adds no value
+                if self.rule.normalize == "read" and not picked.all():  # ... nor weight: the softmax
+                    probs = probs / probs.sum(dim=-1, keepdim=True).clamp_min(1e-30)  # of what was read
+                read += int(keep.sum())
+            else:
+                read += (hi - lo) * n
             out[:, :, lo:hi] = torch.einsum("hgtl,hld->hgtd", probs, vb)
         self.last_read = read / (t * n) if n else 1.0
         if layer == self.cfg.num_layers - 1:
             self.flush(seq)
         return out.permute(2, 0, 1, 3).reshape(t, hq, d).to(q.dtype), mass
 
-    def _pick(self, probs: torch.Tensor, cold: list[int]) -> list[int]:
-        """The cold pages (indices into the sequence's pages) whose values a block of queries
-        reads, ascending: by each page's largest attention mass over query heads and queries."""
-        s = self.cfg.page_size
-        h, g, t, _ = probs.shape
-        tok = (torch.tensor(cold, device=probs.device)[:, None] * s + torch.arange(s, device=probs.device)).flatten()
-        per_page = probs[..., tok].reshape(h, g, t, len(cold), s).sum(-1).amax(dim=(0, 1, 2))  # [cold]
-        k = self.rule.pages(len(cold))
+    def _pick(self, per_page: torch.Tensor) -> torch.Tensor:
+        """The cold pages each query of a block reads, from per_page [H, g, T, cold] (each
+        page's share of each query head's attention): by its largest share over the query's
+        heads, as the kernel path picks. Returns [T, cold] bool."""
+        top = per_page.amax(dim=(0, 1))  # [T, cold]
+        k = self.rule.pages(top.shape[1])
         if k is None:
-            pick = (per_page >= self.rule.mass).nonzero().flatten().tolist()
-        elif k >= len(cold):
-            pick = list(range(len(cold)))
-        else:
-            pick = per_page.topk(k).indices.tolist()
-        return sorted(cold[j] for j in pick)
+            return top >= self.rule.mass
+        if k >= top.shape[1]:
+            return torch.ones_like(top, dtype=torch.bool)
+        return torch.zeros_like(top, dtype=torch.bool).scatter_(1, top.topk(k, dim=1).indices, True)
 
     def _values(self, seq: Sequence, layer: int, refs: list[PageRef], idx: list[int]) -> list[torch.Tensor]:
         """The values [H, S, D] fp32 of split pages idx of the sequence at one layer, copied

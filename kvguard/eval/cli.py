@@ -37,7 +37,8 @@ methods: none int8 int8-window int4 fp8 int8-rot int8-window-rot fp8-rot int4-ro
          h2o-head-prefix snapkv-head-prefix sparse kvsplit@5 kvsplit@10 kvsplit@25 kvsplit@50
          and only when named (budgets, docs/fidelity.md): h2o-value snapkv-value h2o-value-prefix
          snapkv-value-prefix, and h2o-/snapkv- pyramid, adaptive, pyramid-adaptive, global, each -prefix
-         or -value-prefix (e.g. snapkv-adaptive-value-prefix)
+         or -value-prefix (e.g. snapkv-adaptive-value-prefix); kvsplit-all@5 .. @50 (the pages a
+         query does not read keep their weight in its softmax)
 texts:   austen (Debian r-cran-janeaustenr), python-docs (Debian python3.11-doc),
          stdlib-code (this Python's standard library), python-howto (held out: three
          HOWTOs from python3.11-doc, not a default text); Debian texts are fetched with

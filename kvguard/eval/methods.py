@@ -84,7 +84,8 @@ SPLIT_WINDOW = 128  # tokens whose values stay on the device
 def builtin_methods(budget: int = 256, page_size: int = 16) -> dict[str, Method]:
     """none, int8, int8-window, int4, fp8, h2o, streamingllm, snapkv (each also -prefix),
     h2o-shared, snapkv-shared (each also -prefix), h2o-head-prefix, snapkv-head-prefix, sparse,
-    kvsplit@5, kvsplit@10, kvsplit@25, kvsplit@50. `budget`: tokens kept by each evictor, and read by sparse (budget // page_size pages)."""
+    kvsplit@5, kvsplit@10, kvsplit@25, kvsplit@50 (and, only when named, kvsplit-all@ the same).
+    `budget`: tokens kept by each evictor, and read by sparse (budget // page_size pages)."""
     half = budget // 2
     evictors = {
         "h2o": ({"budget": budget, "sink": 4, "window": half},
@@ -150,11 +151,14 @@ def builtin_methods(budget: int = 256, page_size: int = 16) -> dict[str, Method]
                           description=f"Quest-style: each query reads its top {budget // page_size} pages "
                                       "by a key bound"))
     for pct in SPLIT_FRACTIONS:
-        methods.append(Method(f"kvsplit@{pct}", "split",
-                              {"codec": "fp16", "kv_split": {"window": SPLIT_WINDOW, "fraction": pct / 100}},
-                              description=f"K/V split: values older than {SPLIT_WINDOW} tokens in CPU memory; each "
-                                          f"read fetches the {pct} % of those pages with the most attention mass "
-                                          "(exact scores; the rest count in the softmax, their values skipped)"))
+        split = {"window": SPLIT_WINDOW, "fraction": pct / 100}
+        text = (f"K/V split: values older than {SPLIT_WINDOW} tokens in CPU memory; each query reads the {pct} % "
+                "of those pages with the most of its attention (exact scores)")
+        methods.append(Method(f"kvsplit@{pct}", "split", {"codec": "fp16", "kv_split": split},
+                              description=f"{text}; its softmax over what it read"))
+        methods.append(Method(f"kvsplit-all@{pct}", "split",
+                              {"codec": "fp16", "kv_split": split | {"normalize": "all"}}, default=False,
+                              description=f"{text}; the pages not read keep their weight in the softmax"))
     return {m.name: m for m in methods}
 
 

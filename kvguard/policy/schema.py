@@ -148,13 +148,16 @@ class KvSplit(_Strict):
     """The K/V split tier (kvguard/cache/split.py): keys stay on the device, the values of pages
     older than the last `window` tokens live in CPU memory, and each read fetches the values of
     the cold pages that its attention mass picks: the `top_k` pages, a `fraction` of the cold
-    pages, or every page holding at least `mass` of some query head's attention (one of the three)."""
+    pages, or every page holding at least `mass` of some query head's attention (one of the three),
+    each query its own; `normalize`: a query's softmax over the keys whose values it read ("read")
+    or over every key ("all": the pages not read keep their weight and add no value)."""
 
     enabled: Annotated[bool, Field(strict=True)] = True
     window: Count = 256  # tokens whose values stay on the device
     top_k: Annotated[int, Field(gt=0, strict=True)] | None = None
     fraction: Annotated[float, Field(gt=0, le=1)] | None = None
     mass: Annotated[float, Field(gt=0, lt=1)] | None = None
+    normalize: Literal["read", "all"] = "read"
 
     @model_validator(mode="after")
     def _one_rule(self):
@@ -166,18 +169,20 @@ class KvSplit(_Strict):
 
     def options(self) -> dict:
         rule = {n: getattr(self, n) for n in ("top_k", "fraction", "mass") if getattr(self, n) is not None}
-        return {"window": self.window} | rule
+        return {"window": self.window} | rule | ({"normalize": self.normalize} if self.normalize != "read" else {})
 
 
 def split_key(split: dict) -> str:
-    """A K/V split as config_key names it: kvsplit@25%/w128, kvsplit@32p/w256, kvsplit@m0.01/w256."""
+    """A K/V split as config_key names it: kvsplit@25%/w128, kvsplit@32p/w256, kvsplit@m0.01/w256;
+    `/all` when the pages not read keep their weight in the softmax (normalize: all)."""
     if split.get("top_k") is not None:
         rule = f"{split['top_k']}p"
     elif split.get("fraction") is not None:
         rule = f"{split['fraction'] * 100:g}%"
     else:
         rule = f"m{split['mass']:g}"
-    return f"kvsplit@{rule}/w{split.get('window', 256)}"
+    norm = "/all" if split.get("normalize") == "all" else ""
+    return f"kvsplit@{rule}/w{split.get('window', 256)}{norm}"
 
 
 def config_key(options: dict) -> str:

@@ -66,10 +66,11 @@ def test_with_int8_pages_every_page_fetched_equals_the_cache_without_split():
         assert torch.equal(split.attend(b, layer, q), plain.attend(a, layer, q))
 
 
-def hand(q, k, v, cold: list[int], pick):
+def hand(q, k, v, cold: list[int], pick, normalize: str = "read"):
     """The split's answer computed by hand: softmax over every key; of the cold pages, those that
     `pick` chooses by their largest mass over query heads keep their values, the others
-    contribute nothing (their weight stays in the softmax)."""
+    contribute nothing: with normalize "all" their weight stays in the softmax, with "read" the
+    softmax is taken again over what was kept."""
     g = HQ // H
     out = torch.zeros(HQ, D)
     mass = torch.zeros(len(cold))
@@ -85,6 +86,8 @@ def hand(q, k, v, cold: list[int], pick):
         w = probs[hq].clone()
         for i in skipped:
             w[i * S:(i + 1) * S] = 0
+        if normalize == "read":
+            w = w / w.sum()
         out[hq] = w @ v[:, hq // g]
     return out[None], skipped
 
@@ -104,18 +107,19 @@ def test_fewer_pages_the_error_is_only_the_skipped_values():
     assert m.split.last_read == pytest.approx((N - len(skipped) * S) / N)
 
 
+@pytest.mark.parametrize("normalize", ["read", "all"])
 @pytest.mark.parametrize("rule, pick", [
     ({"fraction": 0.25}, lambda mass: mass.topk(2).indices.tolist()),  # ceil(0.25 * 8 cold pages) = 2
     ({"mass": 0.05}, lambda mass: (mass >= 0.05).nonzero().flatten().tolist()),
     ({"mass": 0.999}, lambda mass: []),  # no page holds that much: the window's values alone
 ])
-def test_fraction_and_mass_threshold_pick_as_said(rule, pick):
-    m = make({"window": 8, **rule})
+def test_fraction_and_mass_threshold_pick_as_said(rule, pick, normalize):
+    m = make({"window": 8, "normalize": normalize, **rule})
     seq, k, v = filled(m)
     m.split_cold(seq)
     q = query(3)
     got = m.attend(seq, 0, q)
-    want, skipped = hand(q, k[0], v[0], list(range(8)), pick)
+    want, skipped = hand(q, k[0], v[0], list(range(8)), pick, normalize)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert m.split.last_read == pytest.approx((N - len(skipped) * S) / N)
 
@@ -224,7 +228,7 @@ def test_erasure_leaves_neither_keys_nor_values(how):
 
 def test_config_checks():
     for bad in ({"window": 8}, {"top_k": 2, "fraction": 0.5}, {"top_k": 0}, {"fraction": 1.5}, {"mass": 1.0},
-                {"window": -1, "top_k": 1}, {"top_k": 1, "bogus": 1}):
+                {"window": -1, "top_k": 1}, {"top_k": 1, "bogus": 1}, {"top_k": 1, "normalize": "some"}):
         with pytest.raises(ConfigError):
             make(bad)
     m = make(None)

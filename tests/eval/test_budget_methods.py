@@ -7,7 +7,7 @@ from kvguard.eval.methods import builtin_methods
 
 def test_budget_methods_are_distinct_configurations_run_only_when_named():
     methods = builtin_methods(512)
-    budget = {n: m for n, m in methods.items() if not m.default}
+    budget = {n: m for n, m in methods.items() if not m.default and m.kind != "split"}
     assert {"h2o-value", "snapkv-value-prefix", "h2o-pyramid-prefix", "snapkv-adaptive-prefix",
             "h2o-global-value-prefix", "snapkv-pyramid-adaptive-prefix"} <= set(budget)
     keys = [m.key for m in methods.values()]
@@ -18,4 +18,6 @@ def test_budget_methods_are_distinct_configurations_run_only_when_named():
         assert (m.kind == "simulation") == m.per_head == ("allocation" in options)
         assert m.evict_prefix_only or name.endswith("-value")
         assert name.endswith("-value-prefix") or name.endswith("-value") or options.get("scoring") == "mass"
+    split = {n for n, m in methods.items() if not m.default and m.kind == "split"}
+    assert split == {f"kvsplit-all@{f}" for f in (5, 10, 25, 50)}  # the other normalization, only when named
     assert methods["h2o-adaptive-prefix"].options["evictor_options"]["window"] == 256  # h2o's half and half
