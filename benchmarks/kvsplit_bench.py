@@ -20,6 +20,7 @@ reference path (dense fp32, values copied in).
     python benchmarks/kvsplit_bench.py                      # llama-8b, 16 GB, on CUDA
     python benchmarks/kvsplit_bench.py --batch 8 --no-check
     python benchmarks/kvsplit_bench.py --profile            # where the split's step spends its time
+    python benchmarks/kvsplit_bench.py --prefill 32768,131072 --chunk 512   # a prompt chunk after the split
     python benchmarks/kvsplit_bench.py --smoke              # tiny, on the CPU
 """
 
@@ -273,15 +274,35 @@ def check(args) -> None:
             assert m.pools["split"].used_count > 0
         return torch.stack(outs)
 
+    def chunk(split, kernels):
+        """A 64-query chunk after the split moved the older pages, each layer."""
+        m = CacheManager(CacheConfig(num_layers=2, num_kv_heads=h, head_dim=d, num_query_heads=hq, page_size=S,
+                                     num_pages=512, num_hot_pages=512, dtype=torch.float16, device=dev,
+                                     codec="int8", fp_sink=16, fp_window=128, kv_split=split,
+                                     use_kernels=kernels))
+        g = torch.Generator(device=dev).manual_seed(4)
+        seq = m.open(Subject("bench", "u", "s"))
+        for t in (n, 64):
+            for layer in range(2):
+                k = torch.randn(t, h, d, generator=g, device=dev, dtype=torch.float16)
+                k[::97] *= 4
+                m.append(seq, layer, k, torch.randn(t, h, d, generator=g, device=dev, dtype=torch.float16))
+        q = torch.randn(2, 64, hq, d, generator=g, device=dev, dtype=torch.float16)
+        return torch.stack([m.attend(seq, layer, q[layer]).float() for layer in range(2)])
+
     rule = {"window": 512}
+    chunks = max((chunk({**rule, **r}, True) - chunk({**rule, **r}, False)).abs().max().item()
+                 for r in ({"fraction": 0.25}, {"fraction": 0.25, "normalize": "all"}, {"mass": 1e-3}))
+    chunk_full = (chunk(None, True) - chunk({**rule, "fraction": 1.0}, True)).abs().max().item()
     full = (run(None, True) - run({**rule, "fraction": 1.0}, True)).abs().max().item()
     part = (run({**rule, "fraction": 0.25}, True) - run({**rule, "fraction": 0.25}, False)).abs().max().item()
     graph = max((run({**rule, **r}, True, graph=True) - run({**rule, **r}, True)).abs().max().item()
                 for r in ({"fraction": 0.25}, {"mass": 1e-3}))
-    ok = full < 2e-3 and part < 2e-2 and graph < 2e-2
+    ok = full < 2e-3 and part < 2e-2 and graph < 2e-2 and chunk_full < 2e-3 and chunks < 2e-2
     print(f"check: every page read vs no split max|diff| {full:.2e}; fraction 0.25 kernel vs reference path "
-          f"{part:.2e}; replayed from a CUDA graph vs eager (fraction 0.25, mass 1e-3) {graph:.2e}: "
-          f"{'PASSED' if ok else 'FAILED'}")
+          f"{part:.2e}; replayed from a CUDA graph vs eager (fraction 0.25, mass 1e-3) {graph:.2e}; a 64-query "
+          f"chunk: every page read vs no split {chunk_full:.2e}, kernel vs reference path (fraction 0.25 read and "
+          f"all, mass 1e-3) {chunks:.2e}: {'PASSED' if ok else 'FAILED'}")
     if not ok:
         raise SystemExit(1)
 
@@ -306,6 +327,71 @@ def profile(args, fraction: float) -> None:
     host.disable()
     print(f"under cProfile: {ms:.2f} ms/step")
     pstats.Stats(host).sort_stats("tottime").print_stats(25)
+
+
+def prefill(args, contexts: list[int], fractions: list[float]) -> None:
+    """One prompt chunk (`--chunk` queries) of a sequence whose older values the split holds,
+    on the kernel path (each query picks its pages, read in place) and on the reference path
+    (dense fp32, the picked values copied in), against the same chunk over INT8 pages without
+    the split (the prefill kernel). `--layers` of the shape; ms per layer (median)."""
+    layers, h, d, hq = SHAPES[args.shape]
+    layers = min(layers, args.layers)
+    dev = torch.device(args.device)
+    t = args.chunk
+    print(f"\n{args.shape} ({layers} layers timed), a {t}-query chunk, ms per layer; device {args.device}")
+    print("| context | configuration | kernel path ms | reference path ms | x INT8 | MiB from host a layer |")
+    print("|---|---|---|---|---|---|")
+    for n in contexts:
+        base = None
+        for split in [None] + [{"window": args.window, "fraction": f} for f in fractions] + [
+                {"window": args.window, "mass": 1e-3}]:
+            times = {}
+            paths = (True, False) if split and args.reference else (True,)
+            for kernels in (paths if dev.type == "cuda" else (False,)):  # the kernels need CUDA (or the interpreter)
+                pages = -(-(n + 2 * t) // S) + 8
+                m = CacheManager(CacheConfig(num_layers=layers, num_kv_heads=h, head_dim=d, num_query_heads=hq,
+                                             page_size=S, num_pages=pages, num_hot_pages=-(-(4096 + 4 * t) // S) + 32,
+                                             dtype=torch.float16, device=dev, codec="int8", fp_sink=16,
+                                             fp_window=128, kv_split=split, use_kernels=kernels))
+                g = torch.Generator(device=dev).manual_seed(5)
+                seq = m.open(Subject("bench", "u", "s"))
+                for lo in range(0, n, 4096):
+                    for layer in range(layers):
+                        k = torch.randn(min(4096, n - lo), h, d, generator=g, device=dev, dtype=torch.float16)
+                        assert m.append(seq, layer, k, torch.randn_like(k))
+                    if split:
+                        m.split_cold(seq)
+                for layer in range(layers):  # the chunk: the split moved the older pages when it came
+                    k = torch.randn(t, h, d, generator=g, device=dev, dtype=torch.float16)
+                    assert m.append(seq, layer, k, torch.randn_like(k))
+                q = torch.randn(layers, t, hq, d, generator=g, device=dev, dtype=torch.float16)
+                m.events.take_events()
+                reps = []
+                for _ in range(2 if kernels or dev.type != "cuda" else 1):
+                    sync(dev)
+                    t0 = time.perf_counter()
+                    for layer in range(layers):
+                        m.attend(seq, layer, q[layer])
+                    sync(dev)
+                    reps.append((time.perf_counter() - t0) * 1e3 / layers)
+                times[kernels] = min(reps)
+                if kernels or dev.type != "cuda":  # the bytes of the path timed in the table's ratio
+                    fetched = reported(m) / (len(reps) * layers)
+                if kernels and split and args.profile and dev.type == "cuda":
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                        m.attend(seq, 0, q[0])
+                        sync(dev)
+                    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=50))
+                del m, seq
+                gc.collect()
+            ms = times.get(True, times.get(False))
+            if split is None:
+                base = ms
+                name = "int8, no split"
+            else:
+                name = "split " + (f"f={split['fraction']}" if "fraction" in split else f"mass {split['mass']}")
+            kernel_ms, ref_ms = (f"{times[p]:.2f}" if p in times else "-" for p in (True, False))
+            print(f"| {n:,} | {name} | {kernel_ms} | {ref_ms} | {ms / base:.2f} | {fetched / 2**20:.1f} |", flush=True)
 
 
 def tune(args, context: int) -> None:
@@ -435,12 +521,19 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-check", dest="check", action="store_false")
-    p.add_argument("--profile", action="store_true", help="only profile the split's step at INT8's context")
+    p.add_argument("--profile", action="store_true", help="only profile the split's step at INT8's context "
+                   "(with --prefill: the kernels of one chunk's layer too)")
     p.add_argument("--contexts", default="", help="instead: INT8 and the split at these contexts (comma-separated "
                    "tokens a row, each within INT8's longest), step time and bytes from the host")
     p.add_argument("--tune", type=int, default=0, metavar="TOKENS",
                    help="instead: the split's per-layer device work at this context, the key pass in each "
                    "configuration against the copy ceiling (CUDA)")
+    p.add_argument("--prefill", default="", metavar="CONTEXTS",
+                   help="instead: one --chunk of queries at these contexts (comma-separated), the split's kernel "
+                   "and reference paths against INT8 without the split")
+    p.add_argument("--layers", type=int, default=4, help="layers of the shape --prefill times")
+    p.add_argument("--no-reference", dest="reference", action="store_false",
+                   help="--prefill: skip the split's reference path (slow at long contexts)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     args = p.parse_args()
     if args.smoke:
@@ -450,6 +543,9 @@ def main() -> None:
         check(args)
     fractions = [float(f) for f in args.fractions.split(",")]
     rows = []
+    if args.prefill:
+        prefill(args, [int(c) for c in args.prefill.split(",")], fractions)
+        return
     if args.profile:
         profile(args, fractions[0])
         return

@@ -162,3 +162,16 @@ def test_kvsplit_benchmark_smoke():
     assert float(rows["int8"][8]) == 1.0 and float(rows["int8"][11]) == 0.0  # the baseline reads nothing from the host
     split = [x for x in (line.split("|") for line in r.stdout.splitlines()) if len(x) == 13 and "split" in x[1]]
     assert len(split) == 6 and all(float(x[11]) > 0 for x in split)  # every split step read cold values
+
+
+def test_kvsplit_benchmark_prefill_smoke():
+    """--prefill on the CPU: the reference path only (the kernels need CUDA there), one row per
+    configuration, the split's rows reading cold values and INT8's none."""
+    r = subprocess.run([sys.executable, "benchmarks/kvsplit_bench.py", "--smoke", "--prefill", "1024", "--layers", "2",
+                        "--fractions", "0.25"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {x[2].strip(): x for x in (line.split("|") for line in r.stdout.splitlines())
+            if len(x) == 8 and x[1].strip().replace(",", "").isdigit()}
+    assert set(rows) == {"int8, no split", "split f=0.25", "split mass 0.001"}
+    assert float(rows["int8, no split"][5]) == 1.0 and float(rows["int8, no split"][6]) == 0.0
+    assert float(rows["split f=0.25"][6]) > 0 and rows["split f=0.25"][3].strip() == "-"  # no kernel path on the CPU

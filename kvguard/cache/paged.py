@@ -64,7 +64,7 @@ def decode(q: torch.Tensor, sets: list[tuple[dict[str, torch.Tensor], torch.Tens
 
 def prefill(q: torch.Tensor, parts: list[tuple[dict[str, torch.Tensor], torch.Tensor, int, torch.Tensor]],
             at: torch.Tensor, scale: float | None, mass_into: torch.Tensor | None = None,
-            mass_queries: int = 0) -> torch.Tensor:
+            mass_queries: int = 0, with_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of q [T, Hq, D], the queries at positions `at` [T], over a sequence's
     pools: parts are (page fields, block table [n] int32, tokens, their positions [tokens]
     ascending) per pool. Each query sees the tokens at or before its position; the pools'
@@ -72,7 +72,8 @@ def prefill(q: torch.Tensor, parts: list[tuple[dict[str, torch.Tensor], torch.Te
 
     With mass_into ([H, capacity] fp32, a layer's running totals by position), each key's
     probability under that merged softmax, summed over its query group and the last
-    `mass_queries` queries, is added at its position (paged_prefill_mass, per pool)."""
+    `mass_queries` queries, is added at its position (paged_prefill_mass, per pool). With
+    `with_lse`, returns (out, lse [T, Hq] fp32, each query's log-normalizer over these pools)."""
     from kvguard.kernels.paged_prefill import paged_prefill_mass, paged_prefill_sets
 
     sets, limits = [], []
@@ -86,7 +87,7 @@ def prefill(q: torch.Tensor, parts: list[tuple[dict[str, torch.Tensor], torch.Te
         for (fields, table, tokens, pos), lim in zip(parts, limits):
             mass = paged_prefill_mass(q, fields, table, tokens, lse, first, sm_scale=scale, limits=lim)
             mass_into.index_add_(1, pos, mass)
-    return out
+    return (out, lse) if with_lse else out
 
 
 def prefill_batch(q: torch.Tensor, sets: list[tuple], scale: float | None) -> torch.Tensor:

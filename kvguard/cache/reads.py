@@ -5,7 +5,8 @@ in one pass of the decode kernels; a causal chunk takes the prefill kernel once 
 by log-sum-exp. Elsewhere the pages are dequantized and attended densely in fp32. Offloaded
 pages come back first. A sequence whose cold values live in the K/V split's host memory is read
 through the split (split.py), which reads only the values its scores pick: a decode step on
-the kernel path batched on the device, anything else row by row. When
+the kernel path batched on the device, a chunk on the kernel path each query picking as a
+decode row does, anything else (the CPU, an evictor that needs each key's mass) row by row. When
 the evictor scores by attention mass, each read adds its keys' mass into the sequence's totals.
 """
 
@@ -67,6 +68,8 @@ class Reader:
         if self._split([seq]):
             if self._split_kernels(q, mass_q):
                 return self.split.attend_step([seq], layer, q.contiguous(), scale)
+            if self._split_kernels(q[:1], mass_q) and causal and self.split.chunk_ready(seq, layer, q.shape[0]):
+                return self.split.attend_chunk(seq, layer, q.contiguous(), scale)
             out, mass = self.split.attend(seq, layer, q, causal, scale, mass_q)
             if mass is not None:
                 seq.mass_buf[layer, :, : mass.shape[-1]] += mass

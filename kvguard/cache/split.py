@@ -216,6 +216,66 @@ class ValueSplit:
             out = rescale(out, part, total)  # the whole softmax (the pages not read keep their weight)
         return out, chosen, count
 
+    def attend_chunk(self, seq: Sequence, layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """Causal attention of a chunk q [T, Hq, D] (16-bit, the sequence's last T positions, all
+        after its split pages: `chunk_ready`) on the kernel path: every query picks its split
+        pages as a decode step's row does (page_lse over keys read once for many queries,
+        page_pick); the pages picked by any query are gathered into device memory, each read
+        once over the bus, and the decode kernels attend each query over its own; the other
+        pools take the prefill kernel; the two are merged by their normalizers. Returns [T, Hq, D]."""
+        from kvguard.kernels.gather import gather_pages
+        from kvguard.kernels.page_scores import page_lse, page_pick, page_total
+        from kvguard.kernels.paged_decode import paged_decode_sets
+
+        from . import paged
+
+        rows = (seq.id,)
+        if layer == 0:
+            if rows in self._reads:
+                self._close_step(rows)
+            self.drain(wait=False)
+        sets, used = self.tables.decode_sets([seq], layer)
+        names = [name for name, _ in used]
+        j = names.index(SPLIT)
+        s, n, t = self.cfg.page_size, seq.lengths[layer], q.shape[0]
+        # the other pools: each query sees their tokens at or before its position
+        at = torch.arange(n - t, n, device=q.device)
+        parts = [(fields, table[0], tokens[0], self.tables.positions(seq, name)[: tokens[0]])
+                 for i, ((fields, table, tokens), name) in enumerate(zip(sets, names)) if i != j]
+        rest, rest_lse = paged.prefill(q, parts, at, scale, with_lse=True)  # [T, Hq, D], [T, Hq]
+        # the split: every query sees every page (they precede the chunk); a decode row per query
+        fields, table, tokens = sets[j]
+        held = tokens[0]
+        table = table.expand(t, -1)
+        lens = self.tables.device_ints(("chunk-lens", held, t), lambda: [held] * t, torch.int32)
+        scores = page_lse(q, fields, table, lens, scale, shared=True)  # [T, Hq, n], each key read once for many queries
+        total = torch.logaddexp(page_total(scores), rest_lse)
+        k = self.rule.pages(held // s)
+        want = None if k is None else torch.full((t,), k, device=q.device, dtype=torch.int32)
+        k = table.shape[1] if k is None else k
+        chosen, count = page_pick(scores, total, table, k, want, 0.0 if self.rule.mass is None else self.rule.mass)
+        # the pages some query picked, each brought over the bus once into device memory (the
+        # queries would read each many times in place); a host sync: a chunk's shapes follow the data
+        union = torch.unique(chosen[torch.arange(k, device=q.device)[None, :] < count[:, None]])
+        if union.numel():
+            fields = {name: gather_pages(f, union, q.device) for name, f in fields.items()}
+            chosen = torch.searchsorted(union, chosen).clamp_(max=union.numel() - 1).to(torch.int32)
+        out, lse = paged_decode_sets(q, [(fields, chosen, count * s, k * s)], sm_scale=scale)
+        norm = total if self.rule.normalize == "all" else torch.logaddexp(lse, rest_lse)
+        out = (out.float() * (lse - norm).exp()[..., None] + rest.float() * (rest_lse - norm).exp()[..., None])
+        # the pages read, reported as a decode step's are: one row of this sequence
+        self._reads.setdefault(rows, ([seq], []))[1].append((union[None], union.new_full((1,), union.numel())))
+        if layer == self.cfg.num_layers - 1:
+            self._close_step(rows)
+        return out.to(q.dtype)
+
+    def chunk_ready(self, seq: Sequence, layer: int, t: int) -> bool:
+        """Whether the sequence's split pages all precede its last t positions (true of a chunk
+        appended after they moved: `settle` moves only pages older than the tokens held), as
+        attend_chunk needs."""
+        idx = self.tables.layout(seq).idx[SPLIT]
+        return not idx or (idx[-1] + 1) * self.cfg.page_size <= seq.lengths[layer] - t
+
     def _close_step(self, rows: tuple[SeqId, ...]) -> None:
         """After a step's last layer: the pages each layer read for these rows, reported by `drain`."""
         seqs, reads = self._reads.pop(rows)

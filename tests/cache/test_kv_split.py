@@ -285,6 +285,32 @@ def test_the_kernel_path_reads_what_the_reference_path_reads(codec, rule):
             assert kf and len(kf[0].pages) == km.pools["split"].used_count
 
 
+@pytest.mark.parametrize("codec,rule", [("fp16", {"top_k": 1000}), ("int8", {"top_k": 3}),
+                                        ("fp16", {"fraction": 0.5, "normalize": "all"}), ("int8", {"mass": 0.02})])
+def test_a_chunk_on_the_kernel_path_reads_what_the_reference_path_reads(codec, rule):
+    """A chunk of queries (a prefill's, after the split moved the older pages) on the kernel
+    path: each query picks its own split pages as a decode row does, the other pools take the
+    prefill kernel; the answer is the reference path's, and the fetch names the same pages and
+    bytes (each page some query picked, brought once into device memory)."""
+    (km, krows), (rm, rrows) = kernel_pair(rule, codec)
+    g = torch.Generator().manual_seed(15)
+    t = 5
+    k, v = torch.randn(L, 2 * t, H, KD, generator=g).half(), torch.randn(L, 2 * t, H, KD, generator=g).half()
+    q = torch.randn(L, 2, t, 6, KD, generator=g).half()
+    for layer in range(L):
+        for m, rows in ((km, krows), (rm, rrows)):
+            m.append_chunk(rows, layer, k[layer].view(2, t, H, KD), v[layer].view(2, t, H, KD))
+        assert km.split.chunk_ready(km.seqs.get(krows[0]), layer, t)
+        got, want = km.attend_chunk(krows, layer, q[layer]), rm.attend_chunk(rrows, layer, q[layer])
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
+    km.split.drain()
+    (kf,) = [e for e in km.events.take_events() if isinstance(e, ev.PagesFetched)]
+    (rf,) = [e for e in rm.events.take_events() if isinstance(e, ev.PagesFetched)]
+    assert (kf.seq, sorted(kf.pages), kf.bytes) == (rf.seq, sorted(rf.pages), rf.bytes)
+    if rule.get("top_k") == 1000:  # every query reads every page: full attention, each page once a layer
+        assert kf.bytes == L * km.pools["split"].used_count * km.split.page_value_bytes
+
+
 def test_rows_read_one_by_one_are_reported_as_their_own():
     """A batch's rows attended one at a time, layer after layer (a model that runs its rows
     separately), are each reported once per step under their own sequence, as in a batch."""

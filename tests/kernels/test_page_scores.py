@@ -153,3 +153,17 @@ def test_page_total_and_rescale_match_torch():
     torch.testing.assert_close(rescale(out.clone(), part.contiguous(), total[:2].contiguous()), expect, rtol=0, atol=1e-3)
     with pytest.raises(KernelArgError):
         rescale(out[:, :, :48].contiguous(), part, total[:2])  # D not a power of 2
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float16, torch.uint8])
+def test_gather_pages_copies_the_pages_asked_for(dtype):
+    from kvguard.kernels.gather import gather_pages
+
+    src = (torch.randn(9, 3, 5, 7) * 50).to(dtype).to(DEVICE)
+    idx = torch.tensor([7, 0, 3, 3], dtype=torch.int32, device=DEVICE)
+    assert torch.equal(gather_pages(src, idx, src.device), src[idx.long()])
+    assert gather_pages(src, idx[:0], src.device).shape == (0, 3, 5, 7)
+    with pytest.raises(KernelArgError):
+        gather_pages(src.transpose(1, 2), idx, src.device)
+    with pytest.raises(KernelArgError):
+        gather_pages(src, idx.float(), src.device)
