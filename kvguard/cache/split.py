@@ -22,9 +22,11 @@ the keys (kernels/page_scores.py) gives each page's log-sum-exp, the pages are p
 device (a top-k), and the decode kernels read the picked pages' values in place in pinned host
 memory, which is mapped into the device's address space: no staging copy, no wait (with
 `normalize: all` its output is rescaled from the picked pages' normalizer to the whole
-softmax's). Elsewhere (`attend`: the
-CPU, a chunk of queries, an evictor that needs each key's mass) the same picks are made from
-dense fp32 scores and the picked values copied in.
+softmax's). A chunk of queries (`attend_chunk`: a prefill's, once its older pages moved) picks
+the same way, each query its own pages; the pages any of them picked are gathered into device
+memory once (each query would read its own many times over the bus) and the other pools take
+the prefill kernel. Elsewhere (`attend`: the CPU, an evictor that needs each key's mass) the
+same picks are made from dense fp32 scores and the picked values copied in.
 
 Every move is an event: `settle` one `offload` (`fields: ["v"]`, the split pages), a read one
 `fetch` per step of a sequence across all layers (the pages read in any layer and the bytes
