@@ -46,7 +46,8 @@ class Engine:
         self.device = next(model.parameters()).device
         self.quantized = "main" in manager.pools
         cfg = manager.cfg
-        capacity = {"hot": cfg.num_hot_pages} | ({"main": cfg.num_pages} if self.quantized else {})
+        capacity = {"hot": cfg.num_hot_pages} | ({"main": cfg.num_pages} if self.quantized else {}) | (
+            {"split": manager.pools["split"].num_pages} if "split" in manager.pools else {})
         if self.quantized:
             # a prefill chunk's tokens pass through 16-bit pages before they are quantized: the
             # pages of one chunk, and each row's partly filled page, are kept free for that
@@ -96,16 +97,20 @@ class Engine:
         if prompt + max_tokens > self.max_model_len:
             raise InputError(f"the prompt's {prompt} tokens and max_tokens {max_tokens} exceed the context limit "
                              f"of {self.max_model_len} tokens: shorten the prompt or lower max_tokens")
-        if not self.scheduler.fits_ever(pages_needed(self.manager.cfg, self.quantized, prompt + max_tokens)):
+        if not self.scheduler.fits_ever(self.pages_needed(prompt + max_tokens)):
             raise InputError(f"{prompt + max_tokens} tokens need more KV pages than this server's pool holds: "
                              "shorten the prompt or lower max_tokens")
+
+    def pages_needed(self, tokens: int) -> dict[str, int]:
+        """What a request of `tokens` tokens reserves in each pool (scheduler.pages_needed)."""
+        return pages_needed(self.manager.cfg, self.quantized, tokens, self.chunk)
 
     def submit(self, req: Request) -> None:
         """Admit a request (PoolFull when there is no room; SidecarUnavailable when the audit
         log is behind) and open its sequence, sharing its tenant's cached prompt pages."""
         n = len(req.prompt)
         self.check_length(n, req.params.max_tokens)
-        self.scheduler.admit(req, pages_needed(self.manager.cfg, self.quantized, n + req.params.max_tokens))
+        self.scheduler.admit(req, self.pages_needed(n + req.params.max_tokens))
         share = req.prompt[:-1] if self.manager.cfg.prefix_sharing else None  # the last token makes logits
         open_ = self.client.open if self.client is not None else self.manager.open
         try:

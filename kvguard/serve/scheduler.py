@@ -1,8 +1,9 @@
 """Requests and the scheduler: who waits for prefill, who decodes, and the pages they reserve.
 
 A request reserves, when admitted, the pages its prompt and all its `max_tokens` can take in
-each pool (worst case, before eviction), so a running request never runs out of pages
-mid-stream; one that does not fit is refused at once (429) and the others run on.
+each pool (worst case, before eviction; with the K/V split, the pages older than its window in
+the split's pool), so a running request never runs out of pages mid-stream; one that does not
+fit is refused at once (429) and the others run on.
 """
 
 from __future__ import annotations
@@ -56,16 +57,35 @@ class Request:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-def pages_needed(cfg: CacheConfig, quantized: bool, tokens: int) -> dict[str, int]:
+MASS_EVICTORS = ("h2o", "snapkv")  # their compaction regroups tokens from every page (split pages come home)
+
+
+def pages_needed(cfg: CacheConfig, quantized: bool, tokens: int, chunk: int = 0) -> dict[str, int]:
     """The pages a sequence of `tokens` tokens can take in each pool at most: all in the 16-bit
     pool without a codec; with one, all in the codec's pool and in the 16-bit pool its sinks,
-    its window, the page being filled and the page waiting to be quantized."""
+    its window, the page being filled and the page waiting to be quantized.
+
+    With the K/V split, pages older than its window move to the split's pool between steps, so
+    the codec's pool (the 16-bit one without a codec) holds at most the window, one prompt
+    chunk (`chunk` tokens, written before the next step moves them) and two partly filled
+    pages; twice that where prompt pages are shared, since a page shared with another request
+    while still in the codec's pool stays there until one of them ends. The split's pool may
+    take every page. Not with an evictor that regroups tokens from every page (H2O, SnapKV):
+    its compaction brings split pages home, so they reserve as without the split (the split
+    moves pages while its pool has room, and leaves the others in the codec's)."""
     ps = cfg.page_size
     n = math.ceil(tokens / ps)
-    if not quantized:
-        return {"hot": n}
-    hot = math.ceil(cfg.fp_sink / ps) + math.ceil(cfg.fp_window / ps) + 2
-    return {"hot": min(n, hot), "main": n}
+    home = "main" if quantized else "hot"
+    need = {"hot": n} if not quantized else {
+        "hot": min(n, math.ceil(cfg.fp_sink / ps) + math.ceil(cfg.fp_window / ps) + 2), "main": n}
+    if cfg.kv_split is not None and cfg.evictor not in MASS_EVICTORS:
+        resident = (math.ceil(cfg.kv_split.window / ps) + math.ceil(chunk / ps) + 2) * (2 if cfg.prefix_sharing else 1)
+        if quantized:
+            need[home] = min(n, resident)
+        else:  # the 16-bit pool is the split's home: its sinks stay there as well
+            need[home] = min(n, resident + math.ceil(cfg.fp_sink / ps))
+        need["split"] = n
+    return need
 
 
 class Scheduler:
