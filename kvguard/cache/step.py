@@ -159,6 +159,7 @@ class StaticStep:
             m.lock.release()
             raise
         self._seqs = seqs
+        self._ran: set[int] = set()  # layers whose split reads ran (reported should the step fail)
         self._open = True
 
     def _fill(self, seqs: list[Sequence]) -> None:
@@ -211,11 +212,21 @@ class StaticStep:
             m.lock.release()
 
     def abort(self) -> None:
-        """Leave a step that did not run (the forward pass failed): the lengths stay as they were."""
+        """Leave a step that did not finish (the forward pass failed): the lengths stay as they
+        were; the values the split read in the layers that ran are reported all the same."""
         if self._open:
-            self._open = False
-            self._seqs = []
-            self.manager.lock.release()
+            try:
+                if self.split is not None and self._ran:
+                    ran = sorted(self._ran)
+                    self.split.record(self.reads[ran], self.read_counts[ran], self._seqs)
+            finally:
+                self._open = False
+                self._seqs = []
+                self.manager.lock.release()
+
+    def replayed(self) -> None:
+        """A CUDA graph captured over this step's layers ran them all (its replay runs no Python)."""
+        self._ran = set(range(self.manager.cfg.num_layers))
 
     def __enter__(self) -> StaticStep:
         self.begin()
@@ -250,6 +261,8 @@ class StaticStep:
         out, chosen, count = self.split.decode(q, sets, self.lens, self.names.index(SPLIT), self.k, self.want, scale)
         self.reads[layer].copy_(chosen)
         self.read_counts[layer].copy_(count)
+        if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):  # capturing runs nothing
+            self._ran.add(layer)
         return out
 
     def _rotated(self, fn, q: torch.Tensor) -> torch.Tensor:

@@ -123,6 +123,7 @@ class DecodeGraph:
                     layer.seen = n
             self._graph = graph
         self._graph.replay()
+        self.static.replayed()
         for layer in self.cache.layers:
             layer.seen += 1
         return self._out.clone()

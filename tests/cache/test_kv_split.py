@@ -409,6 +409,31 @@ def test_a_static_decode_step_reads_what_an_eager_step_reads(codec, rule):
     assert any(r.where == "split" for r in sm.seqs.get(srows[1]).pages)  # the short row split during the steps
 
 
+def test_a_static_step_that_fails_midway_reports_the_values_its_layers_read():
+    """A forward pass that fails after some layers: the lengths stay, and the values those
+    layers read are in a fetch record (as an eager step's unfinished reads are)."""
+    from kvguard.cache.step import StaticStep
+
+    (em, erows), (sm, srows) = static_pair({"top_k": 3}, "int8")
+    step = StaticStep(sm, srows, KN + 40)
+    g = torch.Generator().manual_seed(23)
+    k, v = torch.randn(2, H, KD, generator=g).half(), torch.randn(2, H, KD, generator=g).half()
+    q = torch.randn(2, 6, KD, generator=g).half()
+    with pytest.raises(RuntimeError, match="layer 1 failed"):
+        with step:
+            step.write(0, k, v)
+            step.attend(0, q)
+            raise RuntimeError("layer 1 failed")
+    em.append_step(erows, 0, k, v)
+    em.attend_step(erows, 0, q)
+    em.split.flush(em.seqs.get(erows[0]))  # the eager step's unfinished reads
+    sm.split.drain()
+    ef = [(e.seq, sorted(e.pages), e.bytes) for e in em.events.take_events() if isinstance(e, ev.PagesFetched)]
+    sf = [(e.seq, sorted(e.pages), e.bytes) for e in sm.events.take_events() if isinstance(e, ev.PagesFetched)]
+    assert sf == ef and len(sf) == 2  # each row read split pages in layer 0
+    assert [sm.length(r) for r in srows] == [KN, 60]
+
+
 def test_a_static_decode_step_refuses_a_split_cache_whose_evictor_needs_mass():
     from kvguard.cache.step import StaticStep
 
