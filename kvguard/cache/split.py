@@ -55,6 +55,9 @@ from .pages import PageStore
 from .sequence import SPLIT, PageRef, Sequence, page_name
 
 VALUES = "cpu-values"  # the split's pages as Residency.offloaded counts them
+# the most device memory a prompt chunk's picked split pages are gathered into (one layer's, keys
+# and values); past it the chunk's queries read their picks in place in host memory
+STAGE_BYTES = 512 << 20
 
 
 class ValueSplit:
@@ -257,16 +260,20 @@ class ValueSplit:
         k = table.shape[1] if k is None else k
         chosen, count = page_pick(scores, total, table, k, want, 0.0 if self.rule.mass is None else self.rule.mass)
         # the pages some query picked, each brought over the bus once into device memory (the
-        # queries would read each many times in place); a host sync: a chunk's shapes follow the data
+        # queries would read each many times in place), unless that would take more than
+        # STAGE_BYTES of device memory; a host sync: a chunk's shapes follow the data
         union = torch.unique(chosen[torch.arange(k, device=q.device)[None, :] < count[:, None]])
-        if union.numel():
+        staged = 0 < union.numel() * self.pool.page_bytes // self.cfg.num_layers <= STAGE_BYTES
+        if staged:
             fields = {name: gather_pages(f, union, q.device) for name, f in fields.items()}
             chosen = torch.searchsorted(union, chosen).clamp_(max=union.numel() - 1).to(torch.int32)
         out, lse = paged_decode_sets(q, [(fields, chosen, count * s, k * s)], sm_scale=scale)
         norm = total if self.rule.normalize == "all" else torch.logaddexp(lse, rest_lse)
         out = (out.float() * (lse - norm).exp()[..., None] + rest.float() * (rest_lse - norm).exp()[..., None])
-        # the pages read, reported as a decode step's are: one row of this sequence
-        self._reads.setdefault(rows, ([seq], []))[1].append((union[None], union.new_full((1,), union.numel())))
+        # the pages read, reported as a decode step's are (one row of this sequence), and the
+        # bytes: each page once when gathered, else every query's picks
+        reads = union.new_full((1,), union.numel()) if staged else count.sum().reshape(1)
+        self._reads.setdefault(rows, ([seq], []))[1].append((union[None], reads))
         if layer == self.cfg.num_layers - 1:
             self._close_step(rows)
         return out.to(q.dtype)
@@ -314,7 +321,8 @@ class ValueSplit:
                 event.synchronize()
             self._pending.popleft()
             per_page = self.page_value_bytes
-            read = torch.arange(pages.shape[-1])[None, :] < counts[..., None]  # [layers, B, k]: the first count[l, b]
+            # [layers, B, k]: the first count[l, b] (a chunk's count its queries' reads: more than its pages)
+            read = (torch.arange(pages.shape[-1])[None, :] < counts[..., None]) & (pages >= 0)
             total = counts.sum(dim=0).tolist()  # pages read a row, over the layers
             for b, seq in enumerate(seqs):
                 if total[b]:

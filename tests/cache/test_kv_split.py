@@ -311,6 +311,29 @@ def test_a_chunk_on_the_kernel_path_reads_what_the_reference_path_reads(codec, r
         assert kf.bytes == L * km.pools["split"].used_count * km.split.page_value_bytes
 
 
+def test_a_chunk_whose_picks_are_too_many_to_gather_reads_them_in_place(monkeypatch):
+    """Past STAGE_BYTES of device memory the chunk's queries read their picks in host memory
+    where they lie: the same answer, the same pages named, and every query's reads counted."""
+    from kvguard.cache import split as split_module
+
+    monkeypatch.setattr(split_module, "STAGE_BYTES", 0)
+    (km, krows), (rm, rrows) = kernel_pair({"top_k": 3}, "int8")
+    t = 5
+    g = torch.Generator().manual_seed(16)
+    k, v = torch.randn(L, 2 * t, H, KD, generator=g).half(), torch.randn(L, 2 * t, H, KD, generator=g).half()
+    q = torch.randn(L, 2, t, 6, KD, generator=g).half()
+    for layer in range(L):
+        for m, rows in ((km, krows), (rm, rrows)):
+            m.append_chunk(rows, layer, k[layer].view(2, t, H, KD), v[layer].view(2, t, H, KD))
+        got, want = km.attend_chunk(krows, layer, q[layer]), rm.attend_chunk(rrows, layer, q[layer])
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
+    km.split.drain()
+    (kf,) = [e for e in km.events.take_events() if isinstance(e, ev.PagesFetched)]
+    (rf,) = [e for e in rm.events.take_events() if isinstance(e, ev.PagesFetched)]
+    assert sorted(kf.pages) == sorted(rf.pages)
+    assert kf.bytes == L * t * 3 * km.split.page_value_bytes > rf.bytes  # 3 pages a query, read in place
+
+
 def test_rows_read_one_by_one_are_reported_as_their_own():
     """A batch's rows attended one at a time, layer after layer (a model that runs its rows
     separately), are each reported once per step under their own sequence, as in a batch."""
