@@ -330,10 +330,10 @@ def profile(args, fraction: float) -> None:
 
 
 def prefill(args, contexts: list[int], fractions: list[float]) -> None:
-    """One prompt chunk (`--chunk` queries) of a sequence whose older values the split holds,
-    on the kernel path (each query picks its pages, read in place) and on the reference path
-    (dense fp32, the picked values copied in), against the same chunk over INT8 pages without
-    the split (the prefill kernel). `--layers` of the shape; ms per layer (median)."""
+    """One prompt chunk (`--chunk` queries) of a sequence whose older values the split holds, on
+    the kernel path (each query picks its pages; the picked ones gathered once into device
+    memory) and on the reference path (dense fp32), against the same chunk over INT8 pages
+    without the split (the prefill kernel). `--layers` of the shape; ms a layer, best of two."""
     layers, h, d, hq = SHAPES[args.shape]
     layers = min(layers, args.layers)
     dev = torch.device(args.device)
@@ -342,7 +342,6 @@ def prefill(args, contexts: list[int], fractions: list[float]) -> None:
     print("| context | configuration | kernel path ms | reference path ms | x INT8 | MiB from host a layer |")
     print("|---|---|---|---|---|---|")
     for n in contexts:
-        base = None
         for split in [None] + [{"window": args.window, "fraction": f} for f in fractions] + [
                 {"window": args.window, "mass": 1e-3}]:
             times = {}
@@ -385,11 +384,9 @@ def prefill(args, contexts: list[int], fractions: list[float]) -> None:
                 del m, seq
                 gc.collect()
             ms = times.get(True, times.get(False))
-            if split is None:
-                base = ms
-                name = "int8, no split"
-            else:
-                name = "split " + (f"f={split['fraction']}" if "fraction" in split else f"mass {split['mass']}")
+            base = ms if split is None else base
+            name = "int8, no split" if split is None else "split " + (
+                f"f={split['fraction']}" if "fraction" in split else f"mass {split['mass']}")
             kernel_ms, ref_ms = (f"{times[p]:.2f}" if p in times else "-" for p in (True, False))
             print(f"| {n:,} | {name} | {kernel_ms} | {ref_ms} | {ms / base:.2f} | {fetched / 2**20:.1f} |", flush=True)
 
@@ -532,8 +529,7 @@ def main() -> None:
                    help="instead: one --chunk of queries at these contexts (comma-separated), the split's kernel "
                    "and reference paths against INT8 without the split")
     p.add_argument("--layers", type=int, default=4, help="layers of the shape --prefill times")
-    p.add_argument("--no-reference", dest="reference", action="store_false",
-                   help="--prefill: skip the split's reference path (slow at long contexts)")
+    p.add_argument("--no-reference", dest="reference", action="store_false", help="--prefill: no reference path")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     args = p.parse_args()
     if args.smoke:
