@@ -55,9 +55,7 @@ from .pages import PageStore
 from .sequence import SPLIT, PageRef, Sequence, page_name
 
 VALUES = "cpu-values"  # the split's pages as Residency.offloaded counts them
-# the most device memory a prompt chunk's picked split pages are gathered into (one layer's, keys
-# and values); past it the chunk's queries read their picks in place in host memory
-STAGE_BYTES = 512 << 20
+STAGE_BYTES = 512 << 20  # device memory for a chunk's picked pages (a layer's); past it, read in place
 
 
 class ValueSplit:
@@ -235,9 +233,9 @@ class ValueSplit:
         from . import paged
 
         rows = (seq.id,)
+        if layer == 0 and rows in self._reads:  # a step of this row left before its last layer
+            self._close_step(rows)
         if layer == 0:
-            if rows in self._reads:
-                self._close_step(rows)
             self.drain(wait=False)
         sets, used = self.tables.decode_sets([seq], layer)
         names = [name for name, _ in used]
@@ -249,9 +247,7 @@ class ValueSplit:
                  for i, ((fields, table, tokens), name) in enumerate(zip(sets, names)) if i != j]
         rest, rest_lse = paged.prefill(q, parts, at, scale, with_lse=True)  # [T, Hq, D], [T, Hq]
         # the split: every query sees every page (they precede the chunk); a decode row per query
-        fields, table, tokens = sets[j]
-        held = tokens[0]
-        table = table.expand(t, -1)
+        fields, table, held = sets[j][0], sets[j][1].expand(t, -1), sets[j][2][0]
         lens = self.tables.device_ints(("chunk-lens", held, t), lambda: [held] * t, torch.int32)
         scores = page_lse(q, fields, table, lens, scale, shared=True)  # [T, Hq, n], each key read once for many queries
         total = torch.logaddexp(page_total(scores), rest_lse)
