@@ -158,11 +158,7 @@ class ValueSplit:
         the split's pages read as the rule picks them, on the device. [B, Hq, D]."""
         from kvguard.kernels.paged_decode import paged_decode_sets
 
-        rows = tuple(seq.id for seq in seqs)
-        if layer == 0:
-            if rows in self._reads:  # a step of these rows left before its last layer: reported too
-                self._close_step(rows)
-            self.drain(wait=False)
+        rows = self._open_step(seqs, layer)
         sets, used = self.tables.decode_sets(seqs, layer)
         names = [name for name, _ in used]
         tokens = tuple(tuple(t) for _, t in used)
@@ -178,9 +174,7 @@ class ValueSplit:
             k = max(want)
             count = self.tables.device_ints(("split-k", tuple(want)), lambda: list(want), torch.int32)
         out, chosen, count = self.decode(q, bounded, lens, j, k, count, scale)
-        self._reads.setdefault(rows, (seqs, []))[1].append((chosen, count))  # reported when the host looks
-        if layer == self.cfg.num_layers - 1:
-            self._close_step(rows)
+        self._note_reads(rows, seqs, layer, chosen, count)
         return out
 
     def decode(self, q: torch.Tensor, sets: list[tuple], lens: torch.Tensor, j: int, k: int | None,
@@ -232,11 +226,7 @@ class ValueSplit:
 
         from . import paged
 
-        rows = (seq.id,)
-        if layer == 0 and rows in self._reads:  # a step of this row left before its last layer
-            self._close_step(rows)
-        if layer == 0:
-            self.drain(wait=False)
+        rows = self._open_step([seq], layer)
         sets, used = self.tables.decode_sets([seq], layer)
         names = [name for name, _ in used]
         j = names.index(SPLIT)
@@ -266,12 +256,9 @@ class ValueSplit:
         out, lse = paged_decode_sets(q, [(fields, chosen, count * s, k * s)], sm_scale=scale)
         norm = total if self.rule.normalize == "all" else torch.logaddexp(lse, rest_lse)
         out = (out.float() * (lse - norm).exp()[..., None] + rest.float() * (rest_lse - norm).exp()[..., None])
-        # the pages read, reported as a decode step's are (one row of this sequence), and the
-        # bytes: each page once when gathered, else every query's picks
+        # the pages read as one row's; their bytes: each page once when gathered, else every query's picks
         reads = union.new_full((1,), union.numel()) if staged else count.sum().reshape(1)
-        self._reads.setdefault(rows, ([seq], []))[1].append((union[None], reads))
-        if layer == self.cfg.num_layers - 1:
-            self._close_step(rows)
+        self._note_reads(rows, [seq], layer, union[None], reads)
         return out.to(q.dtype)
 
     def chunk_ready(self, seq: Sequence, layer: int, t: int) -> bool:
@@ -280,6 +267,21 @@ class ValueSplit:
         attend_chunk needs."""
         idx = self.tables.layout(seq).idx[SPLIT]
         return not idx or (idx[-1] + 1) * self.cfg.page_size <= seq.lengths[layer] - t
+
+    def _open_step(self, seqs: list[Sequence], layer: int) -> tuple[SeqId, ...]:
+        """The rows' key in `_reads`; at a first layer, an unfinished step of theirs is reported."""
+        rows = tuple(seq.id for seq in seqs)
+        if layer == 0:
+            if rows in self._reads:
+                self._close_step(rows)
+            self.drain(wait=False)
+        return rows
+
+    def _note_reads(self, rows: tuple, seqs: list[Sequence], layer: int, pages: torch.Tensor, counts: torch.Tensor):
+        """A layer's reads (pages [B, k], row b's first counts[b]), reported when the host looks."""
+        self._reads.setdefault(rows, (seqs, []))[1].append((pages, counts))
+        if layer == self.cfg.num_layers - 1:
+            self._close_step(rows)
 
     def _close_step(self, rows: tuple[SeqId, ...]) -> None:
         """After a step's last layer: the pages each layer read for these rows, reported by `drain`."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import CacheConfig
+from ..compress.evictors import EVICTORS
 from ..types import SeqId, Subject
 
 
@@ -57,9 +58,6 @@ class Request:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-MASS_EVICTORS = ("h2o", "snapkv")  # their compaction regroups tokens from every page (split pages come home)
-
-
 def pages_needed(cfg: CacheConfig, quantized: bool, tokens: int, chunk: int = 0) -> dict[str, int]:
     """The pages a sequence of `tokens` tokens can take in each pool at most: all in the 16-bit
     pool without a codec; with one, all in the codec's pool and in the 16-bit pool its sinks,
@@ -78,7 +76,7 @@ def pages_needed(cfg: CacheConfig, quantized: bool, tokens: int, chunk: int = 0)
     home = "main" if quantized else "hot"
     need = {"hot": n} if not quantized else {
         "hot": min(n, math.ceil(cfg.fp_sink / ps) + math.ceil(cfg.fp_window / ps) + 2), "main": n}
-    if cfg.kv_split is not None and cfg.evictor not in MASS_EVICTORS:
+    if cfg.kv_split is not None and not (cfg.evictor and EVICTORS[cfg.evictor].needs_mass):
         resident = (math.ceil(cfg.kv_split.window / ps) + math.ceil(chunk / ps) + 2) * (2 if cfg.prefix_sharing else 1)
         if quantized:
             need[home] = min(n, resident)
