@@ -319,3 +319,22 @@ def test_erasure_mid_stream_audit_chain_and_no_raw_ids(llms, sidecar, smollm2, t
                         "metrics": metrics, "bundle": json.dumps(records)}.items():
         for raw in [*USERS, SECRET, "acme", "globex"]:
             assert raw not in text, f"{raw!r} found in the {where}"
+
+
+def test_a_prompt_longer_than_the_codec_pool_is_served_through_the_k_v_split(sidecar, smollm2, tmp_path):
+    """The stock client against a server whose policy splits K/V: a prompt longer than the codec's
+    pool (16 pages of 16 tokens) is served, its older pages' values in the split's pool, and the
+    sidecar takes the process's reports (it refused the split pool's stats once)."""
+    model, tok = smollm2
+    policy = tmp_path / "split.yaml"
+    policy.write_text(POLICY.read_text().replace("name: chat-small", "name: split-small")
+                      .replace("tiers: [device]", "tiers: [device, cpu]\nkv_split:\n  window: 32\n  mass: 0.001")
+                      .replace("budget: 96", "budget: 4096"))
+    llm = start_llm(sidecar, model, tok, policy=policy, num_pages=16, split_pages=48, chunk=64, max_seqs=2)
+    try:
+        prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 30)  # about 300 tokens
+        comp = oai(llm, sidecar.tokens["acme"]).completions.create(
+            model="smollm2", prompt=prompt, max_tokens=N, user=USERS[0], temperature=0)
+        assert comp.usage.prompt_tokens > 16 * 16 and comp.usage.completion_tokens == N
+    finally:
+        llm.stop()

@@ -157,6 +157,19 @@ def test_malformed_stats_are_refused_and_metrics_stay_up(small):
     assert 'kvguard_cache_pages{codec="int8",tier="device"} 40.0' in pages and len(pages) <= 4 * 6
 
 
+def test_the_stats_of_a_cache_with_the_k_v_split_are_taken(small):
+    """A cache with the K/V split reports its split pool and the values it holds in host memory
+    (CacheManager.stats): taken, the split's pages counted on the device in the codec's label."""
+    from kvguard.sidecar.metrics import _pages
+
+    stats = {"codec": "int8", "pages_used": {"hot": 2, "main": 6, "split": 30}, "pages_offloaded": {"cpu-values": 30},
+             "tokens_held": 600}
+    with ingest(small) as c:
+        r = c.post("/internal/v1/events", json=batch(uuid.uuid4().hex[:16], [], stats=stats))
+        assert r.status_code == 200, r.text
+    assert _pages(stats) == {("device", "fp16"): 2, ("device", "int8"): 36}  # the values' tier is no label
+
+
 def test_metrics_have_a_bounded_label_set_whatever_a_process_sends(small):
     from kvguard.sidecar.metrics import _pages
 

@@ -60,8 +60,9 @@ class CacheStats(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     codec: Literal["fp16", "bf16", "int8", "int4", "fp8"] | None = None
-    pages_used: dict[Literal["hot", "main"], Count] = Field(default_factory=dict)
-    pages_offloaded: dict[Literal["cpu", "disk", "redis"], Count] = Field(default_factory=dict)
+    # "split": the K/V split's pool (keys on the device); "cpu-values": its pages' values in host memory
+    pages_used: dict[Literal["hot", "main", "split"], Count] = Field(default_factory=dict)
+    pages_offloaded: dict[Literal["cpu", "disk", "redis", "cpu-values"], Count] = Field(default_factory=dict)
     tokens_held: Count = 0
 
 
