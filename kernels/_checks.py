@@ -79,25 +79,46 @@ def check(t: torch.Tensor, name: str, *, dtype=None, shape=None, contiguous: boo
         raise KernelArgError(f"{name} must be contiguous (call .contiguous() first)")
 
 
+_CODES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8", torch.uint8: "int4"}
+
+
+def _codec_by_dtype(dt: torch.dtype) -> str | None:
+    return "16bit" if dt in SIXTEEN_BIT else _CODES.get(dt)
+
+
 def codec_of(pages: dict[str, torch.Tensor]) -> str:
-    """'16bit', 'int8', 'fp8' or 'int4', from the dtype of pages['k']."""
-    if not isinstance(pages, dict) or "k" not in pages:
+    """'16bit', 'int8', 'fp8' or 'int4', from the dtype of pages['k']: the keys' codec."""
+    if not isinstance(pages, dict) or "k" not in pages or "v" not in pages:
         raise KernelArgError("pages must be a dict of page fields with at least 'k' and 'v'")
     dt = pages["k"].dtype
-    codec = {torch.int8: "int8", torch.float8_e4m3fn: "fp8", torch.uint8: "int4"}.get(dt)
-    if codec is None:
-        codec = "16bit" if dt in SIXTEEN_BIT else None
+    codec = _codec_by_dtype(dt)
     if codec is None:
         raise KernelArgError(f"pages['k'] has dtype {dt}: expected fp16/bf16, int8, float8_e4m3fn or uint8 (int4)")
-    missing = [f for f in FIELDS[codec] if f not in pages]
+    vcodec = value_codec_of(pages)
+    want = [f for f in FIELDS[codec] if f.startswith("k")] + [f for f in FIELDS[vcodec] if f.startswith("v")]
+    missing = [f for f in want if f not in pages]
     if missing:
-        raise KernelArgError(f"{codec} pages need the fields {FIELDS[codec]}; missing {missing}")
+        raise KernelArgError(f"{codec} keys and {vcodec} values need the fields {want}; missing {missing}")
     return codec
 
 
-def check_pages(pages: dict[str, torch.Tensor]) -> tuple[str, int, int, int, int]:
-    """Check every field against the layout of kernels/__init__.py; returns (codec, P, H, S, D)."""
-    codec = codec_of(pages)
+def value_codec_of(pages: dict[str, torch.Tensor]) -> str:
+    """The values' codec, from the dtype of pages['v']: the keys' but in a K/V split's pages,
+    whose keys may be in a smaller codec (kvguard/compress/codecs/mixed.py)."""
+    dt = pages["v"].dtype
+    codec = _codec_by_dtype(dt)
+    if codec is None:
+        raise KernelArgError(f"pages['v'] has dtype {dt}: expected fp16/bf16, int8, float8_e4m3fn or uint8 (int4)")
+    return codec
+
+
+def check_pages(pages: dict[str, torch.Tensor], mixed: bool = False) -> tuple[str, int, int, int, int]:
+    """Check every field against the layout of kernels/__init__.py; returns (codec, P, H, S, D), the
+    codec the keys'. Keys and values in different codecs only with `mixed` (the kernels that read
+    pages, not those that write them)."""
+    codec, vcodec = codec_of(pages), value_codec_of(pages)
+    if codec != vcodec and not mixed:
+        raise KernelArgError(f"this kernel takes keys and values in one codec, got {codec} keys and {vcodec} values")
     k = pages["k"]
     if k.dim() != 4:
         raise KernelArgError(f"pages['k'] must be [P, H, S, D], got shape {list(k.shape)}")
@@ -107,28 +128,33 @@ def check_pages(pages: dict[str, torch.Tensor]) -> tuple[str, int, int, int, int
         raise KernelArgError(f"head_dim must be a power of two >= 16, got {d}")
     if s < 1 or s & (s - 1):
         raise KernelArgError(f"page_size must be a power of two, got {s}")
-    if codec == "16bit":
-        check(pages["v"], "pages['v']", dtype=k.dtype, shape=(p, h, s, d))
-    elif codec in ("int8", "fp8"):
-        check(pages["v"], "pages['v']", dtype=k.dtype, shape=(p, h, d, s))  # channel-major
-        check(pages["k_scale"], "pages['k_scale']", dtype=torch.float16, shape=(p, h, d))
-        check(pages["v_scale"], "pages['v_scale']", dtype=torch.float16, shape=(p, h, s))
-    else:
+    if "int4" in (codec, vcodec):
         if d % ref.INT4_GROUP:
             raise KernelArgError(f"int4 needs head_dim divisible by {ref.INT4_GROUP}, got {d}")
         if s < 2:
             raise KernelArgError(f"int4 needs page_size >= 2 (two tokens a byte), got {s}")
-        check(pages["v"], "pages['v']", dtype=torch.uint8, shape=(p, h, d, s // 2))  # channel-major
+    if codec in ("int8", "fp8"):
+        check(pages["k_scale"], "pages['k_scale']", dtype=torch.float16, shape=(p, h, d))
+    elif codec == "int4":
         for f in ("k_scale", "k_zero"):
             check(pages[f], f"pages['{f}']", dtype=torch.float16, shape=(p, h, d))
+    if vcodec == "16bit":
+        check(pages["v"], "pages['v']", dtype=pages["v"].dtype, shape=(p, h, s, d))
+        if codec == "16bit" and pages["v"].dtype != k.dtype:
+            raise KernelArgError(f"16-bit pages need K and V in one dtype, got {k.dtype} and {pages['v'].dtype}")
+    elif vcodec in ("int8", "fp8"):
+        check(pages["v"], "pages['v']", dtype=pages["v"].dtype, shape=(p, h, d, s))  # channel-major
+        check(pages["v_scale"], "pages['v_scale']", dtype=torch.float16, shape=(p, h, s))
+    else:
+        check(pages["v"], "pages['v']", dtype=torch.uint8, shape=(p, h, d, s // 2))  # channel-major
         for f in ("v_scale", "v_zero"):
             check(pages[f], f"pages['{f}']", dtype=torch.float16, shape=(p, h, d // ref.INT4_GROUP, s))
     check(k, "pages['k']")
-    dev = check_device(*[pages[f] for f in FIELDS[codec] if not f.startswith("v")])
-    for f in FIELDS[codec]:  # values may be in pinned host memory, which the device reads in place
-        t = pages[f]
-        if f.startswith("v") and t.device != dev and not (dev.type == "cuda" and t.device.type == "cpu"
-                                                          and t.is_pinned()):
+    keys = [f for f in FIELDS[codec] if f.startswith("k")]
+    dev = check_device(*[pages[f] for f in keys])
+    for f in [f for f in FIELDS[vcodec] if f.startswith("v")]:  # values may be in pinned host memory,
+        t = pages[f]  # which the device reads in place
+        if t.device != dev and not (dev.type == "cuda" and t.device.type == "cpu" and t.is_pinned()):
             raise KernelArgError(f"pages['{f}'] must be on {dev} (or, for values, in pinned host memory), "
                                  f"got {t.device}")
     return codec, p, h, s, d
@@ -137,8 +163,9 @@ def check_pages(pages: dict[str, torch.Tensor]) -> tuple[str, int, int, int, int
 def check_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch.Tensor,
                  seq_lens: torch.Tensor) -> tuple[str, int, int, int, int, torch.device]:
     """A decode call's arguments: q [B, Hq, D], one layer's pages, block_table [B, n] (rows
-    contiguous), seq_lens [B]. Returns (codec, H, S, D, B, device)."""
-    codec, _, h, s, d = check_pages(pages)
+    contiguous), seq_lens [B]. Returns (codec, H, S, D, B, device), the codec the keys' (the values'
+    may differ: value_codec_of)."""
+    codec, _, h, s, d = check_pages(pages, mixed=True)
     b, _, _ = check_queries(q, 1, h, d)
     check(block_table, "block_table", dtype=INDEX_DTYPES, shape=(b, None), contiguous=False)
     if block_table.stride(1) != 1:

@@ -161,7 +161,8 @@ def _keep(ok, x, other):
 @triton.jit
 def load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, ok, h,
                    H: tl.constexpr, S: tl.constexpr, D: tl.constexpr, PAGES: tl.constexpr,
-                   KIND: tl.constexpr, GROUP: tl.constexpr, ON_GPU: tl.constexpr):
+                   KIND: tl.constexpr, GROUP: tl.constexpr, ON_GPU: tl.constexpr,
+                   VKIND: tl.constexpr, VON_GPU: tl.constexpr):
     """page [PAGES] int64 page ids, ok [PAGES, S] which tokens exist (None: all of them) ->
     k, v [PAGES*S, D] fp16 and vs [PAGES*S] fp32, the per-token V scale still to apply (int8/fp8;
     ones otherwise): load_keys_f16 and load_values_f16 together.
@@ -171,9 +172,11 @@ def load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, ok, h,
     goes into the probabilities instead. Per-page key scales are loaded once per page
     ([PAGES, 1, D]) and broadcast over its tokens. V of missing tokens is zero so that
     0-probability x garbage never makes a NaN; K of missing tokens is masked by the caller.
+    KIND, ON_GPU are the keys' codec and loads, VKIND, VON_GPU the values' (they differ in a K/V
+    split's pages, whose keys may be in a smaller codec).
     """
     k = load_keys_f16(kp, ksp, kzp, page, ok, h, H, S, D, PAGES, KIND, ON_GPU)
-    v, vs = load_values_f16(vp, vsp, vzp, page, ok, h, H, S, D, PAGES, KIND, GROUP, ON_GPU)
+    v, vs = load_values_f16(vp, vsp, vzp, page, ok, h, H, S, D, PAGES, VKIND, GROUP, VON_GPU)
     return k, v, vs
 
 

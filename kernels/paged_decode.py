@@ -44,6 +44,7 @@ from ._checks import (
     field_args,
     interpreting,
     softmax_scale,
+    value_codec_of,
 )
 from ._launch import launch
 from ._pages import attend_block, load_keys_f16, load_pages_f16, load_values_f16
@@ -57,13 +58,15 @@ def _decode_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, ls
                    counters, qk_scale, bt_stride, split_tokens, max_len, ns, sp0,
                    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
                    KIND: tl.constexpr, GROUP: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
-                   MASS: tl.constexpr, ON_GPU: tl.constexpr, FUSED: tl.constexpr, CH: tl.constexpr):
+                   MASS: tl.constexpr, ON_GPU: tl.constexpr, FUSED: tl.constexpr, CH: tl.constexpr,
+                   VKIND: tl.constexpr, VON_GPU: tl.constexpr):
     # q [B, Hq, D]; block_table [B, *]; out [B, Hq, D] (or [B, Hq, ns, D] fp32 if SPLIT);
     # lse [B, Hq] natural log (or [B, Hq, ns] base 2 if SPLIT); logits [B, Hq, max_len] if MASS;
     # split sp of this grid covers tokens [sp * split_tokens, ...) and writes partial sp0 + sp of
     # ns (more than this grid's when several page sets merge in one pass: paged_decode_sets);
     # with FUSED (and SPLIT) the last program of each (b, h) merges the splits into fin_out,
-    # fin_lse [B, Hq, (D)], counting finished programs in counters [B * H] (see _finish)
+    # fin_lse [B, Hq, (D)], counting finished programs in counters [B * H] (see _finish);
+    # KIND, ON_GPU the keys' codec and loads, VKIND, VON_GPU the values' (load_pages_f16)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -90,8 +93,8 @@ def _decode_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, ls
         tok_ok = n < hi
         page = tl.load(bt + pi, mask=pi * S < hi, other=0).to(tl.int64)
         k, v, vs = load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, tok_ok.reshape(PAGES, S), h,
-                              H, S, D, PAGES, KIND, GROUP, ON_GPU)
-        acc, m, l, s = attend_block(acc, m, l, qh, k, v, vs, tok_ok[None, :], qk_scale, KIND == 1)
+                              H, S, D, PAGES, KIND, GROUP, ON_GPU, VKIND, VON_GPU)
+        acc, m, l, s = attend_block(acc, m, l, qh, k, v, vs, tok_ok[None, :], qk_scale, VKIND == 1)
         if MASS:
             tl.store(logits + qrow[:, None].to(tl.int64) * max_len + n[None, :], s,
                      mask=row_ok[:, None] & tok_ok[None, :])
@@ -106,7 +109,7 @@ def _decode_kernel_warps(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, o
                          H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
                          KIND: tl.constexpr, GROUP: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
                          MASS: tl.constexpr, ON_GPU: tl.constexpr, W: tl.constexpr, FUSED: tl.constexpr,
-                         CH: tl.constexpr):
+                         CH: tl.constexpr, VKIND: tl.constexpr, VON_GPU: tl.constexpr):
     # As _decode_kernel, but each of the W warps runs its own online softmax over its own
     # PAGES // W pages of every step (tensors [W, ...], the leading axis one warp each): no
     # reduction across warps inside the loop; the W partial results merge once at the end.
@@ -137,7 +140,7 @@ def _decode_kernel_warps(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, o
         tok_ok = n < hi
         page = tl.load(bt + pi, mask=pi * S < hi, other=0).to(tl.int64)
         k, v, vs = load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, tok_ok.reshape(PAGES, S), h,
-                                  H, S, D, PAGES, KIND, GROUP, ON_GPU)
+                                  H, S, D, PAGES, KIND, GROUP, ON_GPU, VKIND, VON_GPU)
         vis = tok_ok.reshape(W, 1, BW)
         s = tl.dot(q3, tl.trans(k.reshape(W, BW, D), (0, 2, 1))) * qk_scale  # [W, GP, BW]
         s = tl.where(vis, s, float("-inf"))
@@ -146,7 +149,7 @@ def _decode_kernel_warps(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, o
         alpha = tl.exp2(m - m_use)
         p = tl.exp2(s - m_use[:, :, None])
         l = l * alpha + tl.sum(p, 2)
-        if KIND == 1:
+        if VKIND == 1:
             pv = (p * vs.reshape(W, 1, BW)).to(tl.float16)
         else:
             pv = p.to(tl.float16)
@@ -171,7 +174,8 @@ def _decode_kernel_t(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, 
                      H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
                      KIND: tl.constexpr, GROUP: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
                      MASS: tl.constexpr, ON_GPU: tl.constexpr, W: tl.constexpr, FUSED: tl.constexpr,
-                     CH: tl.constexpr, PEEL: tl.constexpr = False, PDL: tl.constexpr = False):
+                     CH: tl.constexpr, VKIND: tl.constexpr, VON_GPU: tl.constexpr, PEEL: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
     # As _decode_kernel_warps (each of the W warps its own pages and softmax), with the
     # products transposed: logits^T = K q^T ([BW, GP] per warp) and out^T += V^T p^T ([D, GP]).
     # The tokens fill the MMA's 16 rows and the group's query heads its 8 columns: no padded
@@ -203,14 +207,17 @@ def _decode_kernel_t(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, 
         full = lo + tl.maximum(hi - lo, 0) // BN * BN
         for start in range(lo, full, BN):
             acc, m, l = _t_step(acc, m, l, qt, start, hi, bt, kp, ksp, kzp, vp, vsp, vzp, logits, qrow, row_ok, h,
-                                qk_scale, max_len, H, S, D, PAGES, W, KIND, GROUP, ON_GPU, MASS, False)
+                                qk_scale, max_len, H, S, D, PAGES, W, KIND, GROUP, ON_GPU, MASS, False, VKIND,
+                                VON_GPU)
         if full < hi:
             acc, m, l = _t_step(acc, m, l, qt, full, hi, bt, kp, ksp, kzp, vp, vsp, vzp, logits, qrow, row_ok, h,
-                                qk_scale, max_len, H, S, D, PAGES, W, KIND, GROUP, ON_GPU, MASS, True)
+                                qk_scale, max_len, H, S, D, PAGES, W, KIND, GROUP, ON_GPU, MASS, True, VKIND,
+                                VON_GPU)
     else:
         for start in range(lo, hi, BN):
             acc, m, l = _t_step(acc, m, l, qt, start, hi, bt, kp, ksp, kzp, vp, vsp, vzp, logits, qrow, row_ok, h,
-                                qk_scale, max_len, H, S, D, PAGES, W, KIND, GROUP, ON_GPU, MASS, True)
+                                qk_scale, max_len, H, S, D, PAGES, W, KIND, GROUP, ON_GPU, MASS, True, VKIND,
+                                VON_GPU)
 
     if PDL:  # the merge pass may be scheduled now; it waits for this grid before reading
         tl.extra.cuda.gdc_launch_dependents()
@@ -227,7 +234,7 @@ def _decode_kernel_t(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, 
 def _t_step(acc, m, l, qt, start, hi, bt, kp, ksp, kzp, vp, vsp, vzp, logits, qrow, row_ok, h, qk_scale, max_len,
             H: tl.constexpr, S: tl.constexpr, D: tl.constexpr, PAGES: tl.constexpr, W: tl.constexpr,
             KIND: tl.constexpr, GROUP: tl.constexpr, ON_GPU: tl.constexpr, MASS: tl.constexpr,
-            MASKED: tl.constexpr):
+            MASKED: tl.constexpr, VKIND: tl.constexpr, VON_GPU: tl.constexpr):
     # one step of _decode_kernel_t over the PAGES pages from token `start`: logits, online
     # softmax, out^T += V^T p^T. MASKED: tokens at or past hi are left out; without it every
     # token of the step must exist (no masks at all)
@@ -244,17 +251,17 @@ def _t_step(acc, m, l, qt, start, hi, bt, kp, ksp, kzp, vp, vsp, vzp, logits, qr
     if MASKED:
         s = tl.where(ok.reshape(W, BW, 1), s, float("-inf"))
     # quantized values come as stored, V^T per page ([PAGES, D, S]); 16-bit ones [PAGES*S, D]
-    v, vs = load_values_f16(vp, vsp, vzp, page, ok, h, H, S, D, PAGES, KIND, GROUP, ON_GPU, KIND != 0)
+    v, vs = load_values_f16(vp, vsp, vzp, page, ok, h, H, S, D, PAGES, VKIND, GROUP, VON_GPU, VKIND != 0)
     m_new = tl.maximum(m, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - m_use)
     p = tl.exp2(s - m_use[:, None, :])
     l = l * alpha + tl.sum(p, 1)
-    if KIND == 1:
+    if VKIND == 1:
         pv = (p * vs.reshape(W, BW, 1)).to(tl.float16)
     else:
         pv = p.to(tl.float16)
-    if KIND != 0:
+    if VKIND != 0:
         vt = tl.permute(v.reshape(W, PAGES // W, D, S), (0, 2, 1, 3)).reshape(W, D, BW)
     else:
         vt = tl.trans(v.reshape(W, BW, D), (0, 2, 1))
@@ -739,9 +746,13 @@ def _plan(q, pages, block_table, seq_lens, max_seq_len, config) -> _Plan:
 
 def _choose_tile(q, pages, block_table, seq_lens, config) -> _Tile:
     codec, h, s, d, b, dev = check_decode(q, pages, block_table, seq_lens)
+    vcodec = value_codec_of(pages)
     hq = q.shape[1]
     given = config or {}
-    cfg = {**(SMALL_HEAD_CONFIG if d <= 64 else DEFAULT_CONFIG)[codec], **given}
+    table = SMALL_HEAD_CONFIG if d <= 64 else DEFAULT_CONFIG
+    # keys and values in different codecs (a K/V split's pages): the values' tile with the keys'
+    # loads (int4's 'pairs', its register cap)
+    cfg = {**table[vcodec], **table[codec], **given} if vcodec != codec else {**table[codec], **given}
     if b == 1:  # one sequence: 'one_sequence' replaces the keys that config does not give
         cfg = {**cfg, **cfg.get("one_sequence", {}), **given}
     g = hq // h
@@ -759,9 +770,11 @@ def _choose_tile(q, pages, block_table, seq_lens, config) -> _Tile:
         kernel, extra = _decode_kernel_t, {"W": cfg["num_warps"], "PEEL": bool(cfg.get("peel")), "PDL": False}
     else:
         kernel, extra = (_decode_kernel_warps, {"W": cfg["num_warps"]}) if warps else (_decode_kernel, {})
-    check_int4_tile(codec, bn // cfg["num_warps"] if warps or cfg.get("transposed") else bn)
+    for c in {codec, vcodec}:
+        check_int4_tile(c, bn // cfg["num_warps"] if warps or cfg.get("transposed") else bn)
     consts = dict(H=h, G=g, GP=gp, S=s, D=d, KIND=KIND[codec], GROUP=ref.INT4_GROUP, PAGES=cfg["pages"],
-                  ON_GPU=_on_gpu(codec, cfg, words), CH=cfg.get("fused_chunk", 8), num_warps=cfg["num_warps"],
+                  ON_GPU=_on_gpu(codec, cfg, words), VKIND=KIND[vcodec], VON_GPU=_on_gpu(vcodec, cfg, words),
+                  CH=cfg.get("fused_chunk", 8), num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"], **extra, **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     pdl = consts.pop("PDL", None) is not None
     return _Tile(dev, codec, h, s, g, gp, cfg, block_table.shape[1] * s, bn, words, kernel, consts, pdl,

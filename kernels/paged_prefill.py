@@ -97,7 +97,8 @@ def _prefill_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, out, lse, qk_sca
         first = lo + tl.maximum(tl.minimum(low, hi) - lo, 0) // BN * BN
         for start in range(lo, first, BN):
             page = tl.load(block_table + start // S + tl.arange(0, PAGES)).to(tl.int64)
-            k, v, vs = load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, None, h, H, S, D, PAGES, KIND, GROUP, ON_GPU)
+            k, v, vs = load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, None, h, H, S, D, PAGES, KIND, GROUP,
+                                      ON_GPU, KIND, ON_GPU)
             acc, m, l, s = attend_block(acc, m, l, qh, k, v, vs, None, qk_scale, KIND == 1, SPLIT)
     else:
         first = lo
@@ -107,7 +108,7 @@ def _prefill_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, out, lse, qk_sca
         tok_ok = n < hi
         page = tl.load(block_table + pi, mask=pi * S < hi, other=0).to(tl.int64)
         k, v, vs = load_pages_f16(kp, ksp, kzp, vp, vsp, vzp, page, tok_ok.reshape(PAGES, S), h,
-                              H, S, D, PAGES, KIND, GROUP, ON_GPU)
+                              H, S, D, PAGES, KIND, GROUP, ON_GPU, KIND, ON_GPU)
         acc, m, l, s = attend_block(acc, m, l, qh, k, v, vs, n[None, :] < lim[:, None], qk_scale, KIND == 1, SPLIT)
 
     if SPLIT:  # a row that saw no key of this split leaves an empty partial (lse -inf)

@@ -14,6 +14,7 @@ FP16_MIN_NORMAL = 2.0**-14
 FP16_MAX = 65504.0
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT4_GROUP = 32
+PLAIN = (torch.float16, torch.bfloat16, torch.float32)  # unquantized fields (fp32: a CPU cache's)
 
 
 def _scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
@@ -71,9 +72,7 @@ def encode_int8(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = torch.int
 
 def decode_int8(f: dict[str, torch.Tensor], out_dtype=torch.float32):
     """-> k, v [N, H, S, D]."""
-    k = symmetric_dequant(f["k"], f["k_scale"], dim=2, out_dtype=out_dtype)
-    v = symmetric_dequant(f["v"].transpose(2, 3), f["v_scale"], dim=3, out_dtype=out_dtype)
-    return k, v
+    return decode_keys(f, out_dtype), decode_values(f, out_dtype)
 
 
 def encode_int4(k: torch.Tensor, v: torch.Tensor, group: int = INT4_GROUP) -> dict[str, torch.Tensor]:
@@ -92,21 +91,38 @@ def encode_int4(k: torch.Tensor, v: torch.Tensor, group: int = INT4_GROUP) -> di
 
 def decode_int4(f: dict[str, torch.Tensor], out_dtype=torch.float32, group: int = INT4_GROUP):
     """-> k, v [N, H, S, D]."""
-    kc = unpack4(f["k"]).float()
-    k = kc * f["k_scale"].float().unsqueeze(2) + f["k_zero"].float().unsqueeze(2)
-    vc = unpack4(f["v"]).float().transpose(2, 3)
-    n, h, s, d = vc.shape
-    vg = vc.reshape(n, h, s, d // group, group)
-    v = vg * f["v_scale"].float().transpose(2, 3).unsqueeze(-1) + f["v_zero"].float().transpose(2, 3).unsqueeze(-1)
-    return k.to(out_dtype), v.reshape(n, h, s, d).to(out_dtype)
+    return decode_keys(f, out_dtype), decode_values(f, out_dtype, group)
+
+
+def decode_keys(f: dict[str, torch.Tensor], out_dtype=torch.float32) -> torch.Tensor:
+    """k [N, H, S, D] of page fields whose keys are in any codec (by the dtype of f['k'])."""
+    dt = f["k"].dtype
+    if dt in PLAIN:
+        return f["k"].to(out_dtype)
+    if dt == torch.uint8:
+        kc = unpack4(f["k"]).float()
+        return (kc * f["k_scale"].float().unsqueeze(2) + f["k_zero"].float().unsqueeze(2)).to(out_dtype)
+    return symmetric_dequant(f["k"], f["k_scale"], dim=2, out_dtype=out_dtype)
+
+
+def decode_values(f: dict[str, torch.Tensor], out_dtype=torch.float32, group: int = INT4_GROUP) -> torch.Tensor:
+    """v [N, H, S, D] of page fields whose values are in any codec (by the dtype of f['v'])."""
+    dt = f["v"].dtype
+    if dt in PLAIN:
+        return f["v"].to(out_dtype)
+    if dt == torch.uint8:
+        vc = unpack4(f["v"]).float().transpose(2, 3)
+        n, h, s, d = vc.shape
+        vg = vc.reshape(n, h, s, d // group, group)
+        v = vg * f["v_scale"].float().transpose(2, 3).unsqueeze(-1) + f["v_zero"].float().transpose(2, 3).unsqueeze(-1)
+        return v.reshape(n, h, s, d).to(out_dtype)
+    return symmetric_dequant(f["v"].transpose(2, 3), f["v_scale"], dim=3, out_dtype=out_dtype)
 
 
 def decode_pages(f: dict[str, torch.Tensor], out_dtype=torch.float32):
-    """k, v [N, H, S, D] of page fields in any codec (16-bit, int8, fp8, int4), dequantized."""
-    dt = f["k"].dtype
-    if dt in (torch.float16, torch.bfloat16):
-        return f["k"].to(out_dtype), f["v"].to(out_dtype)
-    return decode_int4(f, out_dtype) if dt == torch.uint8 else decode_int8(f, out_dtype)
+    """k, v [N, H, S, D] of page fields in any codec (16-bit, int8, fp8, int4), dequantized; keys and
+    values may be in different codecs (the K/V split's pages: kvguard/compress/codecs/mixed.py)."""
+    return decode_keys(f, out_dtype), decode_values(f, out_dtype)
 
 
 def sequence_kv(pages: dict[str, torch.Tensor], block_row: torch.Tensor, n: int):

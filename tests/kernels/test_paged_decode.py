@@ -402,3 +402,32 @@ def test_mass_into_takes_the_callers_row_table():
     for (got, _), (ref_bufs, _) in zip(into, want):
         for x, y in zip(got, ref_bufs):
             assert torch.equal(x, y)
+
+
+def _mixed(keys: str, values: str, pages: int, heads: int, dim: int, seed: int = 0):
+    """Pages whose keys are in one codec and values in another (a K/V split's, kv_split.keys)."""
+    a, b = make_pages(keys, pages, heads, 16, dim, torch.float16, seed), \
+        make_pages(values, pages, heads, 16, dim, torch.float16, seed)
+    return {**{n: t for n, t in a.items() if n.startswith("k")}, **{n: t for n, t in b.items() if n.startswith("v")}}
+
+
+@pytest.mark.parametrize("keys,values", [("int4", "int8"), ("int4", "16bit"), ("int8", "int4"), ("fp8", "int8")])
+@pytest.mark.parametrize("dim", (64, 128))
+def test_keys_and_values_in_different_codecs(keys, values, dim):
+    """A K/V split's pages keep their keys in a smaller codec than their values: the decode
+    kernels dequantize each half by its own codec (told apart by the dtypes of k and v)."""
+    q, _, table, lens = _case("int8", torch.float16, 3, dim, [37, 16, 1, 0, 150])
+    pages = _mixed(keys, values, 5 * 10 + 3, 2, dim)
+    _check(keys, torch.float16, q, pages, table, lens)
+
+
+def test_mixed_pages_only_where_pages_are_read():
+    """The kernels that write pages take keys and values in one codec."""
+    from kvguard.kernels._checks import check_pages
+
+    pages = _mixed("int4", "int8", 4, 2, 64)
+    assert check_pages(pages, mixed=True)[0] == "int4"
+    with pytest.raises(KernelArgError, match="one codec"):
+        check_pages(pages)
+    with pytest.raises(KernelArgError, match="missing"):
+        check_pages({n: t for n, t in pages.items() if n != "k_zero"}, mixed=True)
