@@ -48,16 +48,19 @@ def sync(dev: torch.device) -> None:
 
 
 def page_bytes(args, codec: str, keys_only: bool = False) -> int:
-    """Device bytes of one page (every layer) of a codec; keys_only: the split pool's."""
+    """Device bytes of one page (every layer) of a codec; keys_only: the split pool's (int4: its
+    keys only, the split's kv_split.keys)."""
     layers, h, d, _ = SHAPES[args.shape]
     if codec == "fp16":
         per = {"k": h * S * d * 2, "v": h * S * d * 2}
+    elif codec == "int4":  # keys only: two codes a byte, per-channel scales and zeros
+        per = {"k": h * S * d // 2, "k_scale": h * d * 2, "k_zero": h * d * 2}
     else:  # int8: codes, per-channel key scales, per-token value scales
         per = {"k": h * S * d, "k_scale": h * d * 2, "v": h * S * d, "v_scale": h * S * 2}
     return layers * sum(b for f, b in per.items() if not (keys_only and f.startswith("v")))
 
 
-def sizes(args, kind: str) -> dict:
+def sizes(args, kind: str, keys: str = "int8") -> dict:
     """Pools of one configuration within the budget: (main pages, hot pages, split pages)."""
     budget = int(args.budget_gb * 2**30)
     b = args.batch
@@ -72,16 +75,17 @@ def sizes(args, kind: str) -> dict:
     # each row's window, and a chunk quantized before it moves
     main = -(-(2 * args.chunk) // S) + b * (args.window // S + 2) + 8
     left = budget - hot_bytes - main * page_bytes(args, "int8")
-    return dict(codec="int8", num_hot_pages=hot, num_pages=main, split=left // page_bytes(args, "int8", True))
+    return dict(codec="int8", num_hot_pages=hot, num_pages=main, split=left // page_bytes(args, keys, True))
 
 
-def make(args, kind: str, fraction: float) -> tuple[CacheManager, int, int]:
+def make(args, kind: str, fraction: float, keys: str = "int8") -> tuple[CacheManager, int, int]:
     """The cache, its device bytes (measured) and the tokens each of `--batch` sequences can hold
-    in it (within 3 pages a sequence of the most)."""
+    in it (within 3 pages a sequence of the most); `keys`: the split's key codec."""
     layers, h, d, hq = SHAPES[args.shape]
     dev = torch.device(args.device)
-    z = sizes(args, kind)
-    split = None if z["split"] is None else {"window": args.window, "fraction": fraction, "capacity": z["split"]}
+    z = sizes(args, kind, keys)
+    split = None if z["split"] is None else {"window": args.window, "fraction": fraction, "capacity": z["split"],
+                                              "keys": keys}
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -297,10 +301,14 @@ def check(args) -> None:
     full = (run(None, True) - run({**rule, "fraction": 1.0}, True)).abs().max().item()
     part = (run({**rule, "fraction": 0.25}, True) - run({**rule, "fraction": 0.25}, False)).abs().max().item()
     graph = max((run({**rule, **r}, True, graph=True) - run({**rule, **r}, True)).abs().max().item()
-                for r in ({"fraction": 0.25}, {"mass": 1e-3}))
+                for r in ({"fraction": 0.25}, {"mass": 1e-3}, {"fraction": 0.25, "keys": "int4"}))
+    int4 = {**rule, "fraction": 0.25, "keys": "int4"}  # the split's keys in INT4 (kv_split.keys)
+    part = max(part, (run(int4, True) - run(int4, False)).abs().max().item(),
+               (chunk(int4, True) - chunk(int4, False)).abs().max().item())
     ok = full < 2e-3 and part < 2e-2 and graph < 2e-2 and chunk_full < 2e-3 and chunks < 2e-2
     print(f"check: every page read vs no split max|diff| {full:.2e}; fraction 0.25 kernel vs reference path "
-          f"{part:.2e}; replayed from a CUDA graph vs eager (fraction 0.25, mass 1e-3) {graph:.2e}; a 64-query "
+          f"(and with INT4 keys, a chunk's too) {part:.2e}; replayed from a CUDA graph vs eager (fraction 0.25, "
+          f"mass 1e-3, INT4 keys) {graph:.2e}; a 64-query "
           f"chunk: every page read vs no split {chunk_full:.2e}, kernel vs reference path (fraction 0.25 read and "
           f"all, mass 1e-3) {chunks:.2e}: {'PASSED' if ok else 'FAILED'}")
     if not ok:
@@ -308,9 +316,10 @@ def check(args) -> None:
 
 
 def profile(args, fraction: float) -> None:
-    """The device time of each kernel of the split's decode step, at INT8's longest context."""
+    """The device time of each kernel of the split's decode step, at INT8's longest context (the
+    last of --split-keys)."""
     _, _, int8_tokens = make(args, "int8", 1.0)
-    m, _, _ = make(args, "split", fraction)
+    m, _, _ = make(args, "split", fraction, args.split_keys.split(",")[-1])
     seqs = fill(m, int8_tokens, args)
     decode(m, seqs, args)
     import cProfile
@@ -473,35 +482,39 @@ def tune(args, context: int) -> None:
 
 
 def sweep(args, contexts: list[int], fractions: list[float]) -> None:
-    """The step of INT8 and of the split at each context, in the same caches (sized to the budget)."""
+    """The step of INT8 and of the split (each of --split-keys) at each context, in the same caches
+    (sized to the budget)."""
     times: dict[tuple, tuple[float, float, float]] = {}
     graphs = args.device.startswith("cuda")
-    for kind in ("int8", "split"):
-        m, _, most = make(args, kind, fractions[0])
+    keys = args.split_keys.split(",")
+    for kind, kc in [("int8", "int8")] + [("split", k) for k in keys]:
+        m, _, most = make(args, kind, fractions[0], kc)
         for at in contexts:
             if at > most:
                 raise SystemExit(f"{at} tokens do not fit the {kind} cache's {most}")
             seqs = fill(m, at, args)
             for f in fractions if kind == "split" else [None]:
                 if f is not None:
-                    m.split.rule = KVSplit(window=args.window, fraction=f)
+                    m.split.rule = KVSplit(window=args.window, fraction=f, keys=kc)
                 ms, fetched = decode(m, seqs, args)
                 gms = decode_graph(m, seqs, args)[0] if graphs else float("nan")
-                times[(kind, f, at)] = ms, fetched, gms
-                print(f"  {kind} f={f} at {at:,}: {ms:.2f} ms/step, graph {gms:.2f}", flush=True)
+                times[(kind, kc, f, at)] = ms, fetched, gms
+                print(f"  {kind} keys {kc} f={f} at {at:,}: {ms:.2f} ms/step, graph {gms:.2f}", flush=True)
             for seq in seqs:
                 m.free(seq)
             m.events.take_events()
         del m
     print(f"\n{args.shape}, B={args.batch}, ms/step eager / replayed from a CUDA graph (x INT8's) and MiB of "
           "values from the host a step")
-    print("| context | int8 | " + " | ".join(f"int8+split f={f}" for f in fractions) + " |")
-    print("|---" * (2 + len(fractions)) + "|")
+    cols = [(k, f) for k in keys for f in fractions]
+    print("| context | int8 | " + " | ".join(f"int8+split{'' if k == 'int8' else ' k-' + k} f={f}" for k, f in cols)
+          + " |")
+    print("|---" * (2 + len(cols)) + "|")
     for at in contexts:
-        base, _, gbase = times[("int8", None, at)]
+        base, _, gbase = times[("int8", "int8", None, at)]
         cells = []
-        for f in fractions:
-            ms, fetched, gms = times[("split", f, at)]
+        for k, f in cols:
+            ms, fetched, gms = times[("split", k, f, at)]
             cells.append(f"{ms:.2f} (x{ms / base:.2f}) / {gms:.2f} (x{gms / gbase:.2f}), {fetched / 2**20:.0f} MiB")
         print(f"| {at:,} | {base:.2f} / {gbase:.2f} | " + " | ".join(cells) + " |")
 
@@ -513,6 +526,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together, each as long as fits")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--fractions", default="0.01,0.05,0.25")
+    p.add_argument("--split-keys", default="int8,int4", help="the split's key codecs to run (kv_split.keys)")
     p.add_argument("--chunk", type=int, default=2048, help="prompt tokens written at a time")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -577,16 +591,19 @@ def main() -> None:
         if kind == "int8":
             int8_tokens, int8_ms, int8_gms = tokens, ms, gms
         del m, seqs
-    m, used, tokens = make(args, "split", fractions[0])
-    print(f"int8+split: {used / 2**30:.2f} GiB of pools, {tokens:,} tokens a row", flush=True)
-    for at in (tokens, int8_tokens):
-        seqs = fill(m, at, args)
-        for f in fractions:
-            m.split.rule = KVSplit(window=args.window, fraction=f)
-            row(f"int8+split f={f}", m, seqs, used, at)
-        for seq in seqs:
-            m.free(seq)
-        m.events.take_events()
+    for keys in args.split_keys.split(","):
+        m, used, tokens = make(args, "split", fractions[0], keys)
+        name = "int8+split" + ("" if keys == "int8" else f" k-{keys}")
+        print(f"{name}: {used / 2**30:.2f} GiB of pools, {tokens:,} tokens a row", flush=True)
+        for at in (tokens, int8_tokens):
+            seqs = fill(m, at, args)
+            for f in fractions:
+                m.split.rule = KVSplit(window=args.window, fraction=f, keys=keys)
+                row(f"{name} f={f}", m, seqs, used, at)
+            for seq in seqs:
+                m.free(seq)
+            m.events.take_events()
+        del m
     print(f"\n{args.shape}, B={args.batch}, device budget {args.budget_gb:g} GiB for KV pools, device {args.device}"
           f" ({torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'})")
     print("| configuration | context a row (tokens) | vs INT8's | device pools GiB | host GiB | eager ms/step "

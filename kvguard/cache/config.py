@@ -11,6 +11,7 @@ import torch
 from ..errors import ConfigError
 
 NORMALIZE = ("read", "all")  # KVSplit.normalize
+SPLIT_KEYS = (None, "int8", "fp8", "int4")  # KVSplit.keys
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,9 @@ class KVSplit:
     "all" (over every key: the pages not read keep their weight and add no value, which pulls
     the output towards zero by the mass skipped). `capacity`: how many pages the split's pool
     holds (their keys on the device, their values in host memory); default as many as the
-    codec's pool."""
+    codec's pool. `keys`: the codec of the split pages' keys (int8, fp8 or int4; default the
+    cache's): in a smaller one the device holds a longer context, keys encoded again as a page
+    moves in (kvguard/compress/codecs/mixed.py)."""
 
     window: int = 256
     top_k: int | None = None
@@ -31,6 +34,7 @@ class KVSplit:
     mass: float | None = None
     capacity: int | None = None
     normalize: str = "read"
+    keys: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
@@ -50,6 +54,9 @@ class KVSplit:
             raise ConfigError(f"kv_split capacity must be a positive integer, got {self.capacity!r}")
         if self.normalize not in NORMALIZE:
             raise ConfigError(f"kv_split normalize must be one of {', '.join(NORMALIZE)}, got {self.normalize!r}")
+        if self.keys not in SPLIT_KEYS:
+            raise ConfigError(f"kv_split keys must be one of {', '.join(k for k in SPLIT_KEYS if k)} or absent, "
+                              f"got {self.keys!r}")
 
     def pages(self, cold: int) -> int | None:
         """How many of `cold` pages a read fetches (None: by mass)."""

@@ -50,11 +50,17 @@ class SequenceOpened(CacheEvent):
 
 @dataclass(frozen=True, slots=True)
 class PagesQuantized(CacheEvent):
-    """Full 16-bit pages re-encoded into the codec (bytes: after; bytes_before: before)."""
+    """Full 16-bit pages re-encoded into the codec (bytes: after; bytes_before: before). With
+    `fields` (["k"]) only that part of each page was: a K/V split's keys encoded again in its
+    smaller codec as their pages moved in (`pages` the split's pages)."""
 
     op = ops.QUANTIZE
     codec: str = ""
     bytes_before: int = 0
+    fields: tuple[str, ...] = ()
+
+    def details(self) -> dict:
+        return _with_fields(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +104,9 @@ class PagesFetched(CacheEvent):
         return _with_fields(self)
 
 
-def _with_fields(event: PagesOffloaded | PagesFetched) -> dict:
-    """An offload's or fetch's details: `fields` only when the move was part of each page, so
-    the records of whole-page moves stay as they were."""
+def _with_fields(event: PagesQuantized | PagesOffloaded | PagesFetched) -> dict:
+    """An event's details: `fields` only when it touched part of each page, so the records of
+    whole-page operations stay as they were."""
     d = CacheEvent.details(event)
     if event.fields:
         d["fields"] = list(event.fields)

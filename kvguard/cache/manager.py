@@ -114,9 +114,9 @@ class CacheManager:
         self.seqs = Sequences(c, self.store)
         self.block_tables = BlockTables(c, self.pools)
         self.residency = Residency(c, self.store, self.block_tables, self.tiers, emit)
-        self.split = self.residency.split = (ValueSplit(c, self.store, self.block_tables, self.residency.report_offload,
-                                                        self.residency.report_fetch) if c.kv_split else None)
         self.quantizer = Quantizer(c, self.codec, self.store, self.block_tables, emit)
+        self.split = self.residency.split = (ValueSplit(c, self.store, self.block_tables, self.residency,
+                                                        self.quantizer.report_keys) if c.kv_split else None)
         self.compactor = Compactor(c, self.codec, self.evictor, self.store, self.residency, self.quantizer, emit)
         # A rotating codec stores every page of this cache rotated (kvguard/compress/codecs/rotation.py):
         # K/V are rotated as they are written, a query as it is read and the output back.

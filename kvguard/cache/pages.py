@@ -2,7 +2,7 @@
 
 Two pools: `hot` holds 16-bit pages (tails, sinks, windows), `main` the codec's (only when the
 codec quantizes); a cache with the K/V split has a third, `split`, of the codec's pages whose
-values live in host memory (split.py). Every page leaves a sequence through `release`: a page nobody holds any more
+values live in host memory (split.py), their keys in the codec or a smaller one (`kv_split.keys`). Every page leaves a sequence through `release`: a page nobody holds any more
 is overwritten, returned to its pool's free list and forgotten by the prefix index.
 """
 
@@ -13,12 +13,28 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from ..compress.codecs import Codec, Fp16Codec
+from ..compress.codecs import Codec, Fp16Codec, MixedCodec, make_codec
+from ..errors import ConfigError
 from ..types import PageId, Subject
 from .config import CacheConfig
 from .pool import PagePool, device_index
 from .prefix import PrefixIndex
 from .sequence import HOT, MAIN, SPLIT, PageRef, page_name
+
+
+def split_codec(home: Codec, c: CacheConfig) -> Codec:
+    """The K/V split pool's codec: the home pool's, or its values with keys in `kv_split.keys`."""
+    if c.kv_split.keys is None:
+        return home
+    keys = make_codec(c.kv_split.keys, rotate=home.rotate)
+    if keys == home:
+        return home
+    codec = MixedCodec(keys=keys, values=home, rotate=home.rotate)
+    try:
+        codec.check(c.num_kv_heads, c.page_size, c.head_dim)
+    except ValueError as e:
+        raise ConfigError(f"kv_split keys {c.kv_split.keys}: {e}") from None
+    return codec
 
 
 class PageStore:
@@ -33,7 +49,7 @@ class PageStore:
         self.codec_pool = MAIN if codec.quantized else HOT  # where the codec's pages live
         if c.kv_split is not None:
             pages = c.kv_split.capacity or self.pools[self.codec_pool].num_pages
-            self.pools[SPLIT] = PagePool(self.pools[self.codec_pool].codec, num_pages=pages, **shape,
+            self.pools[SPLIT] = PagePool(split_codec(self.pools[self.codec_pool].codec, c), num_pages=pages, **shape,
                                          values_on=torch.device("cpu"))
         self.prefix = PrefixIndex()
 

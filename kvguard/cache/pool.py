@@ -16,6 +16,7 @@ from collections import deque
 import torch
 
 from ..compress.codecs import Codec
+from ..kernels import quantize as q
 from ..types import PageId, Subject
 
 
@@ -173,17 +174,27 @@ class PagePool:
         return sum(t[:, 0].numel() * t.element_size() for n, t in self._stacks.items() if n.startswith("v"))
 
     def copy_pages(self, src: PagePool, src_pages: list[PageId], dst_pages: list[PageId]) -> None:
-        """Copy every field of `src_pages` of another pool of the same codec and shape into this
-        pool's `dst_pages`, every layer. Copies into host memory are queued on the device's
-        stream (no wait): one copy per layer and run of consecutive destination pages."""
+        """Copy every field of `src_pages` of another pool of the same shape into this pool's
+        `dst_pages`, every layer. The values' codec must be the same; keys in another codec (a
+        K/V split pool's smaller one) are decoded and encoded again on the device. Copies into
+        host memory are queued on the device's stream (no wait): one copy per layer and run of
+        consecutive destination pages."""
         if len(src_pages) != len(dst_pages):
             raise ValueError("copy_pages takes as many destination pages as source pages")
+        if src.codec.value_codec != self.codec.value_codec:
+            raise ValueError(f"copy_pages moves values in one codec, not {src.codec.value_codec.name} to "
+                             f"{self.codec.value_codec.name}")
         if not src_pages:
             return
         if src.host_values or (self.host_values and self.device.type != "cuda"):
             src._host_sync()
             self._host_sync()
+        recode = src.codec.key_codec != self.codec.key_codec
+        if recode:
+            self._recode_keys(src, src_pages, dst_pages)
         for name, t in self._stacks.items():
+            if recode and name.startswith("k"):
+                continue
             s = src._stacks[name]
             got = _raw(s).index_select(1, self._index(src_pages, s))  # [L, n, ...] where src keeps it
             if t.device == s.device or t.device.type != "cpu" or s.device.type != "cuda":
@@ -198,3 +209,16 @@ class PagePool:
                 d0 = int(dst_pages[a])
                 for layer in range(t.shape[0]):
                     _raw(t)[layer, d0:d0 + b - a].copy_(got[layer, a:b], non_blocking=True)
+
+    def _recode_keys(self, src: PagePool, src_pages: list[PageId], dst_pages: list[PageId], chunk: int = 256) -> None:
+        """The keys of src_pages (src's key codec) into dst_pages in this pool's key codec: decoded to
+        fp32 and encoded again, on the device, a layer and `chunk` pages at a time."""
+        keys = [n for n in self._stacks if n.startswith("k")]
+        for lo in range(0, len(src_pages), chunk):
+            si = self._index(src_pages[lo:lo + chunk], src._stacks["k"])
+            di = self._index(dst_pages[lo:lo + chunk], self._stacks["k"])
+            for layer in range(self.num_layers):
+                got = {n: t.index_select(0, si) for n, t in src.fields[layer].items() if n.startswith("k")}
+                new = self.codec.encode_keys(q.decode_keys(got, torch.float32))
+                for n in keys:
+                    self._stacks[n][layer].index_copy_(0, di, new[n].to(self._stacks[n].dtype))

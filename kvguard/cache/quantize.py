@@ -34,13 +34,25 @@ class Quantizer:
         s = self.cfg.page_size
         return (i + 1) * s <= length - self.cfg.fp_window and i * s >= self.cfg.fp_sink
 
-    def event(self, seq: Sequence, pages: list) -> ev.PagesQuantized:
-        """The event of codec pages `pages` (ids in the codec's pool) written for a sequence."""
+    def event(self, seq: Sequence, pages: list, keys: tuple[str, str, str] | None = None) -> ev.PagesQuantized:
+        """The event of codec pages `pages` (ids in the codec's pool) written for a sequence; with
+        `keys` (pool, pool before, codec), of the keys alone of pages (ids in that pool) that moved
+        between pools of different key codecs (the K/V split's kv_split.keys)."""
         s, pools = self.cfg.page_size, self.store.pools
+        if keys is None:
+            pool, after, before, codec, fields = MAIN, pools[MAIN].page_bytes, pools[HOT].page_bytes, self.codec.name, ()
+        else:
+            pool, frm, codec = keys
+            after, before = (pools[p].page_bytes - pools[p].value_bytes() for p in (pool, frm))
+            fields = ("k",)
         return ev.PagesQuantized(
-            seq=seq.id, subject=seq.subject, pages=tuple(page_name(MAIN, p) for p in pages),
-            n_tokens=len(pages) * s, bytes=len(pages) * pools[MAIN].page_bytes,
-            codec=self.codec.name, bytes_before=len(pages) * pools[HOT].page_bytes)
+            seq=seq.id, subject=seq.subject, pages=tuple(page_name(pool, p) for p in pages),
+            n_tokens=len(pages) * s, bytes=len(pages) * after, codec=codec, bytes_before=len(pages) * before,
+            fields=fields)
+
+    def report_keys(self, seq: Sequence, pages: list, to: str, frm: str) -> None:
+        """Emit the `quantize` of the keys of pages moved from pool `frm` to `to` in another key codec."""
+        self.emit(self.event(seq, pages, (to, frm, self.store.pools[to].codec.key_codec.name)))
 
     def quantize_ready(self, seqs: list[Sequence]) -> None:
         """Re-encode the sequences' full pages that left the 16-bit sinks and window: one

@@ -1,10 +1,10 @@
 """The K/V split tier: keys stay on the device, the values of cold pages live in host memory.
 
 For a sequence whose policy enables it (`CacheConfig.kv_split`), its full pages of the codec's
-pool older than the last `window` tokens move, between steps (`settle`), into the split's pool
-(`split` in PageStore.pools): a pool of the same codec whose key fields are on the device and
-whose value fields are in host memory, pinned where CUDA is present. The codec's page is freed,
-so the device keeps a cold page's keys only: about half the bytes (sink pages, 16-bit, stay).
+pool older than the last `window` tokens move, between steps (`settle`), into the split's pool,
+whose key fields are on the device (in the codec, or a smaller one: `kv_split.keys`, then
+encoded again and reported as a `quantize` of their keys) and whose value fields are in host
+memory, pinned where CUDA is present. The codec's page is freed: the device keeps keys only.
 
 A read scores every key on the device exactly and takes the softmax over all of them. Each
 query picks the cold pages whose attention mass matters from those scores: the `top_k` pages
@@ -29,20 +29,17 @@ the prefill kernel. Elsewhere (`attend`: the CPU, an evictor that needs each key
 same picks are made from dense fp32 scores and the picked values copied in.
 
 Every move is an event: `settle` one `offload` (`fields: ["v"]`, the split pages), a read one
-`fetch` per step of a sequence across all layers (the pages read in any layer and the bytes
-read), emitted after the last layer; on the kernel path the pages are known on the device and
-the event is emitted when the host next looks (`drain`: at the next step, or before the
-sequence is released), so that recording costs the step no wait. Anything that needs whole
-pages on the device (the dense K/V of `kv`, compaction) brings them back to the codec's pool
-first (`join`, one `fetch`). Erasure frees split pages as any other: their keys and values are
-overwritten before the page can be used again.
+`fetch` per step of a sequence across all layers (the pages read in any layer, the bytes read),
+after the last layer; on the kernel path when the host next looks (`drain`: at the next step,
+or before the sequence is released), so that recording costs the step no wait. What needs whole
+pages on the device (`kv`, compaction) brings them back first (`join`, one `fetch`). Erasure
+frees split pages as any other: keys and values are overwritten before the page is used again.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Callable
 
 import torch
 
@@ -59,25 +56,22 @@ STAGE_BYTES = 512 << 20  # device memory for a chunk's picked pages (a layer's);
 
 
 class ValueSplit:
-    def __init__(self, cfg: CacheConfig, store: PageStore, tables: BlockTables, offloaded: Callable[..., None],
-                 fetched: Callable[..., None]):
+    def __init__(self, cfg: CacheConfig, store: PageStore, tables: BlockTables, residency, recoded):
         self.cfg = cfg
         self.rule = cfg.kv_split
         self.store = store
         self.tables = tables
         self.pool = store.pools[SPLIT]
         self.home = store.codec_pool  # the pool whose pages move here
-        self.offloaded, self.fetched = offloaded, fetched  # Residency.report_offload, report_fetch
+        self.offloaded, self.fetched, self.recoded = residency.report_offload, residency.report_fetch, recoded
         self.cuda = cfg.device.type == "cuda"
         self._moved: dict[SeqId, tuple[dict[str, None], int]] = {}  # seq -> (pages read, bytes) this step
-        # the kernel path's reads, on the device until the host looks: per batch of rows (the
-        # same rows may be read as one batch or one by one) the rows and, per layer of this step,
-        # the pages picked [B, k] and how many of each row's were read [B]; then per step, on the host
+        # the kernel path's reads, on the device until the host looks: per batch of rows, the rows
+        # and per layer of this step the pages picked [B, k] and how many of each row's were read [B]
         self._reads: dict[tuple[SeqId, ...], tuple[list[Sequence], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         self._pending: deque[tuple] = deque()  # (event or None, pages [L, B, k], counts [L, B], seqs)
         self.last_read = 1.0  # fraction of the keys of the last reference read whose values were read
-        # each split page's name in events, made once: a step's read may name thousands
-        self.names = [page_name(SPLIT, p) for p in range(self.pool.num_pages)]
+        self.names = [page_name(SPLIT, p) for p in range(self.pool.num_pages)]  # made once: a read names many
 
     @property
     def page_value_bytes(self) -> int:
@@ -85,8 +79,7 @@ class ValueSplit:
         return self.pool.value_bytes() // self.cfg.num_layers
 
     def away(self, seq: Sequence) -> bool:
-        """Whether some of the sequence's values live in host memory (from its layout, kept
-        while its pages do: no walk over them)."""
+        """Whether some of the sequence's values live in host memory (from its kept layout)."""
         return bool(self.tables.layout(seq).idx[SPLIT])
 
     # --- between steps --------------------------------------------------------------------------
@@ -117,8 +110,9 @@ class ValueSplit:
         self.store.release(self.home, src, seq.subject)
         for i, p in zip(cand, dst):
             seq.pages[i] = PageRef(SPLIT, p, SPLIT)
-        nbytes = len(dst) * self.pool.value_bytes()
-        self.offloaded(seq, [page_name(SPLIT, p) for p in dst], nbytes, "cpu", nbytes, ("v",))
+        nbytes, names = len(dst) * self.pool.value_bytes(), [page_name(SPLIT, p) for p in dst]
+        self._recoded(seq, dst, SPLIT, self.home)
+        self.offloaded(seq, names, nbytes, "cpu", nbytes, ("v",))
         return len(dst)
 
     def join(self, seq: Sequence, pages: list[int] | None = None) -> None:
@@ -140,6 +134,12 @@ class ValueSplit:
         for i, p in zip(idx, dst):
             seq.pages[i] = PageRef(self.home, p, self.home)
         self.fetched(seq, [page_name(SPLIT, p) for p in src], len(src) * self.pool.value_bytes(), "cpu", ("v",))
+        self._recoded(seq, dst, self.home, SPLIT)
+
+    def _recoded(self, seq: Sequence, pages: list[PageId], to: str, frm: str) -> None:
+        """A `quantize` of the keys of pages moved from pool `frm` to `to` (kv_split.keys)."""
+        if self.store.pools[to].codec.key_codec != self.store.pools[frm].codec.key_codec:
+            self.recoded(seq, pages, to, frm)
 
     def flush(self, seq: Sequence) -> None:
         """Emit the `fetch` of the values read for the sequence (and every other) so far."""
@@ -181,7 +181,6 @@ class ValueSplit:
                want: torch.Tensor | None, scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One layer's decode over sets of pages, set j the split's, all on the device with no
         host wait and no shape that depends on the data (a CUDA graph captures it: StaticStep).
-
         sets: (page fields, block table [B, n_i] int32, an upper bound of the tokens a row holds
         there) per pool; lens [sets, B] int32: the tokens. The rule picks the split pages whose
         values are read (kernels/page_scores.py page_pick): with `want` ([B] int32, pages per
@@ -262,9 +261,8 @@ class ValueSplit:
         return out.to(q.dtype)
 
     def chunk_ready(self, seq: Sequence, layer: int, t: int) -> bool:
-        """Whether the sequence's split pages all precede its last t positions (true of a chunk
-        appended after they moved: `settle` moves only pages older than the tokens held), as
-        attend_chunk needs."""
+        """Whether the sequence's split pages all precede its last t positions, as attend_chunk
+        needs (true of a chunk appended after they moved)."""
         idx = self.tables.layout(seq).idx[SPLIT]
         return not idx or (idx[-1] + 1) * self.cfg.page_size <= seq.lengths[layer] - t
 

@@ -159,6 +159,12 @@ def builtin_methods(budget: int = 256, page_size: int = 16) -> dict[str, Method]
         methods.append(Method(f"kvsplit-all@{pct}", "split",
                               {"codec": "fp16", "kv_split": split | {"normalize": "all"}}, default=False,
                               description=f"{text}; the pages not read keep their weight in the softmax"))
+    for pct in SPLIT_FRACTIONS:  # INT8 pages, the split's keys INT8 or INT4 (the longer context on a device)
+        for keys, name in ((None, "kvsplit"), ("int4", "kvsplit4")):
+            split = {"window": SPLIT_WINDOW, "fraction": pct / 100} | ({"keys": keys} if keys else {})
+            methods.append(Method(f"int8+{name}@{pct}", "split", {"codec": "int8", "kv_split": split}, default=False,
+                                  description=f"INT8 pages; K/V split as kvsplit@{pct}, the split pages' keys in "
+                                              f"{(keys or 'int8').upper()}"))
     return {m.name: m for m in methods}
 
 

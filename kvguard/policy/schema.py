@@ -150,7 +150,9 @@ class KvSplit(_Strict):
     the cold pages that its attention mass picks: the `top_k` pages, a `fraction` of the cold
     pages, or every page holding at least `mass` of some query head's attention (one of the three),
     each query its own; `normalize`: a query's softmax over the keys whose values it read ("read")
-    or over every key ("all": the pages not read keep their weight and add no value)."""
+    or over every key ("all": the pages not read keep their weight and add no value); `keys`: the
+    codec of the split pages' keys (default the policy's; int4 beside int8 values: a longer
+    context in the same device memory)."""
 
     enabled: Annotated[bool, Field(strict=True)] = True
     window: Count = 256  # tokens whose values stay on the device
@@ -158,6 +160,7 @@ class KvSplit(_Strict):
     fraction: Annotated[float, Field(gt=0, le=1)] | None = None
     mass: Annotated[float, Field(gt=0, lt=1)] | None = None
     normalize: Literal["read", "all"] = "read"
+    keys: Literal["int8", "fp8", "int4"] | None = None
 
     @model_validator(mode="after")
     def _one_rule(self):
@@ -169,12 +172,14 @@ class KvSplit(_Strict):
 
     def options(self) -> dict:
         rule = {n: getattr(self, n) for n in ("top_k", "fraction", "mass") if getattr(self, n) is not None}
-        return {"window": self.window} | rule | ({"normalize": self.normalize} if self.normalize != "read" else {})
+        return ({"window": self.window} | rule | ({"normalize": self.normalize} if self.normalize != "read" else {})
+                | ({"keys": self.keys} if self.keys else {}))
 
 
 def split_key(split: dict) -> str:
     """A K/V split as config_key names it: kvsplit@25%/w128, kvsplit@32p/w256, kvsplit@m0.01/w256;
-    `/all` when the pages not read keep their weight in the softmax (normalize: all)."""
+    `/all` when the pages not read keep their weight in the softmax (normalize: all), `/k-int4`
+    when its keys are in their own codec."""
     if split.get("top_k") is not None:
         rule = f"{split['top_k']}p"
     elif split.get("fraction") is not None:
@@ -182,7 +187,8 @@ def split_key(split: dict) -> str:
     else:
         rule = f"m{split['mass']:g}"
     norm = "/all" if split.get("normalize") == "all" else ""
-    return f"kvsplit@{rule}/w{split.get('window', 256)}{norm}"
+    keys = f"/k-{split['keys']}" if split.get("keys") else ""
+    return f"kvsplit@{rule}/w{split.get('window', 256)}{norm}{keys}"
 
 
 def config_key(options: dict) -> str:

@@ -38,6 +38,19 @@ class Codec(ABC):
     def decode(self, f: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         ...
 
+    @property
+    def key_codec(self) -> Codec:
+        """The codec of the page's keys (another than the values' in a K/V split's page: mixed.py)."""
+        return self
+
+    @property
+    def value_codec(self) -> Codec:
+        return self
+
+    def encode_keys(self, k: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The key fields of pages whose keys are k [N, H, S, D] (keys are encoded on their own)."""
+        return {n: t for n, t in self.encode(k, k).items() if n.startswith("k")}
+
     def check(self, heads: int, page_size: int, head_dim: int) -> None:
         """Raise ValueError when this codec cannot hold pages of this shape."""
         if self.rotate and (head_dim < 1 or head_dim & (head_dim - 1)):
