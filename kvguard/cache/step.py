@@ -144,8 +144,6 @@ class StaticStep:
                 m.compactor.auto_compact(seq, 0)
                 if self.split is not None:
                     self.split.settle(seq)
-            if self.split is not None:
-                self.split.drain(wait=False)  # earlier steps' reads that reached the host
             if not m.writer.reserve(seqs, 0, [1] * len(seqs)):
                 starting = sum(seq.lengths[0] // s >= len(seq.pages) for seq in seqs)
                 raise OutOfPages(f"no free 16-bit page for the next token of {starting} rows: raise "
@@ -205,6 +203,9 @@ class StaticStep:
                 seq.grow_mass(seq.lengths[0])
             if self.split is not None:
                 self.split.record(self.reads, self.read_counts, self._seqs)
+                # earlier steps' reads that reached the host, as events: host work while the
+                # device runs this step (a replayed graph's work is queued by now)
+                self.split.drain(wait=False)
             m.quantizer.quantize_ready(self._seqs)
         finally:
             self._open = False
