@@ -190,24 +190,30 @@ def decode_graph(m: CacheManager, seqs: list, args) -> tuple[float, float]:
     times, fetched, phases = [], [], []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for i in range(args.warmup + args.steps):
+        # as the serving engine orders a step: the host's bookkeeping after the replay is queued
+        # (end(), which turns earlier steps' reads into events) runs while the device works
         t0 = time.perf_counter()
         step.begin()
         t1 = time.perf_counter()
         start.record()
         graph.replay()
         end.record()
-        end.synchronize()
+        step.replayed()
         t2 = time.perf_counter()
         step.end()
         t3 = time.perf_counter()
-        got = reported(m)
+        end.synchronize()
+        t4 = time.perf_counter()
+        # this step's fetch events come at a later step's end(): the mean over steps is the same
+        got = sum(e.bytes for e in m.events.take_events() if isinstance(e, ev.PagesFetched) and e.fields == ("v",))
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
             fetched.append(got)
-            phases.append((t1 - t0, start.elapsed_time(end) / 1000, t3 - t2, time.perf_counter() - t3))
+            phases.append((t1 - t0, start.elapsed_time(end) / 1000, t3 - t2, t4 - t3))
+    reported(m)
     del graph
-    # the step's parts: the host's bookkeeping before (begin) and after (end), the device's
-    # replay, and reading back the events (the split's fetch records)
+    # the step's parts: the host's bookkeeping before (begin) and after the replay is queued (end,
+    # the earlier steps' fetch events included), the device's replay, and the wait for it
     decode_graph.phases = [1000 * statistics.median(p) for p in zip(*phases)]
     return 1000 * statistics.median(times), statistics.mean(fetched)
 
@@ -415,14 +421,20 @@ def tune(args, context: int) -> None:
     dev, b = torch.device(args.device), args.batch
     n = context // S  # pages a row
     g = torch.Generator(device=dev).manual_seed(0)
-    parts = [ref.encode_int8(torch.randn(1024, h, S, d, generator=g, device=dev),
-                             torch.randn(1024, h, S, d, generator=g, device=dev)) for _ in range(-(-n * b // 1024))]
+    int4 = args.split_keys.split(",")[-1] == "int4"  # the split's keys in INT4 (values INT8)
+
+    def encode(k, v):
+        f = ref.encode_int8(k, v)
+        return f if not int4 else {**{n: t for n, t in ref.encode_int4(k, k).items() if n.startswith("k")},
+                                   "v": f["v"], "v_scale": f["v_scale"]}
+    parts = [encode(torch.randn(1024, h, S, d, generator=g, device=dev),
+                    torch.randn(1024, h, S, d, generator=g, device=dev)) for _ in range(-(-n * b // 1024))]
     pages = {f: torch.cat([p[f] for p in parts])[: n * b].contiguous() for f in parts[0]}
     del parts
     table = torch.randperm(n * b, device=dev, dtype=torch.int64).to(torch.int32).view(b, n)
     lens = torch.full((b,), n * S, dtype=torch.int32, device=dev)
     q = torch.randn(b, hq, d, generator=g, device=dev, dtype=torch.float16)
-    key_bytes = pages["k"].numel() + pages["k_scale"].numel() * 2  # what the key pass reads
+    key_bytes = sum(t.numel() * t.element_size() for f, t in pages.items() if f.startswith("k"))  # the key pass reads
 
     def ms(fn, reps=20) -> float:
         fn()
@@ -436,15 +448,17 @@ def tune(args, context: int) -> None:
 
     keys = pages["k"]
     copy_ms = ms(lambda: torch.empty_like(keys).copy_(keys))
-    print(f"\n{args.shape}, B={b}, {context:,} tokens a row ({n:,} pages), one layer; keys {key_bytes / 2**20:.0f} MiB")
+    print(f"\n{args.shape}, B={b}, {context:,} tokens a row ({n:,} pages), one layer; {'INT4' if int4 else 'INT8'} "
+          f"keys {key_bytes / 2**20:.0f} MiB")
     print(f"device copy of the key codes: {copy_ms * 1e3:.0f} us, {2 * keys.numel() / copy_ms / 1e6:.0f} GB/s "
           "(read + write)")
     scores = page_lse(q, pages, table, lens, config=DEFAULT_CONFIG)
-    print("| key pass: pages a step | steps | warps | words | us | GB/s read | x copy time |\n"
+    load = "pairs" if int4 else "words"  # int4: nibbles to channel-ordered pairs; int8: codes as int32 words
+    print(f"| key pass: pages a step | steps | warps | {load} | us | GB/s read | x copy time |\n"
           "|---|---|---|---|---|---|---|")
     results = []
     for pg, it, w, st in itertools.product((2, 4, 8), (1, 4), (1, 2, 4), (False, True)):
-        cfg = {"pages": pg, "iters": it, "num_warps": w, "words": st}
+        cfg = {"pages": pg, "iters": it, "num_warps": w, load: st}
         try:
             got = page_lse(q, pages, table, lens, config=cfg)
         except Exception as e:  # a configuration the compiler refuses (registers, shared memory)
@@ -458,7 +472,7 @@ def tune(args, context: int) -> None:
         print(f"| {pg} | {it} | {w} | {st} | {t * 1e3:.0f} | {key_bytes / t / 1e6:.0f} | {t / copy_ms:.2f} |", flush=True)
     best = min(results)
     default_ms = ms(lambda: page_lse(q, pages, table, lens))
-    print(f"fastest: pages {best[1]}, steps {best[2]}, warps {best[3]}, words {best[4]}: {best[0] * 1e3:.0f} us; "
+    print(f"fastest: pages {best[1]}, steps {best[2]}, warps {best[3]}, {load} {best[4]}: {best[0] * 1e3:.0f} us; "
           f"the default {DEFAULT_CONFIG}: {default_ms * 1e3:.0f} us")
     total = torch.logsumexp(scores, dim=-1)
     k = max(1, n // 100)
@@ -466,18 +480,19 @@ def tune(args, context: int) -> None:
     old_ms = ms(lambda: table.gather(1, torch.exp(scores - total[..., None]).amax(dim=1).topk(k, dim=-1).indices))
     print(f"picks of 1 % ({k} of {n:,} pages), mass included: torch topk + gather {old_ms * 1e3:.0f} us")
     print("| page_pick: block | warps | top-k us | mass threshold us |\n|---|---|---|---|")
-    ref = set(table[0, torch.exp(scores - total[..., None]).amax(dim=1)[0].topk(k).indices].tolist())
+    top = set(table[0, torch.exp(scores - total[..., None]).amax(dim=1)[0].topk(k).indices].tolist())
     for blk, w in ((1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16), (16384, 16)):
         cfg = {"block": blk, "num_warps": w}
         chosen, count = page_pick(scores, total, table, k, wants, config=cfg)
-        if int(count[0]) != k or set(chosen[0].tolist()) != ref:
+        if int(count[0]) != k or set(chosen[0].tolist()) != top:
             print(f"| {blk} | {w} | WRONG | |")
             continue
         t1 = ms(lambda cfg=cfg: page_pick(scores, total, table, k, wants, config=cfg))
         t2 = ms(lambda cfg=cfg: page_pick(scores, total, table, n, threshold=1e-3, config=cfg))
         print(f"| {blk} | {w} | {t1 * 1e3:.0f} | {t2 * 1e3:.0f} |", flush=True)
     int8_ms = ms(lambda: paged_decode_sets(q, [(pages, table, lens, n * S)])[0])
-    print(f"INT8 decode of the layer (keys and values): {int8_ms * 1e3:.0f} us; the fastest key pass is "
+    print(f"{'INT4-key INT8-value' if int4 else 'INT8'} decode of the layer (keys and values): {int8_ms * 1e3:.0f} us; "
+          f"the fastest key pass is "
           f"{best[0] / int8_ms:.2f}x of it")
 
 
@@ -574,7 +589,7 @@ def main() -> None:
         host_ms = decode.host_ms
         gms = decode_graph(m, seqs, args)[0] if graphs else float("nan")
         if graphs:
-            print("    graph step's parts, ms: begin {:.2f}, device {:.2f}, end {:.2f}, events {:.2f}".format(
+            print("    graph step's parts, ms: begin {:.2f}, device {:.2f}, end {:.2f}, waiting {:.2f}".format(
                 *decode_graph.phases))
         host = sum(t.numel() * t.element_size() for pl in m.pools.values() for t in pl._stacks.values()
                    if t.device.type == "cpu" and m.cfg.device.type != "cpu")

@@ -91,7 +91,7 @@ def page_lse(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: torch
         # codes as int32 words need 4-byte aligned rows (true of whole page tensors)
         words = bool(cfg.get("words")) and s % 4 == 0 and pages["k"].data_ptr() % 4 == 0
         consts = dict(H=h, G=g, GP=max(16, triton.next_power_of_2(rows * g)), ROWS=rows, S=s, D=d, KIND=KIND[codec],
-                      PAGES=cfg["pages"], ITERS=cfg["iters"], ON_GPU=_on_gpu(codec, {}, words),
+                      PAGES=cfg["pages"], ITERS=cfg["iters"], ON_GPU=_on_gpu(codec, cfg, words),
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         hit = (consts, tuple(sorted(consts.items())), d)
         if key is not None:
