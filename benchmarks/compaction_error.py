@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/compaction_error.py [--source real|synthetic] [--codecs int8,fp8,int4]
         [--compactions 256] [--layers 2,15,28] [--budget 512 --sink 4 --window 128]
-        [--fp-sink 4 --fp-window 128]
+        [--fp-sink 4 --fp-window 128] [--granularity token|page]
 
 One sequence decodes through a CacheManager with a quantized codec and H2O choosing per layer
 and KV head: a prompt of `budget` tokens, then chunks of one page (16 tokens), each attended by
@@ -96,7 +96,7 @@ def single_encode(codec: str, x: torch.Tensor, y: torch.Tensor):
 
 
 def session(codec: str, qkv: list, *, compactions: int, checkpoints: set[int], budget: int, sink: int,
-            window: int, fp_sink: int, fp_window: int, use_kernels: bool = False):
+            window: int, fp_sink: int, fp_window: int, use_kernels: bool = False, granularity: str = "token"):
     """Yields (compactions so far, K error ratio, V error ratio) at each checkpoint (0: before the first)."""
     layers = len(qkv)
     q0, k0, _ = qkv[0]
@@ -107,12 +107,12 @@ def session(codec: str, qkv: list, *, compactions: int, checkpoints: set[int], b
     cfg = CacheConfig(num_layers=layers, num_kv_heads=h, head_dim=d, num_query_heads=hq, page_size=PAGE,
                       num_pages=4 * budget // PAGE + 8, dtype=torch.float16, codec=codec, fp_sink=fp_sink,
                       fp_window=fp_window, evictor="h2o", auto_compact=False, use_kernels=use_kernels,
-                      evictor_options={"budget": budget, "sink": sink, "window": window})
+                      evictor_options={"budget": budget, "sink": sink, "window": window, "granularity": granularity})
     m = CacheManager(cfg)
     seq = m.open(Subject("bench", "compaction", "error"))
     chosen = {}
     select = m.evictor.select
-    m.evictor.select = lambda length, mass, values=None: chosen.setdefault("keep", select(length, mass, values))
+    m.evictor.select = lambda *a, **kw: chosen.setdefault("keep", select(*a, **kw))
     arrange = getattr(m.compactor, "arrange", None)
     if arrange is not None:  # a compactor that may reorder each head's survivors says how
         m.compactor.arrange = lambda *a, **kw: chosen.__setitem__("keep", arrange(*a, **kw)) or chosen["keep"]
@@ -171,6 +171,8 @@ def main():
     ap.add_argument("--fp-sink", type=int, default=4)
     ap.add_argument("--fp-window", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--granularity", choices=("token", "page"), default="token",
+                    help="H2O drops single tokens, or each head's whole pages first")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     layers = [int(x) for x in a.layers.split(",")]
@@ -182,9 +184,11 @@ def main():
     table = {}
     for codec in codecs:
         for n, rk, rv in session(codec, qkv, compactions=a.compactions, checkpoints=set(marks), budget=a.budget,
-                                 sink=a.sink, window=a.window, fp_sink=a.fp_sink, fp_window=a.fp_window):
+                                 sink=a.sink, window=a.window, fp_sink=a.fp_sink, fp_window=a.fp_window,
+                                 granularity=a.granularity):
             table[n, codec] = (rk, rv)
-    print(f"# {a.source} K/V, layers {a.layers}, h2o per head budget {a.budget} sink {a.sink} window {a.window}, "
+    print(f"# {a.source} K/V, layers {a.layers}, h2o per head ({a.granularity}s) budget {a.budget} sink {a.sink} "
+          f"window {a.window}, "
           f"fp_sink {a.fp_sink} fp_window {a.fp_window}; error / single-encode error, K and V ({time.time() - t0:.0f} s)")
     print("| compactions | " + " | ".join(f"{c} K | {c} V" for c in codecs) + " |")
     print("|---|" + "---|---|" * len(codecs))

@@ -266,6 +266,32 @@ def test_scoring_and_allocation_are_evictor_options_checked_as_the_cache_checks_
         assert schema_ok == (allocation == "uniform" and (scoring == "mass" or name != "streamingllm"))
 
 
+def test_granularity_is_an_evictor_option_checked_as_the_cache_checks_it():
+    from kvguard.cache import CacheConfig
+    from kvguard.policy import Evictor, config_key
+
+    paged = Evictor(name="h2o", budget=256, sink=4, window=64, granularity="page").options()
+    assert paged["granularity"] == "page" and "granularity" not in Evictor(name="h2o", budget=256).options()
+    assert config_key({"evictor": "h2o", "evictor_options": paged}) == "fp16+h2o@256/s4/w64/pages"
+    for name, per_head in itertools.product(sorted(EVICTORS), (True, False)):
+        try:
+            SchemaEvictor(name=name, budget=128, granularity="page", **({} if per_head else {"per_head": False}))
+            schema_ok = True
+        except ValidationError as err:
+            schema_ok = False
+            assert "granularity page" in str(err) or "per_head is h2o's" in str(err)
+        try:
+            CacheManager(CacheConfig(**SMOLLM2.as_config_fields(), num_pages=8, evictor=name,
+                                     evictor_options={"budget": 128, "sink": 4, "window": 64, "per_head": per_head,
+                                                      "granularity": "page"} if name != "streamingllm" else
+                                     {"budget": 128, "sink": 4, "window": 124, "granularity": "page"}))
+            cache_ok = True
+        except ConfigError:
+            cache_ok = False
+        assert schema_ok == (name != "streamingllm" and per_head), (name, per_head)
+        assert cache_ok == schema_ok, (name, per_head)
+
+
 def test_the_schema_loads_every_policy_without_torch_and_the_sidecar_reads_its_retention(tmp_path):
     """The daemon reads one retention number from a policy: the schema imports no torch,
     triton, numpy or cache, and neither does the sidecar's settings through it."""

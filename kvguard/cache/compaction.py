@@ -157,7 +157,7 @@ class Compactor:
             raise InputError("compact between steps: every layer must hold the same number of tokens")
         length, s = seq.lengths[0], self.cfg.page_size
         values = self._value_norms(seq, length) if self.evictor.needs_values else None
-        keep = self.evictor.select(length, seq.mass[..., :length].cpu(), values)
+        keep = self.evictor.select(length, seq.mass[..., :length].cpu(), values, page_size=s)
         if keep is None:
             return None
         c = self.cfg

@@ -159,12 +159,15 @@ def builtin_methods(budget: int = 256, page_size: int = 16) -> dict[str, Method]
         methods.append(Method(f"kvsplit-all@{pct}", "split",
                               {"codec": "fp16", "kv_split": split | {"normalize": "all"}}, default=False,
                               description=f"{text}; the pages not read keep their weight in the softmax"))
-    for pct in SPLIT_FRACTIONS:  # INT8 pages, the split's keys INT8 or INT4 (the longer context on a device)
-        for keys, name in ((None, "kvsplit"), ("int4", "kvsplit4")):
+    for pct in SPLIT_FRACTIONS + (100,):  # INT8 pages (as `int8`, or `int8-rot`), the split's keys INT8 or INT4
+        # (a longer context on a device); at 100 % every value is read: what the INT4 keys alone cost
+        for keys, name, rotate in ((None, "int8+kvsplit", False), ("int4", "int8+kvsplit4", False),
+                                   ("int4", "int8-rot+kvsplit4", True)):
             split = {"window": SPLIT_WINDOW, "fraction": pct / 100} | ({"keys": keys} if keys else {})
-            methods.append(Method(f"int8+{name}@{pct}", "split", {"codec": "int8", "kv_split": split}, default=False,
-                                  description=f"INT8 pages; K/V split as kvsplit@{pct}, the split pages' keys in "
-                                              f"{(keys or 'int8').upper()}"))
+            methods.append(Method(f"{name}@{pct}", "split", {"codec": "int8", "fp_sink": 4, "kv_split": split}
+                                  | ({"codec_options": {"rotate": True}} if rotate else {}), default=False,
+                                  description=f"INT8{' rotated' if rotate else ''}, 16-bit sink page; K/V split as "
+                                              f"kvsplit@{pct}, the split pages' keys in {(keys or 'int8').upper()}"))
     return {m.name: m for m in methods}
 
 
@@ -189,6 +192,10 @@ def _budget_methods(evictors: dict) -> list[Method]:
         out.append(Method(f"{name}-value-prefix", "evictor", {"evictor": name, "evictor_options": valued},
                           evict_prefix_only=True, default=False,
                           description=f"{text}, {value_text}; the prefix only, once"))
+        paged = {**options, "granularity": "page"}
+        out.append(Method(f"{name}-pages", "evictor", {"evictor": name, "evictor_options": paged}, default=False,
+                          description=f"{text}, each head's whole pages dropped first (no requantization); "
+                                      "compacts whenever past the budget"))
         for allocation, how in ALLOCATION_TEXT.items():
             for scoring, suffix, extra in (("mass", "", ""), ("value_aware", "-value", f", {value_text}")):
                 o = {**options, "allocation": allocation, "scoring": scoring}

@@ -114,6 +114,8 @@ class Evictor(_Strict):
     scoring: Literal["mass", "value_aware"] = "mass"
     # how the budget is split over layers and heads; the cache stores only "uniform" (checked below)
     allocation: Literal["uniform", "pyramid", "adaptive", "pyramid-adaptive", "global"] = "uniform"
+    # h2o, snapkv: drop each head's whole pages first (a compaction then requantizes nothing)
+    granularity: Literal["token", "page"] = "token"
 
     @model_validator(mode="after")
     def _fits(self):
@@ -129,6 +131,8 @@ class Evictor(_Strict):
             raise ValueError("snapkv: observe must be >= 1 and pool an odd number >= 1")
         if self.name == "streamingllm" and self.scoring != "mass":
             raise ValueError("scoring is h2o's and snapkv's option (streamingllm keeps sinks and window)")
+        if self.granularity != "token" and (self.name == "streamingllm" or not self.per_head):
+            raise ValueError("granularity page is h2o's and snapkv's option, per head")
         if self.allocation != "uniform":  # as CacheManager refuses it
             raise ValueError(f"allocation {self.allocation} is not stored by the cache: a page holds every layer "
                              "and KV head, so all keep the same count; use allocation: uniform (kvguard eval "
@@ -141,6 +145,8 @@ class Evictor(_Strict):
         extra = {k: v for k, v in (("observe", self.observe), ("pool", self.pool)) if v is not None}
         if self.scoring != "mass":
             extra["scoring"] = self.scoring
+        if self.granularity != "token":
+            extra["granularity"] = self.granularity
         return {"budget": self.budget, "sink": self.sink, "window": self.window, "per_head": self.per_head} | extra
 
 
@@ -195,7 +201,8 @@ def config_key(options: dict) -> str:
     """A short name of a configuration given as CacheConfig options: int8(sink 4)+h2o@1024/s4/w256
     (evictor budget, sinks, recent window; `/shared` when H2O or SnapKV keep one set for all
     layers and heads instead of one per layer and KV head; `/value` when they score by mass ×
-    the value's norm; `/pyramid`, `/adaptive`, `/pyramid-adaptive`, `/global` for an unequal allocation),
+    the value's norm; `/pyramid`, `/adaptive`, `/pyramid-adaptive`, `/global` for an unequal allocation;
+    `/pages` when each head's whole pages are dropped first),
     then the K/V split when there is one (`+kvsplit@25%/w128`)."""
     extra = ", ".join(f"{n} {options[f]}" for n, f in (("sink", "fp_sink"), ("window", "fp_window"))
                       if options.get(f))
@@ -218,6 +225,8 @@ def config_key(options: dict) -> str:
         shape += "/value"
     if e.get("allocation", "uniform") != "uniform":
         shape += f"/{e['allocation']}"
+    if e.get("granularity", "token") != "token":
+        shape += "/pages"  # whole pages of a head dropped first
     return f"{name}+{evictor}@{e['budget']}{shape}{split}"
 
 

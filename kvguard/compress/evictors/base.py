@@ -22,6 +22,12 @@ Two options change what a mass-based evictor keeps (allocation.py has the first)
   the value's L1 norm, as VATP, Guo et al., 2024: a key that is attended to but
   whose value is near zero adds little to the output). The cache passes each
   position's value norm when the evictor `needs_values`.
+
+And one changes how: `granularity: page` drops, per layer and head, the whole
+pages (page-aligned runs of `page_size` slots) with the least summed score first,
+and single tokens only for what is left over. A compaction then moves every other
+page's codes with their scales (kvguard/cache/compaction.py): no token is
+requantized, where dropping single tokens makes some join another page's scales.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import torch
 from .allocation import ALLOCATIONS, adaptive, pyramid
 
 SCORINGS = ("mass", "value_aware")
+GRANULARITIES = ("token", "page")
 
 @dataclass
 class Evictor(ABC):
@@ -53,6 +60,7 @@ class Evictor(ABC):
     per_head: bool = True  # mass-based evictors: a keep set per layer and KV head
     allocation: str = "uniform"  # how the total is split over layers and heads (allocation.py)
     scoring: str = "mass"  # "value_aware": mass × the value's L1 norm
+    granularity: str = "token"  # "page": whole pages of a head dropped first (no requantization)
 
     def __post_init__(self) -> None:
         if not isinstance(self.per_head, bool):
@@ -64,6 +72,12 @@ class Evictor(ABC):
         if not self.needs_mass and (self.allocation != "uniform" or self.scoring != "mass"):
             raise ValueError(f"{self.name}: allocation and scoring are options of the evictors that score by "
                              "attention mass (h2o, snapkv)")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"{self.name}: granularity must be one of {', '.join(GRANULARITIES)}, "
+                             f"got {self.granularity!r}")
+        if self.granularity != "token" and not (self.needs_mass and self.per_head):
+            raise ValueError(f"{self.name}: granularity page drops each head's pages by their attention mass: "
+                             "an option of h2o and snapkv with per_head: true")
         if not self.per_head and self.allocation != "uniform":
             raise ValueError(f"{self.name}: allocation {self.allocation} splits the budget over layers and heads;"
                              " it needs per_head: true")
@@ -98,12 +112,13 @@ class Evictor(ABC):
             mass = mass * values[..., :length].float().to(mass.device)
         return mass
 
-    def select(self, length: int, mass: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor | None:
+    def select(self, length: int, mass: torch.Tensor, values: torch.Tensor | None = None,
+               page_size: int = 16) -> torch.Tensor | None:
         """Positions to keep, sorted along the last dimension: [budget] for one set, or
         [..., budget] (mass's leading dimensions) per layer and head. None when the
         sequence is within budget. `values`: each position's value L1 norm, shaped as
-        `mass` (value_aware scoring only). The uniform allocation only: the others keep
-        unequal counts (`keep_mask`)."""
+        `mass` (value_aware scoring only). `page_size`: the slots of a page (granularity
+        page). The uniform allocation only: the others keep unequal counts (`keep_mask`)."""
         if self.allocation != "uniform":
             raise ValueError(f"{self.name}: allocation {self.allocation} keeps unequal counts per layer and "
                              "head, which the cache does not store; use keep_mask (read-time simulation)")
@@ -115,11 +130,36 @@ class Evictor(ABC):
         middle = self.budget - self.sink - self.window
         parts = [torch.arange(self.sink)]
         if middle > 0:
-            scores = self.score(length, mass)[..., self.sink : length - self.window]
-            parts.append(torch.topk(scores.cpu(), middle, dim=-1, sorted=False).indices + self.sink)
+            scores = self.score(length, mass)[..., self.sink : length - self.window].cpu()
+            if self.granularity == "page":
+                parts.append(self._whole_pages_first(scores, middle, page_size) + self.sink)
+            else:
+                parts.append(torch.topk(scores, middle, dim=-1, sorted=False).indices + self.sink)
         parts.append(torch.arange(length - self.window, length))
         lead = parts[1].shape[:-1] if middle > 0 else ()
         return torch.cat([p.expand(*lead, p.shape[-1]) for p in parts], dim=-1).sort(dim=-1).values
+
+    def _whole_pages_first(self, scores: torch.Tensor, middle: int, page: int) -> torch.Tensor:
+        """Of scores [..., C] (slots sink .. sink + C - 1), the `middle` kept, [..., middle]: the
+        whole pages (slots p * page .. p * page + page - 1 all among them) with the least summed
+        score dropped first, as many as fit what must go, then the lowest single slots."""
+        c = scores.shape[-1]
+        drop = c - middle
+        first = -self.sink % page  # the first whole page's offset among the slots
+        full = max(0, (c - first) // page)
+        whole = min(drop // page, full)
+        rows = scores.reshape(-1, c).float()
+        kept = torch.ones_like(rows, dtype=torch.bool)
+        if whole:
+            sums = rows[:, first:first + full * page].reshape(-1, full, page).sum(-1)
+            gone = torch.topk(sums, whole, dim=-1, largest=False, sorted=False).indices  # [rows, whole]
+            cols = (first + gone[..., None] * page + torch.arange(page)).flatten(1)
+            kept.scatter_(1, cols, False)
+        rest = drop - whole * page
+        if rest:
+            low = torch.topk(rows.masked_fill(~kept, float("inf")), rest, dim=-1, largest=False, sorted=False)
+            kept.scatter_(1, low.indices, False)
+        return kept.nonzero()[:, 1].reshape(*scores.shape[:-1], middle)
 
     def keep_mask(self, length: int, mass: torch.Tensor, layer: int, num_layers: int,
                   values: torch.Tensor | None = None) -> torch.Tensor:
