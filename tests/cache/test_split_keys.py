@@ -112,3 +112,47 @@ def test_keys_are_checked():
     assert split_key(policy.options()) == "kvsplit@5%/w128/k-int4"
     with pytest.raises(ValueError):
         KvSplit(window=128, fraction=0.05, keys="int3")
+
+
+def test_int4_key_pages_go_to_a_lower_tier_and_come_back_as_they_were():
+    from kvguard.cache.tiers import CpuTier
+
+    m = CacheManager(CacheConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_query_heads=HQ, page_size=S,
+                                 num_pages=64, dtype=torch.float32, codec="int8", fp_sink=0, fp_window=16,
+                                 kv_split={"window": 32, "fraction": 1.0, "keys": "int4"}),
+                     tiers={"cpu": CpuTier()})
+    seq = filled(m)
+    assert m.split_cold(seq) > 0
+    q = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(3))
+    before = m.attend(seq, 1, q, causal=False)
+    assert m.offload(seq, "cpu") > 0 and m.pools["split"].used_count == 0
+    assert torch.equal(m.attend(seq, 1, q, causal=False), before)  # fetched back into the split's pool
+    assert m.pools["split"].used_count > 0
+
+
+def test_streamingllm_compaction_keeps_int4_key_pages_in_the_split_and_recodes_what_comes_home():
+    """StreamingLLM drops a page's worth each time: split pages after the sinks move whole (their INT4
+    keys unchanged); the pages a new 16-bit page is made from come home first, their keys back in INT8
+    (a quantize record of their keys), and the answers stay the split's own over the kept tokens."""
+    m = CacheManager(CacheConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_query_heads=HQ, page_size=S,
+                                 num_pages=64, dtype=torch.float32, codec="int8", fp_sink=0, fp_window=16,
+                                 evictor="streamingllm", evictor_options={"budget": 184, "sink": 2},
+                                 kv_split={"window": 32, "fraction": 1.0, "keys": "int4"}))
+    seq = filled(m)  # 200 tokens: a page past the budget, compacted at the next step
+    assert m.split_cold(seq) > 0
+    kept = {r.page: m.pools["split"].fields[0]["k"][r.page].clone()
+            for r in m.seqs.get(seq).pages if r.where == "split"}
+    m.events.take_events()
+    g = torch.Generator().manual_seed(4)
+    for _ in range(2 * S):
+        k, v = torch.randn(2, L, 1, H, D, generator=g)
+        for layer in range(L):
+            m.append_step([seq], layer, k[layer], v[layer])
+            assert torch.isfinite(m.attend_step([seq], layer, torch.randn(1, HQ, D, generator=g))).all()
+    events = m.events.take_events()
+    evicted = [e.kept for e in events if isinstance(e, ev.TokensEvicted)]
+    assert len(evicted) >= 2 and set(evicted) == {184}
+    home = [e for e in events if isinstance(e, ev.PagesQuantized) and e.fields == ("k",) and e.codec == "int8"]
+    assert home and all(p.startswith("main:") for e in home for p in e.pages)
+    still = [r.page for r in m.seqs.get(seq).pages if r.where == "split" and r.page in kept]
+    assert still and all(torch.equal(m.pools["split"].fields[0]["k"][p], kept[p]) for p in still)
