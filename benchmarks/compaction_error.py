@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/compaction_error.py [--source real|synthetic] [--codecs int8,fp8,int4]
         [--compactions 256] [--layers 2,15,28] [--budget 512 --sink 4 --window 128]
-        [--fp-sink 4 --fp-window 128] [--granularity token|page]
+        [--fp-sink 4 --fp-window 128] [--granularity token|page] [--device cuda]
 
 One sequence decodes through a CacheManager with a quantized codec and H2O choosing per layer
 and KV head: a prompt of `budget` tokens, then chunks of one page (16 tokens), each attended by
@@ -96,7 +96,8 @@ def single_encode(codec: str, x: torch.Tensor, y: torch.Tensor):
 
 
 def session(codec: str, qkv: list, *, compactions: int, checkpoints: set[int], budget: int, sink: int,
-            window: int, fp_sink: int, fp_window: int, use_kernels: bool = False, granularity: str = "token"):
+            window: int, fp_sink: int, fp_window: int, use_kernels: bool = False, granularity: str = "token",
+            device: str = "cpu"):
     """Yields (compactions so far, K error ratio, V error ratio) at each checkpoint (0: before the first)."""
     layers = len(qkv)
     q0, k0, _ = qkv[0]
@@ -106,7 +107,8 @@ def session(codec: str, qkv: list, *, compactions: int, checkpoints: set[int], b
     once = [single_encode(codec, k, v) for k, v in exact]
     cfg = CacheConfig(num_layers=layers, num_kv_heads=h, head_dim=d, num_query_heads=hq, page_size=PAGE,
                       num_pages=4 * budget // PAGE + 8, dtype=torch.float16, codec=codec, fp_sink=fp_sink,
-                      fp_window=fp_window, evictor="h2o", auto_compact=False, use_kernels=use_kernels,
+                      fp_window=fp_window, evictor="h2o", auto_compact=False, device=torch.device(device),
+                      use_kernels=use_kernels or device.startswith("cuda"),
                       evictor_options={"budget": budget, "sink": sink, "window": window, "granularity": granularity})
     m = CacheManager(cfg)
     seq = m.open(Subject("bench", "compaction", "error"))
@@ -137,8 +139,8 @@ def session(codec: str, qkv: list, *, compactions: int, checkpoints: set[int], b
         hi = budget if lo == 0 else lo + PAGE
         for layer, (q, _, _) in enumerate(qkv):
             k, v = exact[layer]
-            m.append(seq, layer, k[lo:hi], v[lo:hi])
-            m.attend(seq, layer, q[lo:hi].half())
+            m.append(seq, layer, k[lo:hi].to(device), v[lo:hi].to(device))
+            m.attend(seq, layer, q[lo:hi].half().to(device))
         ids = torch.cat([ids, torch.arange(lo, hi).expand(layers, h, -1)], -1)
         lo = hi
 
@@ -149,7 +151,7 @@ def _ratios(m, seq, ids, exact, once):
     num = [0.0, 0.0]
     den = [0.0, 0.0]
     for layer in range(ids.shape[0]):
-        stored = m.kv(seq, layer, torch.float32)
+        stored = [x.cpu() for x in m.kv(seq, layer, torch.float32)]
         for h in range(ids.shape[1]):
             idx = ids[layer, h][main]
             for i in range(2):
@@ -171,6 +173,7 @@ def main():
     ap.add_argument("--fp-sink", type=int, default=4)
     ap.add_argument("--fp-window", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="the cache's device (cuda: its kernels)")
     ap.add_argument("--granularity", choices=("token", "page"), default="token",
                     help="H2O drops single tokens, or each head's whole pages first")
     a = ap.parse_args()
@@ -185,7 +188,7 @@ def main():
     for codec in codecs:
         for n, rk, rv in session(codec, qkv, compactions=a.compactions, checkpoints=set(marks), budget=a.budget,
                                  sink=a.sink, window=a.window, fp_sink=a.fp_sink, fp_window=a.fp_window,
-                                 granularity=a.granularity):
+                                 granularity=a.granularity, device=a.device):
             table[n, codec] = (rk, rv)
     print(f"# {a.source} K/V, layers {a.layers}, h2o per head ({a.granularity}s) budget {a.budget} sink {a.sink} "
           f"window {a.window}, "
