@@ -321,14 +321,17 @@ def test_erasure_mid_stream_audit_chain_and_no_raw_ids(llms, sidecar, smollm2, t
             assert raw not in text, f"{raw!r} found in the {where}"
 
 
-def test_a_prompt_longer_than_the_codec_pool_is_served_through_the_k_v_split(sidecar, smollm2, tmp_path):
+@pytest.mark.parametrize("keys", [None, "int4"])
+def test_a_prompt_longer_than_the_codec_pool_is_served_through_the_k_v_split(sidecar, smollm2, tmp_path, keys):
     """The stock client against a server whose policy splits K/V: a prompt longer than the codec's
     pool (16 pages of 16 tokens) is served, its older pages' values in the split's pool, and the
-    sidecar takes the process's reports (it refused the split pool's stats once)."""
+    sidecar takes the process's reports (it refused the split pool's stats once). With the split's
+    keys in INT4, their recoding reaches the signed log as quantize records of the keys."""
     model, tok = smollm2
     policy = tmp_path / "split.yaml"
+    split = "kv_split:\n  window: 32\n  mass: 0.001" + (f"\n  keys: {keys}" if keys else "")
     policy.write_text(POLICY.read_text().replace("name: chat-small", "name: split-small")
-                      .replace("tiers: [device]", "tiers: [device, cpu]\nkv_split:\n  window: 32\n  mass: 0.001")
+                      .replace("tiers: [device]", f"tiers: [device, cpu]\n{split}")
                       .replace("budget: 96", "budget: 4096"))
     llm = start_llm(sidecar, model, tok, policy=policy, num_pages=16, split_pages=48, chunk=64, max_seqs=2)
     try:
@@ -336,5 +339,16 @@ def test_a_prompt_longer_than_the_codec_pool_is_served_through_the_k_v_split(sid
         comp = oai(llm, sidecar.tokens["acme"]).completions.create(
             model="smollm2", prompt=prompt, max_tokens=N, user=USERS[0], temperature=0)
         assert comp.usage.prompt_tokens > 16 * 16 and comp.usage.completion_tokens == N
+        assert llm.client.flush(30)
     finally:
         llm.stop()
+    if keys:
+        time.sleep(1.5)  # the next checkpoint
+        bundle = tmp_path / "split.zip"
+        assert audit_main(["export", "--database-url", sidecar.db_url, "--origin", sidecar.env["KVGUARD_ORIGIN"],
+                           "--key", str(sidecar.data_dir / "signing.key"), "-o", str(bundle), "--no-progress"]) == 0
+        with zipfile.ZipFile(bundle) as z:
+            records = [json.loads(line) for line in z.read("records.jsonl").splitlines()]
+        recoded = [r for r in records if r["op"] == "quantize" and r["details"].get("fields") == ["k"]]
+        assert recoded and all(r["details"]["codec"] == "int4" for r in recoded)
+        assert all(p.startswith("split:") for r in recoded for p in r["details"]["pages"])
