@@ -161,7 +161,12 @@ def test_kvsplit_benchmark_smoke():
     assert {"fp16", "int8", "int8+split f=0.01", "int8+split f=0.05", "int8+split f=0.25"} <= set(rows)
     assert float(rows["int8"][8]) == 1.0 and float(rows["int8"][11]) == 0.0  # the baseline reads nothing from the host
     split = [x for x in (line.split("|") for line in r.stdout.splitlines()) if len(x) == 13 and "split" in x[1]]
-    assert len(split) == 6 and all(float(x[11]) > 0 for x in split)  # every split step read cold values
+    assert len(split) == 12 and all(float(x[11]) > 0 for x in split)  # every split step read cold values
+    # the split's keys INT8, then INT4: the same device budget holds a longer context with INT4 keys
+    int8_keys, int4_keys = [x for x in split if "k-int4" not in x[1]], [x for x in split if "k-int4" in x[1]]
+    assert len(int8_keys) == len(int4_keys) == 6
+    most = [max(int(x[2].replace(",", "")) for x in rows_) for rows_ in (int8_keys, int4_keys)]
+    assert most[1] > most[0]
 
 
 def test_kvsplit_benchmark_prefill_smoke():
