@@ -205,7 +205,7 @@ def decode_graph(m: CacheManager, seqs: list, args) -> tuple[float, float]:
         end.synchronize()
         t4 = time.perf_counter()
         # this step's fetch events come at a later step's end(): the mean over steps is the same
-        got = sum(e.bytes for e in m.events.take_events() if isinstance(e, ev.PagesFetched) and e.fields == ("v",))
+        got = reported(m, wait=False)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
             fetched.append(got)
@@ -218,10 +218,10 @@ def decode_graph(m: CacheManager, seqs: list, args) -> tuple[float, float]:
     return 1000 * statistics.median(times), statistics.mean(fetched)
 
 
-def reported(m: CacheManager) -> int:
-    """Value bytes the step's `fetch` events report reading from the host (the split's reads
-    emitted first: waits for the device)."""
-    if m.split is not None:
+def reported(m: CacheManager, wait: bool = True) -> int:
+    """Value bytes the `fetch` events emitted so far report reading from the host; with `wait`,
+    the split's reads of every step emitted first (waits for the device)."""
+    if wait and m.split is not None:
         m.split.drain()
     return sum(e.bytes for e in m.events.take_events() if isinstance(e, ev.PagesFetched) and e.fields == ("v",))
 

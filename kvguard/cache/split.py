@@ -110,7 +110,7 @@ class ValueSplit:
         self.store.release(self.home, src, seq.subject)
         for i, p in zip(cand, dst):
             seq.pages[i] = PageRef(SPLIT, p, SPLIT)
-        nbytes, names = len(dst) * self.pool.value_bytes(), [page_name(SPLIT, p) for p in dst]
+        nbytes, names = len(dst) * self.pool.value_bytes(), [self.names[p] for p in dst]
         self._recoded(seq, dst, SPLIT, self.home)
         self.offloaded(seq, names, nbytes, "cpu", nbytes, ("v",))
         return len(dst)

@@ -61,7 +61,7 @@ class MixedCodec(Codec):
         return {**self.keys.encode_keys(k), **{n: t for n, t in self.values.encode(k, v).items() if n.startswith("v")}}
 
     def decode(self, f, dtype):
-        return q.decode_keys(f, dtype), q.decode_values(f, dtype)
+        return q.decode_pages(f, dtype)  # each half by its own dtype
 
     def encode_keys(self, k: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.keys.encode_keys(k)
