@@ -414,7 +414,8 @@ def tune(args, context: int) -> None:
     import itertools
 
     from kvguard.kernels import quantize as ref
-    from kvguard.kernels.page_scores import DEFAULT_CONFIG, page_lse, page_pick
+    from kvguard.kernels.page_pick import PICK_CONFIG, page_pick, page_total
+    from kvguard.kernels.page_scores import DEFAULT_CONFIG, page_lse
     from kvguard.kernels.paged_decode import paged_decode_sets
 
     _, h, d, hq = SHAPES[args.shape]
@@ -438,6 +439,10 @@ def tune(args, context: int) -> None:
 
     def ms(fn, reps=20) -> float:
         fn()
+        if dev.type == "cpu":  # --smoke under TRITON_INTERPRET=1: the code path, not a time
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(reps):
@@ -475,21 +480,35 @@ def tune(args, context: int) -> None:
     print(f"fastest: pages {best[1]}, steps {best[2]}, warps {best[3]}, {load} {best[4]}: {best[0] * 1e3:.0f} us; "
           f"the default {DEFAULT_CONFIG}: {default_ms * 1e3:.0f} us")
     total = torch.logsumexp(scores, dim=-1)
+    one, many = {"many_from": None}, {"many_from": 1}
+    for name, cfg in (("one program a row", one), ("many programs a row", many)):
+        got = page_total(scores, config=cfg)
+        ok = torch.allclose(got, total, rtol=1e-5, atol=1e-4)
+        print(f"normalizer (page_total), {name}: "
+              + (f"{ms(lambda cfg=cfg: page_total(scores, config=cfg)) * 1e3:.0f} us" if ok else "WRONG"))
+    print(f"normalizer, torch.logsumexp: {ms(lambda: torch.logsumexp(scores, dim=-1)) * 1e3:.0f} us")
     k = max(1, n // 100)
     wants = torch.full((b,), k, dtype=torch.int32, device=dev)
     old_ms = ms(lambda: table.gather(1, torch.exp(scores - total[..., None]).amax(dim=1).topk(k, dim=-1).indices))
     print(f"picks of 1 % ({k} of {n:,} pages), mass included: torch topk + gather {old_ms * 1e3:.0f} us")
-    print("| page_pick: block | warps | top-k us | mass threshold us |\n|---|---|---|---|")
+    print("| page_pick | block | warps | top-k us | mass threshold us |\n|---|---|---|---|---|")
     top = set(table[0, torch.exp(scores - total[..., None]).amax(dim=1)[0].topk(k).indices].tolist())
-    for blk, w in ((1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16), (16384, 16)):
-        cfg = {"block": blk, "num_warps": w}
+    above = torch.exp(scores - total[..., None]).amax(dim=1)[0] >= 1e-3
+    tiles = [("one program a row", {"block": blk, "num_warps": w, **one})
+             for blk, w in ((1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16), (16384, 16))]
+    tiles += [("many programs a row", {"many_block": blk, **many}) for blk in (256, 512, 1024, 2048, 4096)]
+    for name, cfg in tiles:
         chosen, count = page_pick(scores, total, table, k, wants, config=cfg)
-        if int(count[0]) != k or set(chosen[0].tolist()) != top:
-            print(f"| {blk} | {w} | WRONG | |")
+        picked, found = page_pick(scores, total, table, n, threshold=1e-3, config=cfg)
+        tile = cfg.get("many_block", cfg.get("block"))
+        if (int(count[0]) != k or set(chosen[0].tolist()) != top or int(found[0]) != int(above.sum())
+                or not torch.equal(picked[0, :int(found[0])], table[0, above])):
+            print(f"| {name} | {tile} | {cfg.get('num_warps', '')} | WRONG | |")
             continue
         t1 = ms(lambda cfg=cfg: page_pick(scores, total, table, k, wants, config=cfg))
         t2 = ms(lambda cfg=cfg: page_pick(scores, total, table, n, threshold=1e-3, config=cfg))
-        print(f"| {blk} | {w} | {t1 * 1e3:.0f} | {t2 * 1e3:.0f} |", flush=True)
+        print(f"| {name} | {tile} | {cfg.get('num_warps', '')} | {t1 * 1e3:.0f} | {t2 * 1e3:.0f} |", flush=True)
+    print(f"(the serving default: {PICK_CONFIG})")
     int8_ms = ms(lambda: paged_decode_sets(q, [(pages, table, lens, n * S)])[0])
     print(f"{'INT4-key INT8-value' if int4 else 'INT8'} decode of the layer (keys and values): {int8_ms * 1e3:.0f} us; "
           f"the fastest key pass is "
@@ -559,8 +578,15 @@ def main() -> None:
                    "and reference paths against INT8 without the split")
     p.add_argument("--layers", type=int, default=4, help="layers of the shape --prefill times")
     p.add_argument("--no-reference", dest="reference", action="store_false", help="--prefill: no reference path")
+    p.add_argument("--many-from", type=int, default=None, metavar="PAGES",
+                   help="rows of at least this many pages are normalized and picked by many programs a row "
+                        "(kernels/page_pick.py PICK_CONFIG['many_from'])")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     args = p.parse_args()
+    if args.many_from is not None:
+        from kvguard.kernels.page_pick import PICK_CONFIG
+
+        PICK_CONFIG["many_from"] = args.many_from
     if args.smoke:
         args.shape, args.device, args.budget_gb, args.steps, args.warmup = "smollm2-135m", "cpu", 0.035, 1, 0
         args.chunk, args.window, args.check, args.batch = 256, 64, False, 2

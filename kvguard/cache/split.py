@@ -19,7 +19,7 @@ attention's.
 
 On the kernel path (`attend_step`, one query per row) nothing goes through the host: a pass over
 the keys (kernels/page_scores.py) gives each page's log-sum-exp, the pages are picked on the
-device (a top-k), and the decode kernels read the picked pages' values in place in pinned host
+device (kernels/page_pick.py), and the decode kernels read the picked pages' values in place in pinned host
 memory, which is mapped into the device's address space: no staging copy, no wait (with
 `normalize: all` its output is rescaled from the picked pages' normalizer to the whole
 softmax's). A chunk of queries (`attend_chunk`: a prefill's, once its older pages moved) picks
@@ -183,12 +183,13 @@ class ValueSplit:
         host wait and no shape that depends on the data (a CUDA graph captures it: StaticStep).
         sets: (page fields, block table [B, n_i] int32, an upper bound of the tokens a row holds
         there) per pool; lens [sets, B] int32: the tokens. The rule picks the split pages whose
-        values are read (kernels/page_scores.py page_pick): with `want` ([B] int32, pages per
+        values are read (kernels/page_pick.py): with `want` ([B] int32, pages per
         row), the want[b] of largest mass, k (>= every want[b]) the width of the picks; without
         (the mass rule), every page whose mass reaches the rule's. Returns out [B, Hq, D] in q's
         dtype, the split pages picked [B, k or n_j] int32 in slot order, and how many of each
         row's were read [B] int32."""
-        from kvguard.kernels.page_scores import page_lse, page_pick, page_total, rescale
+        from kvguard.kernels.page_pick import page_pick, page_total, rescale
+        from kvguard.kernels.page_scores import page_lse
         from kvguard.kernels.paged_decode import paged_decode_sets
 
         b, s = q.shape[0], self.cfg.page_size
@@ -220,7 +221,8 @@ class ValueSplit:
         once over the bus, and the decode kernels attend each query over its own; the other
         pools take the prefill kernel; the two are merged by their normalizers. Returns [T, Hq, D]."""
         from kvguard.kernels.gather import gather_pages
-        from kvguard.kernels.page_scores import page_lse, page_pick, page_total
+        from kvguard.kernels.page_pick import page_pick, page_total
+        from kvguard.kernels.page_scores import page_lse
         from kvguard.kernels.paged_decode import paged_decode_sets
 
         from . import paged

@@ -18,6 +18,7 @@ import triton  # noqa: E402  (after the environment is set)
 if not ON_GPU:
     for name in ("kvguard.kernels._pages", "kvguard.kernels.quantize_scatter", "kvguard.kernels.paged_decode",
                  "kvguard.kernels.paged_prefill", "kvguard.kernels.page_scores",
+                 "kvguard.kernels.page_pick",
                  "kvguard.kernels.compact"):
         if name in sys.modules:
             importlib.reload(sys.modules[name])

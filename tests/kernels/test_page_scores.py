@@ -97,7 +97,7 @@ def scores_of(b: int, hq: int, n: int, lens: list[int], seed: int = 0) -> tuple[
 
 
 def test_page_pick_takes_the_pages_of_largest_mass():
-    from kvguard.kernels.page_scores import page_pick
+    from kvguard.kernels.page_pick import page_pick
 
     b, hq, n = 4, 6, 700
     lens = [700, 450, 3, 0]
@@ -106,31 +106,43 @@ def test_page_pick_takes_the_pages_of_largest_mass():
     table = table.int().to(DEVICE)
     mass = torch.exp(scores - total[..., None]).amax(dim=1).cpu()  # [B, n]
     want = torch.tensor([37, 450, 2, 0], dtype=torch.int32, device=DEVICE)
-    for config in (None, {"block": 256, "num_warps": 4}):  # several steps of the loops, and one
+    t = float(mass[0].median())
+    # one program a row in several steps of its loops and in one; many programs a row, three
+    # blocks of a row and one
+    for config in (None, {"block": 256, "num_warps": 4}, {"many_from": 1, "many_block": 256}, {"many_from": 1}):
         chosen, count = page_pick(scores, total, table, 450, want, config=config)
         assert count.tolist() == want.tolist()
         for i in range(b):
             k = int(want[i])
             expect = set(table[i, mass[i].topk(k).indices.to(DEVICE)].tolist()) if k else set()
             assert set(chosen[i, :k].tolist()) == expect
-    # the mass rule: every page whose mass reaches the threshold, in slot order
-    t = float(mass[0].median())
-    chosen, count = page_pick(scores, total, table, n, threshold=t)
-    for i in range(b):
-        slots = (mass[i] >= t).nonzero().flatten().to(DEVICE)
-        assert int(count[i]) == len(slots) and torch.equal(chosen[i, :len(slots)], table[i, slots])
-    assert int(count[3]) == 0 and int(count[0]) >= n // 2
+            slots = (table[i, :, None] == chosen[i, None, :k]).any(dim=1).nonzero().flatten()
+            assert torch.equal(chosen[i, :k], table[i, slots])  # in slot order
+        # the mass rule: every page whose mass reaches the threshold, in slot order
+        chosen, count = page_pick(scores, total, table, n, threshold=t, config=config)
+        for i in range(b):
+            slots = (mass[i] >= t).nonzero().flatten().to(DEVICE)
+            assert int(count[i]) == len(slots) and torch.equal(chosen[i, :len(slots)], table[i, slots])
+        assert int(count[3]) == 0 and int(count[0]) >= n // 2
 
 
 def test_page_pick_breaks_ties_by_slot():
-    from kvguard.kernels.page_scores import page_pick
+    from kvguard.kernels.page_pick import page_pick
 
     scores = torch.zeros(1, 2, 300, device=DEVICE)  # every page the same mass
     scores[0, :, 7] = 5.0  # but one
     total = torch.logsumexp(scores, dim=-1)
     table = torch.arange(300, dtype=torch.int32, device=DEVICE)[None].contiguous()
-    chosen, count = page_pick(scores, total, table, 10, torch.tensor([10], dtype=torch.int32, device=DEVICE))
-    assert int(count[0]) == 10 and sorted(chosen[0].tolist()) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    for config in (None, {"many_from": 1, "many_block": 64}):  # the ties span blocks
+        chosen, count = page_pick(scores, total, table, 10, torch.tensor([10], dtype=torch.int32, device=DEVICE),
+                                  config=config)
+        assert int(count[0]) == 10 and chosen[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    scores[0, :, :5] = -1.0  # the lowest slots below the rest: ties at the k-th go to the slots after them
+    total = torch.logsumexp(scores, dim=-1)
+    for config in (None, {"many_from": 1, "many_block": 64}):
+        chosen, count = page_pick(scores, total, table, 70, torch.tensor([70], dtype=torch.int32, device=DEVICE),
+                                  config=config)
+        assert int(count[0]) == 70 and chosen[0].tolist() == list(range(5, 75))
     with pytest.raises(KernelArgError):
         page_pick(scores, total, table.long(), 10, torch.tensor([10], dtype=torch.int32, device=DEVICE))
     with pytest.raises(KernelArgError):
@@ -140,13 +152,14 @@ def test_page_pick_breaks_ties_by_slot():
 
 
 def test_page_total_and_rescale_match_torch():
-    from kvguard.kernels.page_scores import page_total, rescale
+    from kvguard.kernels.page_pick import page_total, rescale
 
     scores, _ = scores_of(3, 5, 2500, [2500, 17, 0], seed=4)  # several blocks a row, and a row of none
-    total = page_total(scores)
     want = torch.logsumexp(scores, dim=-1)
-    torch.testing.assert_close(total[:2], want[:2], rtol=1e-5, atol=1e-5)
-    assert torch.isinf(total[2]).all() and (total[2] < 0).all()
+    for config in (None, {"many_from": 1}):  # one program a row; many (two blocks of 2,048 pages)
+        total = page_total(scores, config=config)
+        torch.testing.assert_close(total[:2], want[:2], rtol=1e-5, atol=1e-5)
+        assert torch.isinf(total[2]).all() and (total[2] < 0).all()
     out = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(5)).half().to(DEVICE)
     part = total[:2] - torch.rand(2, 5, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     expect = (out.float() * torch.exp(part - total[:2])[..., None]).half()
