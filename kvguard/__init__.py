@@ -12,3 +12,7 @@ Importing this package imports nothing heavy: the auditor's CLI runs without tor
 """
 
 __version__ = "0.1.0"
+
+from . import _checkout  # noqa: E402  (Hugging Face's `kernels` before the checkout's folder of that name)
+
+_checkout.install()

@@ -133,3 +133,22 @@ def test_hf_kernels_and_ours_live_side_by_side():
     )
     r = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def test_from_the_checkout_hf_kernels_is_not_our_folder():
+    """A process started in the checkout's root (`python -m kvguard...`, pytest) has the root on
+    sys.path, where the `kernels/` folder would stand in for Hugging Face's `kernels`, which
+    transformers imports when it is installed (transformers 5.25: at import of its models)."""
+    code = (
+        "import os, sys\n"
+        "import kvguard\n"
+        "import kernels\n"
+        "from transformers import modeling_utils\n"
+        "assert os.path.realpath(kernels.__file__) != os.path.realpath(os.path.join('kernels', '__init__.py'))\n"
+        "import kvguard.kernels.paged_decode as pd\n"
+        "assert os.path.realpath(pd.__file__) == os.path.realpath(os.path.join('kernels', 'paged_decode.py'))\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
