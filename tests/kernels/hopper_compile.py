@@ -8,28 +8,43 @@ one line a compiled kernel and exits 1 when one fails to compile."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDAOptions
 from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
 
 HOPPER = GPUTarget("cuda", 90, 32)
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}
 RECORDED: list[tuple] = []
+OPTIONS = {f.name for f in dataclasses.fields(CUDAOptions)}  # what a launch passes beside the kernel's own arguments
 
 
 def record(kernel, grid, args, constexprs, key) -> None:
+    """kernels/_launch.py launch's stand-in."""
     RECORDED.append((kernel, args, dict(constexprs)))
 
 
+def _run(self, *args, grid, warmup, **kwargs):
+    """JITFunction.run's stand-in, for kernels launched as kernel[grid](...)."""
+    RECORDED.append((self, args, dict(kwargs)))
+
+
+JITFunction.run = _run
+
+
 def signature(kernel, args, constexprs) -> tuple[dict, dict, dict]:
-    names = [p.name for p in kernel.params]
     sig, consts = {}, {}
-    for name, a in zip(names, args):
-        if isinstance(a, torch.Tensor):
+    for p, a in zip(kernel.params, args):
+        name = p.name
+        if p.is_constexpr:
+            sig[name], consts[name] = "constexpr", a
+        elif isinstance(a, torch.Tensor):
             sig[name] = "*" + _TYPES[a.dtype]
         elif isinstance(a, bool):
             sig[name] = "i1"
@@ -37,7 +52,7 @@ def signature(kernel, args, constexprs) -> tuple[dict, dict, dict]:
             sig[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
         else:
             sig[name] = "fp32"
-    options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
+    options = {k: constexprs.pop(k) for k in OPTIONS if k in constexprs}
     for p in kernel.params[len(args):]:
         sig[p.name] = "constexpr"
         consts[p.name] = constexprs.get(p.name, p.default)
@@ -84,6 +99,88 @@ def picks() -> None:
             pp.page_pick(scores, total, table, n, threshold=1e-3, config=cfg)
 
 
-if __name__ == "__main__":
+def _pages(codec: str, n: int, h: int, d: int, s: int = 16) -> dict[str, torch.Tensor]:
+    from kvguard.kernels import quantize as ref
+
+    k, v = torch.randn(n, h, s, d), torch.randn(n, h, s, d)
+    if codec == "fp16":
+        return {"k": k.half(), "v": v.half()}
+    if codec == "int4":
+        return ref.encode_int4(k, v)
+    if codec == "int4k":  # the K/V split's INT4 keys beside INT8 values
+        return {**{f: t for f, t in ref.encode_int4(k, k).items() if f.startswith("k")},
+                **{f: t for f, t in ref.encode_int8(k, v).items() if f.startswith("v")}}
+    return ref.encode_int8(k, v, dtype=torch.float8_e4m3fn if codec == "fp8" else torch.int8)
+
+
+def everything() -> None:
+    """Every kernel of the hot path, as an H200 would launch it: decode (each codec, both head
+    dims, mixed key and value codecs, with mass), the key pass, prefill (each codec, with mass),
+    the writes, compaction and the gather, and the picks."""
+    import importlib
+
+    names = ("page_pick", "page_scores", "paged_decode", "paged_prefill", "quantize_scatter", "compact", "gather")
+    mods = {n: importlib.import_module(f"kvguard.kernels.{n}") for n in names}
+    checks = importlib.import_module("kvguard.kernels._checks")
+
+    def any_device(*tensors):  # the host code runs on CPU tensors here, as if they were the device's
+        return tensors[0].device
+
+    for m in (*mods.values(), checks):
+        m.launch = record
+        if hasattr(m, "check_device"):
+            m.check_device = any_device
+    pd, pp = mods["paged_decode"], mods["paged_prefill"]
+    pd._num_sms = lambda device: 132  # an H200's
+    pd._sm90 = lambda device: True  # programmatic dependent launch, as on Hopper
+    b, hq, n = 2, 32, 64
+    for d in (64, 128):
+        h = hq // 4
+        lens = torch.full((b,), n * 16 - 5, dtype=torch.int32)
+        table = torch.arange(b * n, dtype=torch.int32).view(b, n).contiguous()
+        q = torch.randn(b, hq, d).half()
+        for codec in ("fp16", "int8", "fp8", "int4", "int4k"):
+            pages = _pages(codec, b * n, h, d)
+            pd.paged_decode_sets(q, [(pages, table, lens)])
+            pd.paged_decode_sets(q, [(pages, table, lens), (_pages("fp16", b * n, h, d), table, lens)],
+                                 return_mass=True)
+            if codec == "int8":  # the tuning's other decode kernels: a warp its own pages, and not transposed
+                pd.paged_decode_sets(q, [(pages, table, lens)], config={"transposed": False, "warp_split": True,
+                                                                        "num_warps": 2, "pages": 4})
+                pd.paged_decode_sets(q, [(pages, table, lens)], config={"transposed": False, "pages": 4})
+            mods["page_scores"].page_lse(q, pages, table, lens)
+            mods["page_scores"].page_lse(q[:1].expand(8, hq, d).contiguous(), pages, table[:1].expand(8, n).contiguous(),
+                                         lens[:1].expand(8).contiguous(), shared=True)
+            if codec == "int4k":
+                continue
+            qt = torch.randn(1, 64, hq, d).half()
+            pp.paged_prefill(qt[0], pages, table[0], n * 16)
+            limits = torch.full((1, 64), n * 16, dtype=torch.int32)
+            pp.paged_prefill_sets(qt, [(pages, table[:1], lens[:1], n * 16, limits),
+                                       (_pages("fp16", b * n, h, d), table[:1], lens[:1], n * 16, limits)])
+            lse = torch.zeros(64, hq)
+            pp.paged_prefill_mass(qt[0], pages, table[0], n * 16, lse)
+            if codec != "fp16":
+                fresh = {f: t.clone() for f, t in pages.items()}
+                kv = torch.randn(4, h, 16, d).half()
+                mods["quantize_scatter"].quantize_scatter(kv, kv, torch.arange(4, dtype=torch.int32), fresh)
+                slots = torch.arange(0, 64, dtype=torch.int64)
+                dst = torch.arange(4, dtype=torch.int32)
+                mods["compact"].compact_pages(fresh, slots + 64, dst)
+                mods["compact"].compact_pages(fresh, (slots + 64)[None].repeat(h, 1), dst)  # each head its own
+                mods["compact"].compact_pages(fresh, -1 - slots, dst, hot=_pages("fp16", 8, h, d))
+                mods["compact"].dequantize_tokens(fresh, slots)
+            else:
+                tok = torch.randn(8, h, d).half()
+                fresh = {f: t.clone() for f, t in pages.items()}
+                mods["quantize_scatter"].scatter_tokens(tok, tok, torch.arange(8, dtype=torch.int64), fresh)
+                slots = torch.arange(0, 64, dtype=torch.int64)
+                mods["compact"].compact_tokens(fresh, slots + 64, slots)
+        mods["gather"].gather_pages(pages["k"], torch.arange(4, dtype=torch.int64), torch.device("cpu"))
+        mods["page_pick"].rescale(q, torch.zeros(b, hq), torch.zeros(b, hq))
     picks()
+
+
+if __name__ == "__main__":
+    everything() if "--all" in sys.argv else picks()
     sys.exit(1 if compile_recorded() else 0)
