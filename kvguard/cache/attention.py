@@ -59,3 +59,32 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         out[:, :, lo:hi] = torch.einsum("hgtl,hld->hgtd", probs, vf)
         add_mass(mass, probs, lo, hi, t, mass_queries)
     return out.permute(2, 0, 1, 3).reshape(t, hq, d).to(q.dtype), mass
+
+
+def page_bounds(k: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k [H, L, D] -> per-page channel min, max [H, P, D] (P = ceil(L / page_size))."""
+    h, length, d = k.shape
+    pages = math.ceil(length / page_size)
+    pad = pages * page_size - length
+    kf = k.float()
+    lo = torch.cat([kf, kf.new_full((h, pad, d), math.inf)], 1).reshape(h, pages, page_size, d).amin(2)
+    hi = torch.cat([kf, kf.new_full((h, pad, d), -math.inf)], 1).reshape(h, pages, page_size, d).amax(2)
+    return lo, hi
+
+
+def bound_shares(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, first: torch.Tensor, pos: torch.Tensor,
+                 scale: float | None) -> torch.Tensor:
+    """Quest's estimate of each page's share of each query head's attention: q [T, Hq, D] at
+    positions pos [T]; pages whose channel min and max are lo, hi [H, P, D] and whose first
+    tokens are at first [P]. A page's bound is the largest q . k any key within its per-channel
+    box can give, sum_d max(q_d lo_d, q_d hi_d) (times the softmax scale), an upper bound of
+    its keys' logits; the shares are the bounds' softmax over the pages a query can see.
+    Returns [H, g, T, P] fp32 (zeros for a query that sees none)."""
+    t, hq, d = q.shape
+    h = lo.shape[0]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qf = q.float().reshape(t, h, hq // h, d).permute(1, 2, 0, 3)  # [H, g, T, D]
+    bound = (torch.einsum("hgtd,hpd->hgtp", qf.clamp(min=0), hi.float())
+             + torch.einsum("hgtd,hpd->hgtp", qf.clamp(max=0), lo.float())) * scale
+    bound = bound.masked_fill(first[None, :] > pos[:, None], float("-inf"))  # pages after the query
+    return torch.softmax(bound, dim=-1).nan_to_num(0.0)

@@ -12,6 +12,7 @@ from ..errors import ConfigError
 
 NORMALIZE = ("read", "all")  # KVSplit.normalize
 SPLIT_KEYS = (None, "int8", "fp8", "int4")  # KVSplit.keys
+SPLIT_SCORES = ("exact", "bound")  # KVSplit.score
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,12 @@ class KVSplit:
     holds (their keys on the device, their values in host memory); default as many as the
     codec's pool. `keys`: the codec of the split pages' keys (int8, fp8 or int4; default the
     cache's): in a smaller one the device holds a longer context, keys encoded again as a page
-    moves in (kvguard/compress/codecs/mixed.py)."""
+    moves in (kvguard/compress/codecs/mixed.py). `score`: what ranks the pages, "exact" (the
+    share of each query head's softmax in the page) or "bound" (Quest's upper bound of the
+    page's logits from each channel's least and largest key, softmaxed over the cold pages; top_k
+    or fraction only); `rerank` R with "bound": the R x k pages of largest bound, then the k of
+    them with the largest exact share among them (kvguard/cache/picks.py). "bound" is measured on
+    the reference path only: no kernel ranks pages by bound, so it is refused with kernels."""
 
     window: int = 256
     top_k: int | None = None
@@ -35,6 +41,8 @@ class KVSplit:
     capacity: int | None = None
     normalize: str = "read"
     keys: str | None = None
+    score: str = "exact"
+    rerank: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
@@ -57,6 +65,14 @@ class KVSplit:
         if self.keys not in SPLIT_KEYS:
             raise ConfigError(f"kv_split keys must be one of {', '.join(k for k in SPLIT_KEYS if k)} or absent, "
                               f"got {self.keys!r}")
+        if self.score not in SPLIT_SCORES:
+            raise ConfigError(f"kv_split score must be one of {', '.join(SPLIT_SCORES)}, got {self.score!r}")
+        if self.score == "bound" and self.mass is not None:
+            raise ConfigError("kv_split score bound takes top_k or fraction: a bound gives no page its mass")
+        if self.rerank is not None and (self.score != "bound" or not isinstance(self.rerank, int)
+                                        or isinstance(self.rerank, bool) or self.rerank < 2):
+            raise ConfigError(f"kv_split rerank must be an integer >= 2, with score bound; got {self.rerank!r} "
+                              f"with score {self.score}")
 
     def pages(self, cold: int) -> int | None:
         """How many of `cold` pages a read fetches (None: by mass)."""
@@ -136,3 +152,6 @@ class CacheConfig:
             self.use_kernels = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
         elif self.use_kernels and self.dtype == torch.float32:
             raise ConfigError("the Triton kernels take fp16 or bf16 K/V; use the reference path for float32")
+        if self.use_kernels and self.kv_split is not None and self.kv_split.score != "exact":
+            raise ConfigError("kv_split score bound has no kernel: it is measured on the reference path "
+                              "(use_kernels=False) only")

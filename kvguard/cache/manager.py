@@ -11,6 +11,7 @@ Each part owns one job and lives in its own module:
     compaction.py    the evictor's survivors moved into fewer pages (`Compactor`)
     residency.py     pages offloaded to lower tiers and fetched back (`Residency`)
     split.py         the K/V split: cold values in CPU memory, fetched by score (`ValueSplit`)
+    picks.py         which cold pages a query of the split reads, on the reference path
     erasure.py       free, erase a user or a session (`Eraser`)
 
 `CacheManager` checks what callers hand it (`checks.py`), then calls the part, all under one

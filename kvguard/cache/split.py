@@ -7,26 +7,23 @@ encoded again and reported as a `quantize` of their keys) and whose value fields
 memory, pinned where CUDA is present. The codec's page is freed: the device keeps keys only.
 
 A read scores every key on the device exactly and takes the softmax over all of them. Each
-query picks the cold pages whose attention mass matters from those scores: the `top_k` pages
-with the largest mass (the largest over its query heads of the probability that falls in the
-page), a `fraction` of the cold pages, or every page whose mass reaches `mass`. Only their
-values are read. With `normalize: read` (the default) the query's softmax is then taken over
-the keys whose values it read, the pages not read dropping out; with `normalize: all` they keep
-their share of the normalization and contribute no value, which pulls the output towards zero
-by the mass skipped (on SmolLM2 that costs far more: docs/fidelity.md, "K/V split"). Either
-way the one approximation is the values skipped: with every page read the output is full
-attention's.
+query picks the cold pages whose attention mass matters: the `top_k` pages with the largest
+mass (the largest over its query heads of the probability in the page), a `fraction` of them,
+or every page whose mass reaches `mass`; with `score: bound`, by Quest's upper bound of each
+page's logits instead. Only their values are read. With `normalize: read` (the default) the
+query's softmax is then over the keys whose values it read; with `all` the pages not read keep
+their share of it and contribute no value (on SmolLM2 that costs far more: docs/fidelity.md,
+"K/V split"). Either way the one approximation is the values skipped.
 
 On the kernel path (`attend_step`, one query per row) nothing goes through the host: a pass over
 the keys (kernels/page_scores.py) gives each page's log-sum-exp, the pages are picked on the
-device (kernels/page_pick.py), and the decode kernels read the picked pages' values in place in pinned host
-memory, which is mapped into the device's address space: no staging copy, no wait (with
-`normalize: all` its output is rescaled from the picked pages' normalizer to the whole
-softmax's). A chunk of queries (`attend_chunk`: a prefill's, once its older pages moved) picks
-the same way, each query its own pages; the pages any of them picked are gathered into device
-memory once (each query would read its own many times over the bus) and the other pools take
-the prefill kernel. Elsewhere (`attend`: the CPU, an evictor that needs each key's mass) the
-same picks are made from dense fp32 scores and the picked values copied in.
+device (kernels/page_pick.py), and the decode kernels read the picked pages' values in place in
+pinned host memory, mapped into the device's address space: no staging copy, no wait (with
+`normalize: all` its output is rescaled to the whole softmax's). A chunk of queries
+(`attend_chunk`: a prefill's, once its older pages moved) picks the same way, each query its
+own pages; the pages any of them picked are gathered into device memory once and the other
+pools take the prefill kernel. Elsewhere (`attend`: the CPU, an evictor that needs each key's
+mass) the same picks are made from dense fp32 scores and the picked values copied in.
 
 Every move is an event: `settle` one `offload` (`fields: ["v"]`, the split pages), a read one
 `fetch` per step of a sequence across all layers (the pages read in any layer, the bytes read),
@@ -45,7 +42,8 @@ import torch
 
 from ..errors import OutOfPages
 from ..types import PageId, SeqId
-from .attention import add_mass, score_blocks
+from . import picks
+from .attention import add_mass, bound_shares, page_bounds, score_blocks
 from .block_tables import BlockTables
 from .config import CacheConfig
 from .pages import PageStore
@@ -348,11 +346,15 @@ class ValueSplit:
         fetched: dict[int, torch.Tensor] = {}  # page index -> its values [H, S, D], read once per call
         read = 0
         tok = (torch.tensor(cold, device=q.device)[:, None] * s + torch.arange(s, device=q.device)).flatten()
+        bounds = page_bounds(k[:, tok], s) if cold and self.rule.score == "bound" else None  # Quest's, per page
         for lo, hi, probs in score_blocks(q, k, causal, scale):
             add_mass(mass, probs, lo, hi, t, mass_queries)
             vb = v
-            if cold:
-                picked = self._pick(probs[..., tok].unflatten(-1, (len(cold), s)).sum(-1))  # [hi - lo, cold]
+            if cold:  # each cold page's share of each query head's attention (kvguard/cache/picks.py)
+                bound = None if bounds is None else bound_shares(
+                    q[lo:hi], *bounds, tok[::s], torch.arange(n - t + lo, n - t + hi, device=q.device), scale)
+                picked = picks.pick(self.rule, picks.shares(self.rule, probs[..., tok].unflatten(-1, (len(cold), s))
+                                                            .sum(-1), bound))  # [hi - lo, cold]
                 union = [cold[j] for j in picked.any(dim=0).nonzero().flatten().tolist()]
                 need = [i for i in union if i not in fetched]
                 if need:
@@ -374,18 +376,6 @@ class ValueSplit:
         if layer == self.cfg.num_layers - 1:
             self.flush(seq)
         return out.permute(2, 0, 1, 3).reshape(t, hq, d).to(q.dtype), mass
-
-    def _pick(self, per_page: torch.Tensor) -> torch.Tensor:
-        """The cold pages each query of a block reads, from per_page [H, g, T, cold] (each
-        page's share of each query head's attention): by its largest share over the query's
-        heads, as the kernel path picks. Returns [T, cold] bool."""
-        top = per_page.amax(dim=(0, 1))  # [T, cold]
-        k = self.rule.pages(top.shape[1])
-        if k is None:
-            return top >= self.rule.mass
-        if k >= top.shape[1]:
-            return torch.ones_like(top, dtype=torch.bool)
-        return torch.zeros_like(top, dtype=torch.bool).scatter_(1, top.topk(k, dim=1).indices, True)
 
     def _values(self, seq: Sequence, layer: int, refs: list[PageRef], idx: list[int]) -> list[torch.Tensor]:
         """The values [H, S, D] fp32 of split pages idx of the sequence at one layer, copied

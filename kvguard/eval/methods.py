@@ -159,6 +159,13 @@ def builtin_methods(budget: int = 256, page_size: int = 16) -> dict[str, Method]
         methods.append(Method(f"kvsplit-all@{pct}", "split",
                               {"codec": "fp16", "kv_split": split | {"normalize": "all"}}, default=False,
                               description=f"{text}; the pages not read keep their weight in the softmax"))
+        for rerank in (None, 4):  # Quest's bound alone; the bound's top 4 x k, then exact scores among them
+            name = f"kvsplit-bound{f'-r{rerank}' if rerank else ''}@{pct}"
+            text = (f"then the {pct} % of largest exact share among the {rerank} x as many of largest bound" if rerank
+                    else "the pages picked by Quest's bound of their logits instead of exact scores")
+            bound = {"score": "bound"} | ({"rerank": rerank} if rerank else {})
+            methods.append(Method(name, "split", {"codec": "fp16", "kv_split": split | bound}, default=False,
+                                  description=f"K/V split as kvsplit@{pct}, {text}"))
     for pct in SPLIT_FRACTIONS + (100,):  # INT8 pages (as `int8`, or `int8-rot`), the split's keys INT8 or INT4
         # (a longer context on a device); at 100 % every value is read: what the INT4 keys alone cost
         for keys, name, rotate in ((None, "int8+kvsplit", False), ("int4", "int8+kvsplit4", False),

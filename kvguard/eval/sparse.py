@@ -13,16 +13,9 @@ import math
 
 import torch
 
+from ..cache.attention import page_bounds
 
-def page_bounds(k: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """k [H, L, D] -> per-page channel min, max [H, P, D] (P = ceil(L / page_size))."""
-    h, length, d = k.shape
-    pages = math.ceil(length / page_size)
-    pad = pages * page_size - length
-    kf = k.float()
-    lo = torch.cat([kf, kf.new_full((h, pad, d), math.inf)], 1).reshape(h, pages, page_size, d).amin(2)
-    hi = torch.cat([kf, kf.new_full((h, pad, d), -math.inf)], 1).reshape(h, pages, page_size, d).amax(2)
-    return lo, hi
+__all__ = ["page_bounds", "quest_attention"]
 
 
 def quest_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, page_size: int, top_k: int,

@@ -185,7 +185,8 @@ class KvSplit(_Strict):
 def split_key(split: dict) -> str:
     """A K/V split as config_key names it: kvsplit@25%/w128, kvsplit@32p/w256, kvsplit@m0.01/w256;
     `/all` when the pages not read keep their weight in the softmax (normalize: all), `/k-int4`
-    when its keys are in their own codec."""
+    when its keys are in their own codec, `/bound` (`/bound-r4`) when pages are ranked by Quest's
+    bound (then by exact scores among 4 x k of them; a measurement, not a policy's)."""
     if split.get("top_k") is not None:
         rule = f"{split['top_k']}p"
     elif split.get("fraction") is not None:
@@ -194,7 +195,9 @@ def split_key(split: dict) -> str:
         rule = f"m{split['mass']:g}"
     norm = "/all" if split.get("normalize") == "all" else ""
     keys = f"/k-{split['keys']}" if split.get("keys") else ""
-    return f"kvsplit@{rule}/w{split.get('window', 256)}{norm}{keys}"
+    bound = "" if split.get("score", "exact") == "exact" else "/bound"
+    bound += f"-r{split['rerank']}" if split.get("rerank") else ""
+    return f"kvsplit@{rule}/w{split.get('window', 256)}{norm}{keys}{bound}"
 
 
 def config_key(options: dict) -> str:

@@ -24,10 +24,18 @@ def test_budget_methods_are_distinct_configurations_run_only_when_named():
         assert paged.options["evictor_options"] == {**methods[name].options["evictor_options"], "granularity": "page"}
         assert paged.key.endswith("/pages")
     split = {n for n, m in methods.items() if not m.default and m.kind == "split"}
-    # the other normalization, and INT8 pages with the split's keys INT8 or INT4, only when named
-    assert split == ({f"kvsplit-all@{f}" for f in (5, 10, 25, 50)}
+    # the other normalization, Quest's bound (alone, and as a first cut before exact scores), and
+    # INT8 pages with the split's keys INT8 or INT4, only when named
+    assert split == ({f"{name}@{f}" for f in (5, 10, 25, 50) for name in ("kvsplit-all", "kvsplit-bound",
+                                                                         "kvsplit-bound-r4")}
                      | {f"{name}@{f}" for f in (5, 10, 25, 50, 100)
                         for name in ("int8+kvsplit", "int8+kvsplit4", "int8-rot+kvsplit4")})
+    for f in (5, 10, 25, 50):
+        assert methods[f"kvsplit-bound@{f}"].options["kv_split"] == {"window": 128, "fraction": f / 100,
+                                                                      "score": "bound"}
+        assert methods[f"kvsplit-bound-r4@{f}"].options["kv_split"] == {"window": 128, "fraction": f / 100,
+                                                                         "score": "bound", "rerank": 4}
+        assert methods[f"kvsplit-bound-r4@{f}"].key.endswith("/bound-r4")
     for f in (5, 10, 25, 50, 100):
         assert methods[f"int8+kvsplit4@{f}"].options == {"codec": "int8", "fp_sink": 4, "kv_split": {
             "window": 128, "fraction": f / 100, "keys": "int4"}}
