@@ -39,7 +39,7 @@ methods: none int8 int8-window int4 fp8 int8-rot int8-window-rot fp8-rot int4-ro
          snapkv-value-prefix, and h2o-/snapkv- pyramid, adaptive, pyramid-adaptive, global, each -prefix
          or -value-prefix (e.g. snapkv-adaptive-value-prefix); kvsplit-all@5 .. @50 (the pages a
          query does not read keep their weight in its softmax); kvsplit-bound@5 .. @50 (pages
-         ranked by Quest's bound) and kvsplit-bound-r4@5 .. @50 (the bound's top 4 x, then exact);
+         ranked by Quest's bound), kvsplit-bound-r4@ and -r8@5 .. @50 (the bound's top 4 or 8 x, then exact);
          int8+kvsplit@F, int8+kvsplit4@F, int8-rot+kvsplit4@F, F = 5, 10, 25, 50, 100 (INT8 pages, the
          split's keys INT8 or INT4); h2o-pages snapkv-pages (each head's whole pages dropped first)
 texts:   austen (Debian r-cran-janeaustenr), python-docs (Debian python3.11-doc),

@@ -159,7 +159,7 @@ def builtin_methods(budget: int = 256, page_size: int = 16) -> dict[str, Method]
         methods.append(Method(f"kvsplit-all@{pct}", "split",
                               {"codec": "fp16", "kv_split": split | {"normalize": "all"}}, default=False,
                               description=f"{text}; the pages not read keep their weight in the softmax"))
-        for rerank in (None, 4):  # Quest's bound alone; the bound's top 4 x k, then exact scores among them
+        for rerank in (None, 4, 8):  # Quest's bound alone; the bound's top R x k, then exact scores among them
             name = f"kvsplit-bound{f'-r{rerank}' if rerank else ''}@{pct}"
             text = (f"then the {pct} % of largest exact share among the {rerank} x as many of largest bound" if rerank
                     else "the pages picked by Quest's bound of their logits instead of exact scores")

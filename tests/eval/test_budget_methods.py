@@ -27,7 +27,7 @@ def test_budget_methods_are_distinct_configurations_run_only_when_named():
     # the other normalization, Quest's bound (alone, and as a first cut before exact scores), and
     # INT8 pages with the split's keys INT8 or INT4, only when named
     assert split == ({f"{name}@{f}" for f in (5, 10, 25, 50) for name in ("kvsplit-all", "kvsplit-bound",
-                                                                         "kvsplit-bound-r4")}
+                                                                         "kvsplit-bound-r4", "kvsplit-bound-r8")}
                      | {f"{name}@{f}" for f in (5, 10, 25, 50, 100)
                         for name in ("int8+kvsplit", "int8+kvsplit4", "int8-rot+kvsplit4")})
     for f in (5, 10, 25, 50):
