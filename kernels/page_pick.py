@@ -64,11 +64,18 @@ def _digit(row, n, offs, prefix, high, need, SHIFT: tl.constexpr, MASK: tl.const
         bits = tl.load(row + i, mask=i < n, other=-1.0).to(tl.int32, bitcast=True)
         ok = (i < n) & ((bits & high) == prefix)
         hist += tl.histogram((bits >> SHIFT) & MASK, 256, mask=ok)
+    digit, need = _select(hist, need, MASK)
+    return prefix | (digit << SHIFT), high | (MASK << SHIFT), need
+
+
+@triton.jit
+def _select(hist, need, MASK: tl.constexpr):
+    # from one digit's histogram [256] (digits above MASK never taken): the digit of the need-th
+    # largest, and its rank among the pages that share that digit
     d = tl.arange(0, 256)
     above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # pages at this digit or a higher one
     digit = tl.max(tl.where((above >= need) & (d <= MASK), d, 0), 0)
-    need -= tl.sum(tl.where(d > digit, hist, 0), 0)
-    return prefix | (digit << SHIFT), high | (MASK << SHIFT), need
+    return digit, need - tl.sum(tl.where(d > digit, hist, 0), 0)
 
 
 @triton.jit
@@ -131,10 +138,7 @@ def _known(hist, k, J: tl.constexpr):
     high = tl.zeros((), dtype=tl.int32)
     need = k
     for j in tl.static_range(J):
-        h = tl.load(hist + j * 256 + d)
-        above = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # pages at this digit or a higher one
-        digit = tl.max(tl.where(above >= need, d, 0), 0)
-        need -= tl.sum(tl.where(d > digit, h, 0), 0)
+        digit, need = _select(tl.load(hist + j * 256 + d), need, 255)
         prefix = prefix | (digit << (24 - 8 * j))
         high = ~((1 << (24 - 8 * j)) - 1)  # bits 31 .. 24 - 8j (bit 31 is 0 in every mass)
     return prefix, high, need
@@ -154,7 +158,7 @@ def _many_digit_kernel(mass, want, hist, n, m_row, J: tl.constexpr, BLOCK: tl.co
 @triton.jit
 def _keeps(mass, want, hist, n, threshold, m_row, b, i, TOPK: tl.constexpr):
     # a block's pages: those above the k-th largest mass (or reaching the threshold), those at
-    # it, how many at it are still to take, and whether the row takes any
+    # it, and how many of the row's pages at it are to be taken (none when the row takes none)
     x = tl.load(mass + b.to(tl.int64) * m_row + i, mask=i < n, other=0.0)
     if TOPK:
         k = tl.load(want + b)
@@ -290,8 +294,13 @@ def _total_kernel(scores, total, n, s_row, HQ: tl.constexpr, BLOCK: tl.constexpr
     acc = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, n, BLOCK):
         acc += tl.exp(tl.load(base + start + offs, mask=start + offs < n, other=float("-inf")) - top)
-    tot = tl.sum(acc, 0)
-    tl.store(total + row, tl.where(tot > 0.0, top + tl.log(tl.where(tot > 0.0, tot, 1.0)), float("-inf")))
+    tl.store(total + row, _log_total(top, tl.sum(acc, 0)))
+
+
+@triton.jit
+def _log_total(top, tot):
+    # top + log(tot): the log of a sum of exp taken relative to top; -inf for an empty sum
+    return tl.where(tot > 0.0, top + tl.log(tl.where(tot > 0.0, tot, 1.0)), float("-inf"))
 
 
 @triton.jit
@@ -315,8 +324,7 @@ def _total_join_kernel(part, total, P, PP: tl.constexpr):
     s = tl.load(part + (row * P + c) * 2 + 1, mask=c < P, other=0.0)
     top = tl.max(m, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
-    tot = tl.sum(s * tl.exp(m - top), 0)
-    tl.store(total + row, tl.where(tot > 0.0, top + tl.log(tl.where(tot > 0.0, tot, 1.0)), float("-inf")))
+    tl.store(total + row, _log_total(top, tl.sum(s * tl.exp(m - top), 0)))
 
 
 def page_total(scores: torch.Tensor, config: dict | None = None) -> torch.Tensor:

@@ -82,11 +82,9 @@ def compile_recorded() -> int:
     return failed
 
 
-def picks() -> None:
-    """The K/V split's normalizer and picks, both paths, at a 240K-token row and at a short one."""
-    from kvguard.kernels import page_pick as pp
-
-    pp.launch = record
+def picks(pp) -> None:
+    """The K/V split's normalizer and picks (pp: kernels/page_pick.py), both paths, at a 240K-token
+    row and at a short one."""
     for n in (15000, 40):
         scores = torch.randn(1, 32, n)
         total = torch.logsumexp(scores, -1)
@@ -100,17 +98,16 @@ def picks() -> None:
 
 
 def _pages(codec: str, n: int, h: int, d: int, s: int = 16) -> dict[str, torch.Tensor]:
-    from kvguard.kernels import quantize as ref
+    """n pages of random K/V in `codec` ("int4k": the K/V split's INT4 keys beside INT8 values),
+    by the codecs the cache encodes with (tests/kernels/util.py would set the interpreter)."""
+    from kvguard.compress.codecs import make_codec
+    from kvguard.compress.codecs.mixed import MixedCodec
 
     k, v = torch.randn(n, h, s, d), torch.randn(n, h, s, d)
     if codec == "fp16":
         return {"k": k.half(), "v": v.half()}
-    if codec == "int4":
-        return ref.encode_int4(k, v)
-    if codec == "int4k":  # the K/V split's INT4 keys beside INT8 values
-        return {**{f: t for f, t in ref.encode_int4(k, k).items() if f.startswith("k")},
-                **{f: t for f, t in ref.encode_int8(k, v).items() if f.startswith("v")}}
-    return ref.encode_int8(k, v, dtype=torch.float8_e4m3fn if codec == "fp8" else torch.int8)
+    c = MixedCodec(keys=make_codec("int4"), values=make_codec("int8")) if codec == "int4k" else make_codec(codec)
+    return c.encode(k, v)
 
 
 def everything() -> None:
@@ -178,9 +175,9 @@ def everything() -> None:
                 mods["compact"].compact_tokens(fresh, slots + 64, slots)
         mods["gather"].gather_pages(pages["k"], torch.arange(4, dtype=torch.int64), torch.device("cpu"))
         mods["page_pick"].rescale(q, torch.zeros(b, hq), torch.zeros(b, hq))
-    picks()
+    picks(mods["page_pick"])
 
 
 if __name__ == "__main__":
-    everything() if "--all" in sys.argv else picks()
+    everything()
     sys.exit(1 if compile_recorded() else 0)
