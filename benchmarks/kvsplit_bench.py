@@ -21,6 +21,8 @@ reference path (dense fp32, values copied in).
     python benchmarks/kvsplit_bench.py --batch 8 --no-check
     python benchmarks/kvsplit_bench.py --profile            # where the split's step spends its time
     python benchmarks/kvsplit_bench.py --prefill 32768,131072 --chunk 512   # a prompt chunk after the split
+    python benchmarks/kvsplit_bench.py --no-check --fractions 0.01 --split-keys int8 --slots 2,4
+                                                            # and with the pages read last kept on the device
     python benchmarks/kvsplit_bench.py --smoke              # tiny, on the CPU
 """
 
@@ -218,6 +220,25 @@ def decode_graph(m: CacheManager, seqs: list, args) -> tuple[float, float]:
     return 1000 * statistics.median(times), statistics.mean(fetched)
 
 
+def with_slots(m: CacheManager, seqs: list, fraction: float, keys: str, mult: int, run) -> None:
+    """Run `run(hot, label)` with the split's rule at `fraction` and device slots for `mult` x the
+    pages a step's rows pick (kv_split.slots, kvguard/cache/hot.py), then take the slots away."""
+    from kvguard.cache.hot import HotValues
+
+    if not m.cfg.use_kernels:
+        print(f"    (slots serve the kernel path only: not timed on {m.cfg.device})")
+        return
+    held = max(sum(r.where == "split" for r in m.seqs.get(s).pages) for s in seqs)  # a row's split pages
+    slots = mult * max(1, KVSplit(window=0, fraction=fraction).pages(held)) * len(seqs)
+    m.split.rule = KVSplit(window=m.split.rule.window, fraction=fraction, keys=keys, slots=slots)
+    hot = m.split.hot = HotValues(m.split.pool, slots, m.cfg.device)
+    try:
+        run(hot, f"slots {mult}xk")
+    finally:
+        m.split.pool.on_wipe.remove(hot.forget)
+        m.split.hot = None
+
+
 def reported(m: CacheManager, wait: bool = True) -> int:
     """Value bytes the `fetch` events emitted so far report reading from the host; with `wait`,
     the split's reads of every step emitted first (waits for the device)."""
@@ -311,12 +332,18 @@ def check(args) -> None:
     int4 = {**rule, "fraction": 0.25, "keys": "int4"}  # the split's keys in INT4 (kv_split.keys)
     part = max(part, (run(int4, True) - run(int4, False)).abs().max().item(),
                (chunk(int4, True) - chunk(int4, False)).abs().max().item())
-    ok = full < 2e-3 and part < 2e-2 and graph < 2e-2 and chunk_full < 2e-3 and chunks < 2e-2
+    # the pages read last kept in device slots (kv_split.slots): the same answer, eager bit for bit
+    plain, slots = {**rule, "fraction": 0.25}, {**rule, "fraction": 0.25, "slots": 512}
+    kept = (run(slots, True) - run(plain, True)).abs().max().item()
+    kept_graph = (run(slots, True, graph=True) - run(plain, True)).abs().max().item()
+    ok = (full < 2e-3 and part < 2e-2 and graph < 2e-2 and chunk_full < 2e-3 and chunks < 2e-2 and kept == 0
+          and kept_graph < 2e-2)
     print(f"check: every page read vs no split max|diff| {full:.2e}; fraction 0.25 kernel vs reference path "
           f"(and with INT4 keys, a chunk's too) {part:.2e}; replayed from a CUDA graph vs eager (fraction 0.25, "
           f"mass 1e-3, INT4 keys) {graph:.2e}; a 64-query "
           f"chunk: every page read vs no split {chunk_full:.2e}, kernel vs reference path (fraction 0.25 read and "
-          f"all, mass 1e-3) {chunks:.2e}: {'PASSED' if ok else 'FAILED'}")
+          f"all, mass 1e-3) {chunks:.2e}; with slots vs without, eager {kept:.2e}, replayed {kept_graph:.2e}: "
+          f"{'PASSED' if ok else 'FAILED'}")
     if not ok:
         raise SystemExit(1)
 
@@ -581,6 +608,10 @@ def main() -> None:
     p.add_argument("--many-from", type=int, default=None, metavar="PAGES",
                    help="rows of at least this many pages are normalized and picked by many programs a row "
                         "(kernels/page_pick.py PICK_CONFIG['many_from'])")
+    p.add_argument("--slots", default="", metavar="M,...",
+                   help="also the split at INT8's context with device slots for M x the pages a step picks "
+                        "(kv_split.slots): eager steps draw new queries (picks repeat by chance), the graph "
+                        "replays one (they repeat): the two ends of what the slots save")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     args = p.parse_args()
     if args.many_from is not None:
@@ -641,6 +672,10 @@ def main() -> None:
             for f in fractions:
                 m.split.rule = KVSplit(window=args.window, fraction=f, keys=keys)
                 row(f"{name} f={f}", m, seqs, used, at)
+            for mult in (int(x) for x in args.slots.split(",") if x) if at == int8_tokens else ():
+                for f in fractions:
+                    with_slots(m, seqs, f, keys, mult, lambda hot, label: row(f"{name} f={f} {label}", m, seqs,
+                                                                        used + hot.nbytes, at))
             for seq in seqs:
                 m.free(seq)
             m.events.take_events()

@@ -19,7 +19,9 @@ attention's softmax. Reported, as shares of the pages picked (so of the value by
 - lru M x k: served by a device cache of M x k value pages per layer (k the pages a step
   picks), the least recently read out first;
 - ring M x k: the same cache as a ring, each page read from the host taking the next slot (first
-  in, first out), which a device can keep without a search.
+  in, first out), which a device can keep without a search;
+- slots M x k: the ring as the cache keeps it (`kv_split.slots`, kvguard/cache/hot.py: a slot
+  that the step's copies may take does not serve), through its own bookkeeping.
 
 The picks come from the full attention's states, not from a run in which the split skipped values:
 after the first layer a split run's queries differ a little, so these are its picks to first order.
@@ -116,10 +118,43 @@ def ring_hits(steps: list[set[int]], slots: int) -> tuple[int, int]:
     return hits, total
 
 
+def built_hits(steps: list[set[int]], slots: int) -> tuple[int, int]:
+    """lru_hits for the slots as the cache keeps them (kvguard/cache/hot.py HotValues, its own
+    bookkeeping; the copies, which do not change what is held, made here by torch on a pool of
+    one token a page, since the values do not matter)."""
+    from kvguard.cache import hot as hot_module
+    from kvguard.cache.pool import PagePool
+    from kvguard.compress.codecs import make_codec
+
+    def copy(src, idx, dst, didx):
+        keep = idx >= 0
+        dst[didx[keep].long()] = src[idx[keep].long()]
+
+    width = max((len(p) for p in steps), default=0)
+    pages = 1 + max((max(p) for p in steps if p), default=0)
+    if not width or 2 * width > slots:
+        return 0, sum(len(p) for p in steps)
+    pool = PagePool(make_codec("fp16"), num_pages=pages, num_layers=1, num_kv_heads=1, head_dim=2, page_size=1,
+                    dtype=torch.float16, device=torch.device("cpu"))
+    real, hot_module.scatter_pages = hot_module.scatter_pages, copy
+    try:
+        hot = hot_module.HotValues(pool, slots, torch.device("cpu"))
+        hits = total = 0
+        for picked in steps:
+            chosen = torch.full((1, width), -1, dtype=torch.int32)
+            chosen[0, :len(picked)] = torch.tensor(sorted(picked), dtype=torch.int32)
+            _, _, moved = hot.take(0, pool.fields[0], chosen, torch.tensor([len(picked)], dtype=torch.int32))
+            total += len(picked)
+            hits += len(picked) - int(moved[0])
+    finally:
+        hot_module.scatter_pages = real
+    return hits, total
+
+
 def measure(per_layer: list[list[set[int]]], slot_mults: list[int]) -> dict:
     """The shares of one rule's picks [layer][step] served by each source."""
     step_hit = step_tot = layer_hit = layer_tot = 0
-    slot_hits = {(how, m): [0, 0] for how in ("lru", "ring") for m in slot_mults}
+    slot_hits = {(how, m): [0, 0] for how in HOW for m in slot_mults}
     for li, steps in enumerate(per_layer):
         for j, picked in enumerate(steps):
             if j:
@@ -130,7 +165,7 @@ def measure(per_layer: list[list[set[int]]], slot_mults: list[int]) -> dict:
                 layer_tot += len(picked)
         kk = max((len(p) for p in steps), default=0)
         for how, m in slot_hits:
-            h, t = (lru_hits if how == "lru" else ring_hits)(steps, max(1, m * kk))
+            h, t = HOW[how](steps, max(1, m * kk))
             slot_hits[how, m][0] += h
             slot_hits[how, m][1] += t
     return {"k": len(per_layer[0][-1]) if per_layer[0] else 0, "step": step_hit / max(1, step_tot), "layer": layer_hit / max(1, layer_tot),
@@ -172,7 +207,7 @@ def main(argv=None) -> None:
     cold = math.ceil((a.tokens - a.window) / PAGE)
     print(f"\nSmolLM2-135M, {a.tokens} tokens ({cold} cold pages at the end), last {a.queries} steps, "
           f"window {a.window}; shares of the pages picked, mean over {len(texts)} texts (min-max):\n")
-    caches = [(how, m) for how in ("lru", "ring") for m in mults]
+    caches = [(how, m) for how in HOW for m in mults]
     print("| fraction | pages a step | same layer, step before | layer below, same step | "
           + " | ".join(f"{how} {m} x k" for how, m in caches) + " |")
     print("|---" * (4 + len(caches)) + "|")
@@ -184,6 +219,8 @@ def main(argv=None) -> None:
         print(f"| {f:g} | {rs[0]['k']} | {cell([r['step'] for r in rs])} | {cell([r['layer'] for r in rs])} | "
               + " | ".join(cell([r['slots'][c] for r in rs]) for c in caches) + " |")
 
+
+HOW = {"lru": lru_hits, "ring": ring_hits, "slots": built_hits}
 
 if __name__ == "__main__":
     main()

@@ -434,6 +434,11 @@ def test_kv_split_is_a_compression_layer_the_downgrade_steps_may_drop():
     assert norm.cache_config(SMOLLM2, num_pages=8).kv_split.normalize == "all" and norm.key.endswith("/all")
     with pytest.raises(PolicyError, match="normalize"):
         parse_policy(CHAT.replace("  enabled: true\n", "  enabled: true\n  normalize: some\n"))
+    slots = parse_policy(CHAT.replace("  enabled: true\n", "  enabled: true\n  slots: 600\n"))
+    assert slots.cache_config(SMOLLM2, num_pages=8).kv_split.slots == 600 and slots.key.endswith("/slots600")
+    for bad in ("1", "2.5", "many"):
+        with pytest.raises(PolicyError, match="kv_split.slots"):
+            parse_policy(CHAT.replace("  enabled: true\n", f"  enabled: true\n  slots: {bad}\n"))
 
 
 def test_the_shipped_chat_rag_and_reasoning_policies_split_keys_and_values():

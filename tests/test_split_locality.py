@@ -47,6 +47,14 @@ def test_an_lru_device_cache_serves_what_it_still_holds():
     assert loc.lru_hits([{1, 2}, {1, 3}, {1}], 2) == (2, 5)
 
 
+def test_the_cache_s_own_slots_do_not_serve_what_a_step_may_overwrite():
+    assert loc.built_hits([{1, 2}, {1, 2}, {3}], 4) == (2, 5)
+    # after two steps of copies the ring's next two slots hold 1 and 2: a pick of 1 is copied again
+    assert loc.built_hits([{1, 2}, {3, 4}, {1}], 4) == (0, 5)
+    assert loc.ring_hits([{1, 2}, {3, 4}, {1}], 4) == (1, 5)
+    assert loc.built_hits([{1, 2}, {1, 2}], 3) == (0, 4)  # fewer than twice a step's picks: nothing served
+
+
 def test_shares_of_picks_that_repeat():
     same = [[{1, 2, 3}] * 4 for _ in range(3)]  # [layer][step]
     r = loc.measure(same, [1])
@@ -59,12 +67,12 @@ def test_shares_of_picks_that_repeat():
 
 def test_split_locality_runs_on_smollm2():
     r = subprocess.run([sys.executable, "benchmarks/split_locality.py", "--texts", "stdlib-code", "--tokens", "328",
-                        "--queries", "8", "--window", "64", "--fractions", "0.1,1", "--slots", "1", "--threads", "1"],
+                        "--queries", "8", "--window", "64", "--fractions", "0.1,1", "--slots", "2", "--threads", "1"],
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = {x[1].strip(): x for x in (line.split("|") for line in r.stdout.splitlines()) if len(x) == 8}
+    rows = {x[1].strip(): x for x in (line.split("|") for line in r.stdout.splitlines()) if len(x) == 9}
     assert rows["1"][2].strip() == "16"  # every cold page, (328 - 64) // 16, at each of the 8 steps
-    every = [float(c.split()[0]) for c in rows["1"][3:7]]
-    assert every == [1.0, 1.0, 0.88, 0.88]  # reading every page every read repeats; the cache misses the first step
+    every = [float(c.split()[0]) for c in rows["1"][3:8]]
+    assert every == [1.0, 1.0, 0.88, 0.88, 0.88]  # reading every page every read repeats; the cache misses the first step
     assert 0 < float(rows["0.1"][3].split()[0]) < 1

@@ -32,7 +32,10 @@ class KVSplit:
     page's logits from each channel's least and largest key, softmaxed over the cold pages; top_k
     or fraction only); `rerank` R with "bound": the R x k pages of largest bound, then the k of
     them with the largest exact share among them (kvguard/cache/picks.py). "bound" is measured on
-    the reference path only: no kernel ranks pages by bound, so it is refused with kernels."""
+    the reference path only: no kernel ranks pages by bound, so it is refused with kernels.
+    `slots`: on the kernel path, device page slots a layer that keep the pages read last, so a
+    page picked again is not read over the bus again (kvguard/cache/hot.py); at least twice the
+    pages a step's rows pick, or the step reads in place."""
 
     window: int = 256
     top_k: int | None = None
@@ -43,6 +46,7 @@ class KVSplit:
     keys: str | None = None
     score: str = "exact"
     rerank: int | None = None
+    slots: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
@@ -73,6 +77,9 @@ class KVSplit:
                                         or isinstance(self.rerank, bool) or self.rerank < 2):
             raise ConfigError(f"kv_split rerank must be an integer >= 2, with score bound; got {self.rerank!r} "
                               f"with score {self.score}")
+        if self.slots is not None and (not isinstance(self.slots, int) or isinstance(self.slots, bool)
+                                       or self.slots < 2):
+            raise ConfigError(f"kv_split slots must be an integer >= 2, got {self.slots!r}")
 
     def pages(self, cold: int) -> int | None:
         """How many of `cold` pages a read fetches (None: by mass)."""

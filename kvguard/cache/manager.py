@@ -357,5 +357,6 @@ class CacheManager:
             bytes_held=sum(p.used_count * p.page_bytes for p in self.pools.values()),
             bytes_16bit_equivalent=int((tokens + evicted) * per_token_16),
             waste_slots=max(0, slots - tokens),
-            bytes_on_device=sum(p.used_count * p.device_page_bytes for p in self.pools.values()),
+            bytes_on_device=sum(p.used_count * p.device_page_bytes for p in self.pools.values())
+            + (self.split.hot.nbytes if self.split is not None and self.split.hot is not None else 0),
         )

@@ -69,6 +69,7 @@ class PagePool:
         self.ref = [0] * num_pages
         # owners[page][subject] = how many references that subject's sequences hold
         self.owners: list[dict[Subject, int]] = [{} for _ in range(num_pages)]
+        self.on_wipe: list = []  # called with the pages wiped: what keeps copies of them forgets them
 
     # --- allocation ---------------------------------------------------------------------------
 
@@ -128,6 +129,8 @@ class PagePool:
         self._host_sync()
         for t in self._stacks.values():
             _raw(t).index_fill_(1, self._index(pages, t), 0)
+        for forget in self.on_wipe:
+            forget(pages)
 
     # --- data ---------------------------------------------------------------------------------
 

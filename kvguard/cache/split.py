@@ -19,7 +19,8 @@ On the kernel path (`attend_step`, one query per row) nothing goes through the h
 the keys (kernels/page_scores.py) gives each page's log-sum-exp, the pages are picked on the
 device (kernels/page_pick.py), and the decode kernels read the picked pages' values in place in
 pinned host memory, mapped into the device's address space: no staging copy, no wait (with
-`normalize: all` its output is rescaled to the whole softmax's). A chunk of queries
+`normalize: all` its output is rescaled to the whole softmax's); with `slots`, the pages read
+last are kept in device slots and read there (hot.py). A chunk of queries
 (`attend_chunk`: a prefill's, once its older pages moved) picks the same way, each query its
 own pages; the pages any of them picked are gathered into device memory once and the other
 pools take the prefill kernel. Elsewhere (`attend`: the CPU, an evictor that needs each key's
@@ -46,6 +47,7 @@ from . import picks
 from .attention import add_mass, bound_shares, page_bounds, score_blocks
 from .block_tables import BlockTables
 from .config import CacheConfig
+from .hot import HotValues
 from .pages import PageStore
 from .sequence import SPLIT, PageRef, Sequence, page_name
 
@@ -70,6 +72,9 @@ class ValueSplit:
         self._pending: deque[tuple] = deque()  # (event or None, pages [L, B, k], counts [L, B], seqs)
         self.last_read = 1.0  # fraction of the keys of the last reference read whose values were read
         self.names = [page_name(SPLIT, p) for p in range(self.pool.num_pages)]  # made once: a read names many
+        # the pages read last, kept in device slots on the kernel path (hot.py)
+        self.hot = HotValues(self.pool, self.rule.slots, cfg.device) if self.rule and self.rule.slots and \
+            cfg.use_kernels else None
 
     @property
     def page_value_bytes(self) -> int:
@@ -171,12 +176,13 @@ class ValueSplit:
         if self.rule.mass is None:
             k = max(want)
             count = self.tables.device_ints(("split-k", tuple(want)), lambda: list(want), torch.int32)
-        out, chosen, count = self.decode(q, bounded, lens, j, k, count, scale)
+        out, chosen, count = self.decode(q, bounded, lens, j, k, count, scale, layer)
         self._note_reads(rows, seqs, layer, chosen, count)
         return out
 
     def decode(self, q: torch.Tensor, sets: list[tuple], lens: torch.Tensor, j: int, k: int | None,
-               want: torch.Tensor | None, scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               want: torch.Tensor | None, scale: float | None,
+               layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One layer's decode over sets of pages, set j the split's, all on the device with no
         host wait and no shape that depends on the data (a CUDA graph captures it: StaticStep).
         sets: (page fields, block table [B, n_i] int32, an upper bound of the tokens a row holds
@@ -184,8 +190,8 @@ class ValueSplit:
         values are read (kernels/page_pick.py): with `want` ([B] int32, pages per
         row), the want[b] of largest mass, k (>= every want[b]) the width of the picks; without
         (the mass rule), every page whose mass reaches the rule's. Returns out [B, Hq, D] in q's
-        dtype, the split pages picked [B, k or n_j] int32 in slot order, and how many of each
-        row's were read [B] int32."""
+        dtype, the split pages whose values were read over the bus [B, k or n_j] int32 (those
+        picked in slot order; with `slots`, those no slot held), and how many of each row's [B] int32."""
         from kvguard.kernels.page_pick import page_pick, page_total, rescale
         from kvguard.kernels.page_scores import page_lse
         from kvguard.kernels.paged_decode import paged_decode_sets
@@ -206,6 +212,9 @@ class ValueSplit:
                                   0.0 if self.rule.mass is None else self.rule.mass)
         args = [(fields, tb, lens[i], bound) for i, (fields, tb, bound) in enumerate(sets)]
         args[j] = (sets[j][0], chosen, count * s, k * s)
+        if self.hot is not None and self.hot.fits(b * k):  # every pick read from a device slot
+            slots, chosen, moved = self.hot.take(layer, sets[j][0], chosen, count)
+            args[j], count = (self.hot.fields[layer], slots, count * s, k * s), moved
         out, part = paged_decode_sets(q, args, sm_scale=scale)
         if self.rule.normalize == "all":  # the pages read were normalized among themselves: rescale to
             out = rescale(out, part, total)  # the whole softmax (the pages not read keep their weight)

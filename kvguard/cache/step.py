@@ -259,7 +259,8 @@ class StaticStep:
         return self._rotated(lambda q: paged.decode(q, sets, self.lens, into, scale=scale), q)
 
     def _attend_split(self, layer: int, q: torch.Tensor, sets: list[tuple], scale: float | None) -> torch.Tensor:
-        out, chosen, count = self.split.decode(q, sets, self.lens, self.names.index(SPLIT), self.k, self.want, scale)
+        out, chosen, count = self.split.decode(q, sets, self.lens, self.names.index(SPLIT), self.k, self.want, scale,
+                                              layer)
         self.reads[layer].copy_(chosen)
         self.read_counts[layer].copy_(count)
         if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):  # capturing runs nothing

@@ -158,7 +158,9 @@ class KvSplit(_Strict):
     each query its own; `normalize`: a query's softmax over the keys whose values it read ("read")
     or over every key ("all": the pages not read keep their weight and add no value); `keys`: the
     codec of the split pages' keys (default the policy's; int4 beside int8 values: a longer
-    context in the same device memory)."""
+    context in the same device memory); `slots`: device page slots a layer that keep the pages
+    read last, so that a page picked again is not read over the bus again (on the kernel path;
+    at least twice the pages a step's rows pick, else a step reads in place)."""
 
     enabled: Annotated[bool, Field(strict=True)] = True
     window: Count = 256  # tokens whose values stay on the device
@@ -167,6 +169,7 @@ class KvSplit(_Strict):
     mass: Annotated[float, Field(gt=0, lt=1)] | None = None
     normalize: Literal["read", "all"] = "read"
     keys: Literal["int8", "fp8", "int4"] | None = None
+    slots: Annotated[int, Field(ge=2, strict=True)] | None = None
 
     @model_validator(mode="after")
     def _one_rule(self):
@@ -179,13 +182,14 @@ class KvSplit(_Strict):
     def options(self) -> dict:
         rule = {n: getattr(self, n) for n in ("top_k", "fraction", "mass") if getattr(self, n) is not None}
         return ({"window": self.window} | rule | ({"normalize": self.normalize} if self.normalize != "read" else {})
-                | ({"keys": self.keys} if self.keys else {}))
+                | ({"keys": self.keys} if self.keys else {}) | ({"slots": self.slots} if self.slots else {}))
 
 
 def split_key(split: dict) -> str:
     """A K/V split as config_key names it: kvsplit@25%/w128, kvsplit@32p/w256, kvsplit@m0.01/w256;
     `/all` when the pages not read keep their weight in the softmax (normalize: all), `/k-int4`
-    when its keys are in their own codec, `/bound` (`/bound-r4`) when pages are ranked by Quest's
+    when its keys are in their own codec, `/slots64` when it keeps 64 pages a layer read last on
+    the device, `/bound` (`/bound-r4`) when pages are ranked by Quest's
     bound (then by exact scores among 4 x k of them; a measurement, not a policy's)."""
     if split.get("top_k") is not None:
         rule = f"{split['top_k']}p"
@@ -197,7 +201,8 @@ def split_key(split: dict) -> str:
     keys = f"/k-{split['keys']}" if split.get("keys") else ""
     bound = "" if split.get("score", "exact") == "exact" else "/bound"
     bound += f"-r{split['rerank']}" if split.get("rerank") else ""
-    return f"kvsplit@{rule}/w{split.get('window', 256)}{norm}{keys}{bound}"
+    slots = f"/slots{split['slots']}" if split.get("slots") else ""
+    return f"kvsplit@{rule}/w{split.get('window', 256)}{norm}{keys}{slots}{bound}"
 
 
 def config_key(options: dict) -> str:

@@ -401,7 +401,7 @@ def static_pair(rule: dict, codec: str, **options):
 
 
 @pytest.mark.parametrize("codec,rule", [("fp16", {"top_k": 3}), ("int8", {"fraction": 0.5}),
-                                        ("fp16", {"mass": 0.02})])
+                                        ("fp16", {"mass": 0.02}), ("int8", {"top_k": 3, "slots": 24})])
 def test_a_static_decode_step_reads_what_an_eager_step_reads(codec, rule):
     """Decode steps through StaticStep's fixed buffers (what a CUDA graph replays) give the
     eager kernel path's answers and fetch events, while pages move to the split between
@@ -414,6 +414,7 @@ def test_a_static_decode_step_reads_what_an_eager_step_reads(codec, rule):
     # reads it in 16-bit; an eager step's last layer reads it in INT8
     tol = 2e-3 if codec == "fp16" else 1e-2
     g = torch.Generator().manual_seed(22)
+    fetched = 0
     for _ in range(10):
         k, v = torch.randn(L, 2, H, KD, generator=g).half(), torch.randn(L, 2, H, KD, generator=g).half()
         q = torch.randn(L, 2, 6, KD, generator=g).half()
@@ -428,7 +429,9 @@ def test_a_static_decode_step_reads_what_an_eager_step_reads(codec, rule):
             torch.testing.assert_close(got[layer].float(), want.float(), rtol=tol, atol=tol)
         ef = [(e.seq, sorted(e.pages), e.bytes) for e in em.events.take_events() if isinstance(e, ev.PagesFetched)]
         sf = [(e.seq, sorted(e.pages), e.bytes) for e in sm.events.take_events() if isinstance(e, ev.PagesFetched)]
-        assert sf == ef and sf
+        assert sf == ef and (sf or "slots" in rule)  # with slots a step may read nothing over the bus
+        fetched += len(sf)
+    assert fetched
     assert [sm.length(r) for r in srows] == [em.length(r) for r in erows] == [KN + 10, 70]
     assert sm.pools["split"].used_count == em.pools["split"].used_count
     assert any(r.where == "split" for r in sm.seqs.get(srows[1]).pages)  # the short row split during the steps

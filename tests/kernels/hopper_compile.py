@@ -174,6 +174,8 @@ def everything() -> None:
                 slots = torch.arange(0, 64, dtype=torch.int64)
                 mods["compact"].compact_tokens(fresh, slots + 64, slots)
         mods["gather"].gather_pages(pages["k"], torch.arange(4, dtype=torch.int64), torch.device("cpu"))
+        mods["gather"].scatter_pages(pages["k"], torch.tensor([2, -1, 0], dtype=torch.int32), pages["k"].clone(),
+                                     torch.tensor([0, 1, 2], dtype=torch.int64))
         mods["page_pick"].rescale(q, torch.zeros(b, hq), torch.zeros(b, hq))
     picks(mods["page_pick"])
 

@@ -180,3 +180,24 @@ def test_gather_pages_copies_the_pages_asked_for(dtype):
         gather_pages(src.transpose(1, 2), idx, src.device)
     with pytest.raises(KernelArgError):
         gather_pages(src, idx.float(), src.device)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float16])
+def test_scatter_pages_copies_only_the_pages_asked_for(dtype):
+    """dst[didx[i]] = src[idx[i]] where idx[i] >= 0; the other slots keep what they held."""
+    from kvguard.kernels.gather import scatter_pages
+
+    src = (torch.randn(9, 3, 5) * 50).to(dtype).to(DEVICE)
+    dst = (torch.randn(6, 3, 5) * 50).to(dtype).to(DEVICE)
+    want = dst.clone()
+    idx = torch.tensor([7, -1, 2, -1], dtype=torch.int32, device=DEVICE)
+    didx = torch.tensor([4, 0, 1, 5], dtype=torch.int64, device=DEVICE)
+    scatter_pages(src, idx, dst, didx)
+    want[4], want[1] = src[7], src[2]
+    assert torch.equal(dst, want)
+    with pytest.raises(KernelArgError):
+        scatter_pages(src, idx, dst.float() if dtype != torch.float32 else dst.half(), didx)
+    with pytest.raises(KernelArgError):
+        scatter_pages(src, idx, dst[:, :2].contiguous(), didx)
+    with pytest.raises(KernelArgError):
+        scatter_pages(src, idx, dst, didx[:3])
