@@ -47,11 +47,13 @@ def test_an_lru_device_cache_serves_what_it_still_holds():
     assert loc.lru_hits([{1, 2}, {1, 3}, {1}], 2) == (2, 5)
 
 
-def test_the_cache_s_own_slots_do_not_serve_what_a_step_may_overwrite():
+def test_the_cache_s_own_slots_give_a_page_read_again_a_second_chance():
     assert loc.built_hits([{1, 2}, {1, 2}, {3}], 4) == (2, 5)
-    # after two steps of copies the ring's next two slots hold 1 and 2: a pick of 1 is copied again
-    assert loc.built_hits([{1, 2}, {3, 4}, {1}], 4) == (0, 5)
-    assert loc.ring_hits([{1, 2}, {3, 4}, {1}], 4) == (1, 5)
+    # 1 is read again at the third step, so the fourth step's copies pass over its slot, where
+    # a plain ring takes it
+    steps = [{1, 2}, {3, 4}, {1, 5}, {6, 7}, {1}]
+    assert loc.built_hits(steps, 4) == (2, 9)
+    assert loc.ring_hits(steps, 4) == (1, 9)
     assert loc.built_hits([{1, 2}, {1, 2}], 3) == (0, 4)  # fewer than twice a step's picks: nothing served
 
 

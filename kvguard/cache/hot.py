@@ -5,12 +5,12 @@ over the bus. Most of a step's picks were picked in the steps just before (docs/
 "Where the picks repeat"), so on the kernel path the split keeps the pages it read last in
 `slots` device pages a layer, whole (keys copied on the device, values over the bus), taken in
 turn as a ring. After the picks, a picked page that a slot holds is read there; the others are
-copied into the next slots of the ring, each read over the bus once; the decode kernels then
-read every picked page from the slots, as they read any pool. A slot that this step's copies
-may overwrite (the next n of the ring, n the most pages the step can pick) does not serve: its
-page is copied again. Everything runs on the device with shapes that do not depend on the data,
-so a CUDA graph captures it (StaticStep). A step whose rows may pick more than half the slots
-reads in place, as without slots.
+copied, each read over the bus once, into the ring's next slots from its hand that no pick of
+this step reads (a page read again keeps its slot that turn, as a clock's second chance); the
+decode kernels then read every picked page from the slots, as they read any pool. Everything
+runs on the device with shapes that do not depend on the data, so a CUDA graph captures it
+(StaticStep). A step whose rows may pick more than half the slots reads in place, as without
+slots.
 
 A slot holds a copy of a split page's data; the split page stays where it is. When a split page
 is wiped (freed: released, erased, moved back to the device), every slot holding it is zeroed
@@ -40,18 +40,20 @@ class HotValues:
         self.page_slot = torch.full((layers, pool.num_pages + 1), -1, dtype=torch.int32, device=device)
         self.slot_page = torch.full((layers, slots + 1), -1, dtype=torch.int32, device=device)
         self.hand = torch.zeros(layers, dtype=torch.int64, device=device)  # the ring's next slot, a layer
-        self._gone = torch.tensor(-1, dtype=torch.int32, device=device)  # made here: a graph's capture copies nothing in
+        # made here: a graph's capture copies nothing in
+        self._gone = torch.tensor(-1, dtype=torch.int32, device=device)
+        self._true = torch.tensor(True, device=device)
         pool.on_wipe.append(self.forget)
 
     def fits(self, picks: int) -> bool:
-        """Whether a step that picks at most `picks` pages a layer can be served: its copies take
-        at most half the ring, so the other half can hold its hits."""
+        """Whether a step that picks at most `picks` pages a layer can be served: its hits hold
+        at most `picks` slots, and as many are left for its copies."""
         return 0 < 2 * picks <= self.slots
 
     def take(self, layer: int, src: dict[str, torch.Tensor], chosen: torch.Tensor,
              count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Serve one layer's picks, chosen [B, k] split page ids (row b's first count[b]) from the
-        slots, copying in those no usable slot holds. `src`: the split pool's fields of the layer.
+        slots, copying in those no slot holds. `src`: the split pool's fields of the layer.
         Returns (the slot of each pick [B, k] int32, for the decode kernels over `fields[layer]`;
         the pages copied over the bus [B, k] int32, each row's first, -1 after; how many [B] int32)."""
         c = self.slots
@@ -61,9 +63,14 @@ class HotValues:
         pages = torch.where(valid, chosen.long(), self.none)
         ps, sp, hand = self.page_slot[layer], self.slot_page[layer], self.hand[layer]
         slot = ps[pages].long()  # -1: no slot holds it
-        hit = valid & (slot >= 0) & ((slot - hand) % c >= b * k)  # not among the slots copies may take
+        hit = valid & (slot >= 0)
         miss = valid & ~hit
-        new = (hand + miss.flatten().cumsum(0).view(b, k) - 1) % c
+        # the copies take the ring's next slots from the hand that no hit of this step reads
+        read = torch.zeros(c + 1, dtype=torch.bool, device=dev).index_put_((torch.where(hit, slot, c),), self._true)
+        ring = (hand + torch.arange(c, device=dev)) % c  # the slots in the ring's order
+        free = (~read[ring]).cumsum(0)  # free slots up to each place in that order
+        at = torch.searchsorted(free, miss.flatten().cumsum(0)).view(b, k)  # the place of each copy's slot
+        new = ring[at.clamp(max=c - 1)]
         dst = torch.where(miss, new, c)
         # the pages the copies overwrite are forgotten where the slot was theirs, then the copies noted
         old = sp[dst].long()
@@ -75,7 +82,8 @@ class HotValues:
         take, to = torch.where(miss, pages, -1).flatten(), dst.flatten()
         for name, field in src.items():
             scatter_pages(field, take, self.fields[layer][name], to)
-        hand.copy_((hand + miss.sum()) % c)
+        n = miss.sum()
+        hand.copy_(torch.where(n > 0, hand + torch.searchsorted(free, n.view(1))[0] + 1, hand) % c)  # past the last
         table = torch.where(hit, slot, torch.where(miss, new, 0)).to(torch.int32)
         # each row's copies first, in pick order (a column past the last takes the rest)
         at = torch.where(miss, miss.cumsum(dim=1) - 1, k)
