@@ -113,10 +113,11 @@ def _pages(codec: str, n: int, h: int, d: int, s: int = 16) -> dict[str, torch.T
 def everything() -> None:
     """Every kernel of the hot path, as an H200 would launch it: decode (each codec, both head
     dims, mixed key and value codecs, with mass), the key pass, prefill (each codec, with mass),
-    the writes, compaction and the gather, and the picks."""
+    the writes, compaction, the gather and scatter, the split's slots, and the picks."""
     import importlib
 
-    names = ("page_pick", "page_scores", "paged_decode", "paged_prefill", "quantize_scatter", "compact", "gather")
+    names = ("page_pick", "page_scores", "paged_decode", "paged_prefill", "quantize_scatter", "compact", "gather",
+             "slots")
     mods = {n: importlib.import_module(f"kvguard.kernels.{n}") for n in names}
     checks = importlib.import_module("kvguard.kernels._checks")
 
@@ -177,6 +178,10 @@ def everything() -> None:
         mods["gather"].scatter_pages(pages["k"], torch.tensor([2, -1, 0], dtype=torch.int32), pages["k"].clone(),
                                      torch.tensor([0, 1, 2], dtype=torch.int64))
         mods["page_pick"].rescale(q, torch.zeros(b, hq), torch.zeros(b, hq))
+        ring = 4 * 2 * 8  # slots for 4 x k, k = 8 pages a row
+        mods["slots"].take_slots(torch.zeros(b, 8, dtype=torch.int32), torch.full((b,), 8, dtype=torch.int32),
+                                 torch.full((n + 1,), -1, dtype=torch.int32), torch.full((ring + 1,), -1, dtype=torch.int32),
+                                 torch.zeros((), dtype=torch.int64), torch.empty(2 * ring + 1, dtype=torch.int32), ring)
     picks(mods["page_pick"])
 
 
