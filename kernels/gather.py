@@ -65,7 +65,10 @@ def scatter_pages(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, didx:
             or idx.dtype not in (torch.int32, torch.int64) or didx.dtype not in (torch.int32, torch.int64)):
         raise KernelArgError("scatter_pages takes contiguous src [P, ...] and dst [Q, ...] of one dtype and page "
                              "shape, and idx, didx [n] int32 or int64")
-    if idx.device != dev or didx.device != dev or (src.device != dev and not (dev.type == "cuda" and src.is_pinned())):
+    # (whether host memory is pinned is a driver query: asked outside a CUDA graph's capture, whose
+    # eager first run checks the same tensors)
+    if idx.device != dev or didx.device != dev or (src.device != dev and not (dev.type == "cuda" and (
+            torch.cuda.is_current_stream_capturing() or src.is_pinned()))):
         raise KernelArgError(f"idx, didx must be on {dev}, and src there or in pinned host memory")
     nbytes = src[0].numel() * src.element_size() if src.shape[0] else 0
     if idx.numel() == 0 or nbytes == 0:
