@@ -332,18 +332,25 @@ def check(args) -> None:
     int4 = {**rule, "fraction": 0.25, "keys": "int4"}  # the split's keys in INT4 (kv_split.keys)
     part = max(part, (run(int4, True) - run(int4, False)).abs().max().item(),
                (chunk(int4, True) - chunk(int4, False)).abs().max().item())
-    # the pages read last kept in device slots (kv_split.slots): the same answer, eager bit for bit
+    # the pages read last kept in device slots (kv_split.slots): the same answer, eager bit for bit;
+    # should they fail, the rest is still timed, without the --slots rows
     plain, slots = {**rule, "fraction": 0.25}, {**rule, "fraction": 0.25, "slots": 512}
-    kept = (run(slots, True) - run(plain, True)).abs().max().item()
-    kept_graph = (run(slots, True, graph=True) - run(plain, True)).abs().max().item()
-    ok = (full < 2e-3 and part < 2e-2 and graph < 2e-2 and chunk_full < 2e-3 and chunks < 2e-2 and kept == 0
-          and kept_graph < 2e-2)
+    try:
+        kept = (run(slots, True) - run(plain, True)).abs().max().item()
+        kept_graph = (run(slots, True, graph=True) - run(plain, True)).abs().max().item()
+    except Exception as e:  # noqa: BLE001 (reported, and the slots' rows dropped)
+        print(f"check: the split with slots failed: {type(e).__name__}: {e}")
+        kept = kept_graph = float("inf")
+    if not (kept == 0 and kept_graph < 2e-2) and args.slots:
+        print("check: with slots vs without FAILED: the --slots rows are not timed")
+        args.slots = ""
+    ok = full < 2e-3 and part < 2e-2 and graph < 2e-2 and chunk_full < 2e-3 and chunks < 2e-2
     print(f"check: every page read vs no split max|diff| {full:.2e}; fraction 0.25 kernel vs reference path "
           f"(and with INT4 keys, a chunk's too) {part:.2e}; replayed from a CUDA graph vs eager (fraction 0.25, "
           f"mass 1e-3, INT4 keys) {graph:.2e}; a 64-query "
           f"chunk: every page read vs no split {chunk_full:.2e}, kernel vs reference path (fraction 0.25 read and "
-          f"all, mass 1e-3) {chunks:.2e}; with slots vs without, eager {kept:.2e}, replayed {kept_graph:.2e}: "
-          f"{'PASSED' if ok else 'FAILED'}")
+          f"all, mass 1e-3) {chunks:.2e}: {'PASSED' if ok else 'FAILED'}; with slots vs without, eager "
+          f"{kept:.2e}, replayed {kept_graph:.2e}")
     if not ok:
         raise SystemExit(1)
 
