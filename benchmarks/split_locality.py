@@ -42,8 +42,9 @@ from kvguard.cache.config import KVSplit
 PAGE = 16
 
 
-def capture_qk(text: str, tokens: int):
-    """Per layer (q [T, Hq, D], k [T, H, D], scale) of SmolLM2 over the first `tokens` tokens."""
+def capture_qkv(text: str, tokens: int):
+    """Per layer (q [T, Hq, D], k [T, H, D], v [T, H, D], scale) of SmolLM2 over the first
+    `tokens` tokens (post-RoPE, float32)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -52,7 +53,7 @@ def capture_qk(text: str, tokens: int):
     got: dict[int, tuple] = {}
 
     def capture(module, query, key, value, attention_mask, **kwargs):
-        got[module.layer_idx] = (query[0].transpose(0, 1).clone(), key[0].transpose(0, 1).clone(), module.scaling)
+        got[module.layer_idx] = (*(x[0].transpose(0, 1).clone() for x in (query, key, value)), module.scaling)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("kvguard_locality", capture)
@@ -195,9 +196,9 @@ def main(argv=None) -> None:
     rows: dict[float, list[dict]] = {f: [] for f in fractions}
     for name, text in texts.items():
         t0 = time.perf_counter()
-        qk = capture_qk(text, a.tokens)
+        qkv = capture_qkv(text, a.tokens)
         rules = [KVSplit(window=a.window, fraction=f) for f in fractions]
-        by_layer = [layer_picks(q, k, s, rules, a.queries, a.window) for q, k, s in qk]  # [layer][rule][step]
+        by_layer = [layer_picks(q, k, s, rules, a.queries, a.window) for q, k, _, s in qkv]  # [layer][rule][step]
         for i, f in enumerate(fractions):
             r = measure([layer[i] for layer in by_layer], mults)
             rows[f].append(r)

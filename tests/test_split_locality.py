@@ -78,3 +78,19 @@ def test_split_locality_runs_on_smollm2():
     every = [float(c.split()[0]) for c in rows["1"][3:8]]
     assert every == [1.0, 1.0, 0.88, 0.88, 0.88]  # reading every page every read repeats; the cache misses the first step
     assert 0 < float(rows["0.1"][3].split()[0]) < 1
+
+
+def test_split_slots_bytes_runs_through_the_cache():
+    """benchmarks/split_slots_bytes.py on a short context: the slots read fewer bytes over the bus
+    after the first step, and the outputs are those without slots, bit for bit."""
+    r = subprocess.run([sys.executable, "benchmarks/split_slots_bytes.py", "--text", "stdlib-code", "--tokens", "192",
+                        "--steps", "3", "--window", "32", "--fraction", "0.25", "--slots", "4"],
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [x for x in (line.split("|") for line in r.stdout.splitlines()) if len(x) == 8 and x[1].strip()[0] in "n4"]
+    assert [x[1].strip().split()[0] for x in rows] == ["none", "4"]
+    none, slots = ([float(c) for c in x[2:6]] for x in rows)
+    assert slots[2] == none[2] > 0  # the first step: nothing held yet
+    assert slots[3] < none[3]  # later steps: what the slots held did not cross the bus
+    assert all(float(x[6]) == 0 for x in rows)
