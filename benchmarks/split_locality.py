@@ -20,8 +20,8 @@ attention's softmax. Reported, as shares of the pages picked (so of the value by
   picks), the least recently read out first;
 - ring M x k: the same cache as a ring, each page read from the host taking the next slot (first
   in, first out), which a device can keep without a search;
-- slots M x k: the ring as the cache keeps it (`kv_split.slots`, kvguard/cache/hot.py: a slot
-  that the step's copies may take does not serve), through its own bookkeeping.
+- slots M x k: the ring as the cache keeps it (`kv_split.slots`, kvguard/cache/hot.py: a copy
+  passes over the slots the step reads), through its own bookkeeping.
 
 The picks come from the full attention's states, not from a run in which the split skipped values:
 after the first layer a split run's queries differ a little, so these are its picks to first order.
@@ -120,35 +120,24 @@ def ring_hits(steps: list[set[int]], slots: int) -> tuple[int, int]:
 
 
 def built_hits(steps: list[set[int]], slots: int) -> tuple[int, int]:
-    """lru_hits for the slots as the cache keeps them (kvguard/cache/hot.py HotValues, its own
-    bookkeeping; the copies, which do not change what is held, made here by torch on a pool of
-    one token a page, since the values do not matter)."""
-    from kvguard.cache import hot as hot_module
-    from kvguard.cache.pool import PagePool
-    from kvguard.compress.codecs import make_codec
-
-    def copy(src, idx, dst, didx):
-        keep = idx >= 0
-        dst[didx[keep].long()] = src[idx[keep].long()]
+    """lru_hits for the slots as the cache keeps them: kvguard/cache/hot.py's bookkeeping
+    (kernels/slots.py, its torch ops; which pages are held does not depend on their values, so
+    nothing is copied), and its rule that a step picking more than half the slots reads in place."""
+    from kvguard.kernels.slots import take_slots_ref
 
     width = max((len(p) for p in steps), default=0)
-    pages = 1 + max((max(p) for p in steps if p), default=0)
     if not width or 2 * width > slots:
         return 0, sum(len(p) for p in steps)
-    pool = PagePool(make_codec("fp16"), num_pages=pages, num_layers=1, num_kv_heads=1, head_dim=2, page_size=1,
-                    dtype=torch.float16, device=torch.device("cpu"))
-    real, hot_module.scatter_pages = hot_module.scatter_pages, copy
-    try:
-        hot = hot_module.HotValues(pool, slots, torch.device("cpu"))
-        hits = total = 0
-        for picked in steps:
-            chosen = torch.full((1, width), -1, dtype=torch.int32)
-            chosen[0, :len(picked)] = torch.tensor(sorted(picked), dtype=torch.int32)
-            _, _, moved = hot.take(0, pool.fields[0], chosen, torch.tensor([len(picked)], dtype=torch.int32))
-            total += len(picked)
-            hits += len(picked) - int(moved[0])
-    finally:
-        hot_module.scatter_pages = real
+    pages = 1 + max(max(p) for p in steps if p)
+    state = (torch.full((pages + 1,), -1, dtype=torch.int32), torch.full((slots + 1,), -1, dtype=torch.int32),
+             torch.zeros((), dtype=torch.int64))
+    hits = total = 0
+    for picked in steps:
+        chosen = torch.full((1, width), -1, dtype=torch.int32)
+        chosen[0, :len(picked)] = torch.tensor(sorted(picked), dtype=torch.int32)
+        moved = take_slots_ref(chosen, torch.tensor([len(picked)], dtype=torch.int32), *state, slots)[-1]
+        total += len(picked)
+        hits += len(picked) - int(moved[0])
     return hits, total
 
 

@@ -60,10 +60,11 @@ class HotValues:
         slots, copying in those no slot holds. `src`: the split pool's fields of the layer.
         Returns (the slot of each pick [B, k] int32, for the decode kernels over `fields[layer]`;
         the pages copied over the bus [B, k] int32, each row's first, -1 after; how many [B] int32)."""
-        take = take_slots if self.kernel else take_slots_ref
-        table, dst, pages, fetched, moved = take(chosen, count, self.page_slot[layer], self.slot_page[layer],
-                                                 self.hand[layer], *((self._scratch,) if self.kernel else ()),
-                                                 self.slots)
+        state = (self.page_slot[layer], self.slot_page[layer], self.hand[layer])
+        if self.kernel:
+            table, dst, pages, fetched, moved = take_slots(chosen, count, *state, self._scratch, self.slots)
+        else:
+            table, dst, pages, fetched, moved = take_slots_ref(chosen, count, *state, self.slots)
         for name, field in src.items():
             scatter_pages(field, pages.flatten(), self.fields[layer][name], dst.flatten())
         return table, fetched, moved
