@@ -112,10 +112,12 @@ def value_codec_of(pages: dict[str, torch.Tensor]) -> str:
     return codec
 
 
-def check_pages(pages: dict[str, torch.Tensor], mixed: bool = False) -> tuple[str, int, int, int, int]:
+def check_pages(pages: dict[str, torch.Tensor], mixed: bool = False,
+                device: torch.device | None = None) -> tuple[str, int, int, int, int]:
     """Check every field against the layout of kernels/__init__.py; returns (codec, P, H, S, D), the
     codec the keys'. Keys and values in different codecs only with `mixed` (the kernels that read
-    pages, not those that write them)."""
+    pages, not those that write them). Values may be in pinned host memory, which a CUDA device
+    reads in place; with `device` (the reading kernel's), keys too (a K/V split's exact keys)."""
     codec, vcodec = codec_of(pages), value_codec_of(pages)
     if codec != vcodec and not mixed:
         raise KernelArgError(f"this kernel takes keys and values in one codec, got {codec} keys and {vcodec} values")
@@ -151,12 +153,16 @@ def check_pages(pages: dict[str, torch.Tensor], mixed: bool = False) -> tuple[st
             check(pages[f], f"pages['{f}']", dtype=torch.float16, shape=(p, h, d // ref.INT4_GROUP, s))
     check(k, "pages['k']")
     keys = [f for f in FIELDS[codec] if f.startswith("k")]
-    dev = check_device(*[pages[f] for f in keys])
-    for f in [f for f in FIELDS[vcodec] if f.startswith("v")]:  # values may be in pinned host memory,
-        t = pages[f]  # which the device reads in place
+    host = [f for f in FIELDS[vcodec] if f.startswith("v")]
+    if device is None:
+        dev = check_device(*[pages[f] for f in keys])
+    else:
+        dev, host = device, keys + host
+    for f in host:
+        t = pages[f]
         if t.device != dev and not (dev.type == "cuda" and t.device.type == "cpu" and t.is_pinned()):
-            raise KernelArgError(f"pages['{f}'] must be on {dev} (or, for values, in pinned host memory), "
-                                 f"got {t.device}")
+            raise KernelArgError(f"pages['{f}'] must be on {dev} (or in pinned host memory, which it reads in "
+                                 f"place), got {t.device}")
     return codec, p, h, s, d
 
 
@@ -165,13 +171,13 @@ def check_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
     """A decode call's arguments: q [B, Hq, D], one layer's pages, block_table [B, n] (rows
     contiguous), seq_lens [B]. Returns (codec, H, S, D, B, device), the codec the keys' (the values'
     may differ: value_codec_of)."""
-    codec, _, h, s, d = check_pages(pages, mixed=True)
+    codec, _, h, s, d = check_pages(pages, mixed=True, device=q.device)
     b, _, _ = check_queries(q, 1, h, d)
     check(block_table, "block_table", dtype=INDEX_DTYPES, shape=(b, None), contiguous=False)
     if block_table.stride(1) != 1:
         raise KernelArgError("block_table rows must be contiguous (stride 1 along pages)")
     check(seq_lens, "seq_lens", dtype=INDEX_DTYPES, shape=(b,))
-    return codec, h, s, d, b, check_device(q, block_table, seq_lens, pages["k"])
+    return codec, h, s, d, b, check_device(q, block_table, seq_lens)
 
 
 def field_args(pages: dict[str, torch.Tensor]) -> list[torch.Tensor]:

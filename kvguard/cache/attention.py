@@ -22,20 +22,28 @@ def score_blocks(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | 
     """The softmax of q [T, Hq, D] over keys k [H, L, D] fp32 (the T queries being the last T of
     the L positions), a block of queries at a time so that no [H, g, T, L] matrix exists whole.
     Yields (lo, hi, probs [H, g, hi - lo, L] fp32) for queries lo..hi-1."""
-    t, hq, d = q.shape
+    t, hq, _ = q.shape
     h, length, _ = k.shape
-    g = hq // h
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    qf = q.float().reshape(t, h, g, d).permute(1, 2, 0, 3)  # [H, g, T, D]
-    block = max(1, MAX_SCORES // max(1, h * g * length))
+    block = max(1, MAX_SCORES // max(1, hq * length))
     for lo in range(0, t, block):
         hi = min(t, lo + block)
-        scores = torch.einsum("hgtd,hld->hgtl", qf[:, :, lo:hi], k) * scale  # [H, g, hi - lo, L]
-        if causal and t > 1:
-            pos_q = torch.arange(length - t + lo, length - t + hi, device=q.device).unsqueeze(1)
-            pos_k = torch.arange(length, device=q.device).unsqueeze(0)
-            scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
-        yield lo, hi, torch.softmax(scores, dim=-1)
+        yield lo, hi, torch.softmax(block_scores(q, k, lo, hi, causal, scale), dim=-1)
+
+
+def block_scores(q: torch.Tensor, k: torch.Tensor, lo: int, hi: int, causal: bool,
+                 scale: float | None) -> torch.Tensor:
+    """The scaled logits [H, g, hi - lo, L] fp32 of queries lo..hi-1 of q [T, Hq, D] (the last T
+    of the L positions) over keys k [H, L, D], -inf after a query's position when `causal`."""
+    t, hq, d = q.shape
+    h, length, _ = k.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qf = q[lo:hi].float().reshape(hi - lo, h, hq // h, d).permute(1, 2, 0, 3)  # [H, g, hi - lo, D]
+    scores = torch.einsum("hgtd,hld->hgtl", qf, k.float()) * scale
+    if causal and t > 1:
+        pos_q = torch.arange(length - t + lo, length - t + hi, device=q.device).unsqueeze(1)
+        pos_k = torch.arange(length, device=q.device).unsqueeze(0)
+        scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
+    return scores
 
 
 def add_mass(mass: torch.Tensor | None, probs: torch.Tensor, lo: int, hi: int, t: int, mass_queries: int) -> None:

@@ -35,7 +35,12 @@ class KVSplit:
     the reference path only: no kernel ranks pages by bound, so it is refused with kernels.
     `slots`: on the kernel path, device page slots a layer that keep the pages read last, so a
     page picked again is not read over the bus again (kvguard/cache/hot.py); at least twice the
-    pages a step's rows pick, or the step reads in place."""
+    pages a step's rows pick, or the step reads in place. `host_keys` (with `keys` a smaller
+    codec than the cache's, and `normalize: read`): a second copy of the split pages' keys, in the
+    cache's codec, lives in host memory beside their values; the device's smaller keys then only
+    pick the pages, and a query attends over the pages it read with the cache's keys, fetched with
+    the values: the longer context of the smaller keys at the error of the cache's, for twice
+    the bytes over the bus a page read."""
 
     window: int = 256
     top_k: int | None = None
@@ -47,6 +52,7 @@ class KVSplit:
     score: str = "exact"
     rerank: int | None = None
     slots: int | None = None
+    host_keys: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
@@ -80,6 +86,11 @@ class KVSplit:
         if self.slots is not None and (not isinstance(self.slots, int) or isinstance(self.slots, bool)
                                        or self.slots < 2):
             raise ConfigError(f"kv_split slots must be an integer >= 2, got {self.slots!r}")
+        if not isinstance(self.host_keys, bool):
+            raise ConfigError(f"kv_split host_keys must be true or false, got {self.host_keys!r}")
+        if self.host_keys and (self.keys is None or self.normalize != "read"):
+            raise ConfigError("kv_split host_keys keeps the cache's keys in host memory for the pages a query "
+                              "reads: it needs keys in a smaller codec (kv_split keys) and normalize read")
 
     def pages(self, cold: int) -> int | None:
         """How many of `cold` pages a read fetches (None: by mass)."""

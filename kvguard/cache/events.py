@@ -83,7 +83,7 @@ class PagesOffloaded(CacheEvent):
     src: str = ""
     dst: str = ""
     stored_bytes: int = 0
-    fields: tuple[str, ...] = ()  # the part of the pages moved ("v": their values); empty: whole pages
+    fields: tuple[str, ...] = ()  # the part of the pages moved ("v": their values, "k" too with host keys); empty: whole
 
     def details(self) -> dict:
         return _with_fields(self)

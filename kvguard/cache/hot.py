@@ -3,7 +3,8 @@
 A decode step of the split reads the values of the cold pages each row picks, from host memory
 over the bus. Most of a step's picks were picked in the steps just before (docs/fidelity.md,
 "Where the picks repeat"), so on the kernel path the split keeps the pages it read last in
-`slots` device pages a layer, whole (keys copied on the device, values over the bus), taken in
+`slots` device pages a layer, whole (keys copied on the device, values over the bus; with exact
+keys in host memory, those and the values over the bus), taken in
 turn as a ring. After the picks, a picked page that a slot holds is read there; the others are
 copied, each read over the bus once, into the ring's next slots from its hand that no pick of
 this step reads (a page read again keeps its slot that turn, as a clock's second chance); the
@@ -30,13 +31,15 @@ from .pool import PagePool
 
 
 class HotValues:
-    def __init__(self, pool: PagePool, slots: int, device: torch.device):
+    def __init__(self, pool: PagePool, slots: int, device: torch.device, view=None):
         self.slots = slots
         layers = pool.num_layers
-        # [L, slots + 1, ...] per field of the split's pool, all on the device; the last slot is
+        # [L, slots + 1, ...] per field the decode kernels read of the split's pool (`view` of its
+        # fields: with exact keys those keys and the values), all on the device; the last slot is
         # where the fixed-size ops put what they must not keep
+        read = pool._stacks if view is None else view(pool._stacks)
         self._stacks = {name: torch.zeros((layers, slots + 1, *st.shape[2:]), dtype=st.dtype, device=device)
-                        for name, st in pool._stacks.items()}
+                        for name, st in read.items()}
         self.fields = [{name: st[layer] for name, st in self._stacks.items()} for layer in range(layers)]
         self.nbytes = sum(st[:, :slots].numel() * st.element_size() for st in self._stacks.values())
         self.none = pool.num_pages  # a page id past the pool's: where the ops park what is not a pick
@@ -57,7 +60,8 @@ class HotValues:
     def take(self, layer: int, src: dict[str, torch.Tensor], chosen: torch.Tensor,
              count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Serve one layer's picks, chosen [B, k] split page ids (row b's first count[b]) from the
-        slots, copying in those no slot holds. `src`: the split pool's fields of the layer.
+        slots, copying in those no slot holds. `src`: the split pool's fields of the layer
+        that the decode kernels read (its view).
         Returns (the slot of each pick [B, k] int32, for the decode kernels over `fields[layer]`;
         the pages copied over the bus [B, k] int32, each row's first, -1 after; how many [B] int32)."""
         state = (self.page_slot[layer], self.slot_page[layer], self.hand[layer])

@@ -28,9 +28,11 @@ def split_codec(home: Codec, c: CacheConfig) -> Codec:
         return home
     keys = make_codec(c.kv_split.keys, rotate=home.rotate)
     if keys == home:
+        if c.kv_split.host_keys:
+            raise ConfigError(f"kv_split host_keys needs keys in another codec than the cache's, got {c.kv_split.keys}")
         return home
-    codec = MixedCodec(keys=keys, values=home, rotate=home.rotate)
     try:
+        codec = MixedCodec(keys=keys, values=home, rotate=home.rotate, exact=home if c.kv_split.host_keys else None)
         codec.check(c.num_kv_heads, c.page_size, c.head_dim)
     except ValueError as e:
         raise ConfigError(f"kv_split keys {c.kv_split.keys}: {e}") from None

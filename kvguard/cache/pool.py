@@ -6,7 +6,8 @@ its memory with zeros before the page can be handed out again.
 
 The K/V split's pool (split.py) keeps its value fields in host memory (`values_on`): pinned
 where CUDA is present, so the decode kernels read a page's values in place over the bus (a
-pinned page is mapped into the device's address space), and only its keys take device memory.
+pinned page is mapped into the device's address space), and only its keys take device memory;
+with `kv_split.host_keys` also a second copy of its keys, in the cache's codec (the `x` fields).
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ import torch
 from ..compress.codecs import Codec
 from ..kernels import quantize as q
 from ..types import PageId, Subject
+
+
+def host_field(name: str) -> bool:
+    """Whether a K/V split's pool keeps this field in host memory: values, and exact keys (`x`)."""
+    return name.startswith(("v", "x"))
 
 
 def device_index(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -53,7 +59,7 @@ class PagePool:
         pin = self.host_values and values_on.type == "cpu" and device.type == "cuda"
 
         def stack(name, shape, dt):
-            if self.host_values and name.startswith("v"):
+            if self.host_values and host_field(name):
                 return torch.zeros((num_layers, num_pages, *shape), dtype=dt, device=values_on, pin_memory=pin)
             return torch.zeros((num_layers, num_pages, *shape), dtype=dt, device=device)
 
@@ -141,7 +147,7 @@ class PagePool:
             self._host_sync()  # copies into host memory may still be under way
         out = {}
         for name, t in self.fields[layer].items():
-            if self.host_values and name.startswith("v") and not values:
+            if self.host_values and host_field(name) and not values:
                 out[name] = torch.zeros((len(pages), *t.shape[1:]), dtype=t.dtype, device=self.device)
             else:
                 out[name] = _raw(t).index_select(0, self._index(pages, t)).view(t.dtype).to(self.device)
@@ -170,16 +176,18 @@ class PagePool:
     # --- the K/V split: pages moved between a device pool and the split's pool ---------------------
 
     def value_fields(self) -> list[str]:
-        return [n for n in self._stacks if n.startswith("v")]
+        """The fields a K/V split's pool keeps in host memory: the values (and exact keys)."""
+        return [n for n in self._stacks if host_field(n)]
 
     def value_bytes(self) -> int:
-        """Bytes of one page's value fields, every layer."""
-        return sum(t[:, 0].numel() * t.element_size() for n, t in self._stacks.items() if n.startswith("v"))
+        """Bytes of one page's fields kept in host memory by a K/V split's pool, every layer."""
+        return sum(t[:, 0].numel() * t.element_size() for n, t in self._stacks.items() if host_field(n))
 
     def copy_pages(self, src: PagePool, src_pages: list[PageId], dst_pages: list[PageId]) -> None:
         """Copy every field of `src_pages` of another pool of the same shape into this pool's
         `dst_pages`, every layer. The values' codec must be the same; keys in another codec (a
-        K/V split pool's smaller one) are decoded and encoded again on the device. Copies into
+        K/V split pool's smaller one) are decoded and encoded again on the device, unless the
+        source keeps them in this pool's key codec too (exact keys, copied as they are). Copies into
         host memory are queued on the device's stream (no wait): one copy per layer and run of
         consecutive destination pages."""
         if len(src_pages) != len(dst_pages):
@@ -192,13 +200,18 @@ class PagePool:
         if src.host_values or (self.host_values and self.device.type != "cuda"):
             src._host_sync()
             self._host_sync()
-        recode = src.codec.key_codec != self.codec.key_codec
+        # a split pool's exact keys (x fields) come back as the keys of a pool in their codec, and
+        # are copied from the keys of the pool whose codec they are in
+        exact = getattr(src.codec, "exact", None)
+        back = exact is not None and exact == self.codec.key_codec
+        recode = src.codec.key_codec != self.codec.key_codec and not back
         if recode:
             self._recode_keys(src, src_pages, dst_pages)
         for name, t in self._stacks.items():
             if recode and name.startswith("k"):
                 continue
-            s = src._stacks[name]
+            s = src._stacks["x" + name if back and name.startswith("k") else
+                            name[1:] if name.startswith("x") and name not in src._stacks else name]
             got = _raw(s).index_select(1, self._index(src_pages, s))  # [L, n, ...] where src keeps it
             if t.device == s.device or t.device.type != "cpu" or s.device.type != "cuda":
                 _raw(t).index_copy_(1, self._index(dst_pages, t), got.to(t.device))

@@ -24,9 +24,16 @@ last are kept in device slots and read there (hot.py). A chunk of queries
 (`attend_chunk`: a prefill's, once its older pages moved) picks the same way, each query its
 own pages; the pages any of them picked are gathered into device memory once and the other
 pools take the prefill kernel. Elsewhere (`attend`: the CPU, an evictor that needs each key's
-mass) the same picks are made from dense fp32 scores and the picked values copied in.
+mass) the same picks are made from dense fp32 scores and the picked values copied in
+(split_dense.py).
 
-Every move is an event: `settle` one `offload` (`fields: ["v"]`, the split pages), a read one
+With `host_keys` the split pages also keep the cache's keys in host memory beside their values
+(MixedCodec's exact keys): the device's smaller keys score and pick the pages, and a query
+attends over the pages it read with the cache's keys, read with the values (in place, into
+slots, or copied in). A page moved back to the device takes those keys as they are.
+
+Every move is an event: `settle` one `offload` (`fields: ["v"]`, `["k", "v"]` with exact keys,
+the split pages), a read one
 `fetch` per step of a sequence across all layers (the pages read in any layer, the bytes read),
 after the last layer; on the kernel path when the host next looks (`drain`: at the next step,
 or before the sequence is released), so that recording costs the step no wait. What needs whole
@@ -43,8 +50,7 @@ import torch
 
 from ..errors import OutOfPages
 from ..types import PageId, SeqId
-from . import picks
-from .attention import add_mass, bound_shares, page_bounds, score_blocks
+from . import split_dense
 from .block_tables import BlockTables
 from .config import CacheConfig
 from .hot import HotValues
@@ -73,12 +79,27 @@ class ValueSplit:
         self.last_read = 1.0  # fraction of the keys of the last reference read whose values were read
         self.names = [page_name(SPLIT, p) for p in range(self.pool.num_pages)]  # made once: a read names many
         # the pages read last, kept in device slots on the kernel path (hot.py)
-        self.hot = HotValues(self.pool, self.rule.slots, cfg.device) if self.rule and self.rule.slots and \
-            cfg.use_kernels else None
+        self.hot = HotValues(self.pool, self.rule.slots, cfg.device, self.view) if self.rule and self.rule.slots \
+            and cfg.use_kernels else None
+
+    @property
+    def exact(self) -> bool:
+        """Whether the split pages keep the cache's keys in host memory (`kv_split.host_keys`)."""
+        return getattr(self.pool.codec, "exact", None) is not None
+
+    @property
+    def host_fields(self) -> tuple[str, ...]:
+        """The fields of a split page in host memory, as its events name them."""
+        return ("k", "v") if self.exact else ("v",)
+
+    def view(self, fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The split pages' fields that a read attends over: with exact keys those and the values
+        (MixedCodec.exact_view), else as they are."""
+        return self.pool.codec.exact_view(fields) if self.exact else fields
 
     @property
     def page_value_bytes(self) -> int:
-        """Bytes of one split page's values in one layer."""
+        """Bytes a read of one split page moves over the bus in one layer: its values (and exact keys)."""
         return self.pool.value_bytes() // self.cfg.num_layers
 
     def away(self, seq: Sequence) -> bool:
@@ -115,7 +136,7 @@ class ValueSplit:
             seq.pages[i] = PageRef(SPLIT, p, SPLIT)
         nbytes, names = len(dst) * self.pool.value_bytes(), [self.names[p] for p in dst]
         self._recoded(seq, dst, SPLIT, self.home)
-        self.offloaded(seq, names, nbytes, "cpu", nbytes, ("v",))
+        self.offloaded(seq, names, nbytes, "cpu", nbytes, self.host_fields)
         return len(dst)
 
     def join(self, seq: Sequence, pages: list[int] | None = None) -> None:
@@ -136,12 +157,14 @@ class ValueSplit:
         self.store.release(SPLIT, src, seq.subject)
         for i, p in zip(idx, dst):
             seq.pages[i] = PageRef(self.home, p, self.home)
-        self.fetched(seq, [page_name(SPLIT, p) for p in src], len(src) * self.pool.value_bytes(), "cpu", ("v",))
+        self.fetched(seq, [page_name(SPLIT, p) for p in src], len(src) * self.pool.value_bytes(), "cpu", self.host_fields)
         self._recoded(seq, dst, self.home, SPLIT)
 
     def _recoded(self, seq: Sequence, pages: list[PageId], to: str, frm: str) -> None:
-        """A `quantize` of the keys of pages moved from pool `frm` to `to` (kv_split.keys)."""
-        if self.store.pools[to].codec.key_codec != self.store.pools[frm].codec.key_codec:
+        """A `quantize` of the keys of pages moved from pool `frm` to `to` (kv_split.keys); none
+        when they come back from their exact copy (kv_split.host_keys)."""
+        back = frm == SPLIT and self.exact
+        if self.store.pools[to].codec.key_codec != self.store.pools[frm].codec.key_codec and not back:
             self.recoded(seq, pages, to, frm)
 
     def flush(self, seq: Sequence) -> None:
@@ -152,7 +175,7 @@ class ValueSplit:
         moved = self._moved.pop(seq.id, None)
         if moved and moved[0]:
             names, nbytes = moved
-            self.fetched(seq, list(names), nbytes, "cpu", ("v",))
+            self.fetched(seq, list(names), nbytes, "cpu", self.host_fields)
 
     # --- the kernel path ------------------------------------------------------------------------
 
@@ -211,9 +234,9 @@ class ValueSplit:
         chosen, count = page_pick(scores[:, :, :n], total, sets[j][1], k, want,
                                   0.0 if self.rule.mass is None else self.rule.mass)
         args = [(fields, tb, lens[i], bound) for i, (fields, tb, bound) in enumerate(sets)]
-        args[j] = (sets[j][0], chosen, count * s, k * s)
+        args[j] = (self.view(sets[j][0]), chosen, count * s, k * s)  # exact keys, if kept, beside the values
         if self.hot is not None and self.hot.fits(b * k):  # every pick read from a device slot
-            slots, chosen, moved = self.hot.take(layer, sets[j][0], chosen, count)
+            slots, chosen, moved = self.hot.take(layer, args[j][0], chosen, count)
             args[j], count = (self.hot.fields[layer], slots, count * s, k * s), moved
         out, part = paged_decode_sets(q, args, sm_scale=scale)
         if self.rule.normalize == "all":  # the pages read were normalized among themselves: rescale to
@@ -253,6 +276,7 @@ class ValueSplit:
         want = None if k is None else torch.full((t,), k, device=q.device, dtype=torch.int32)
         k = table.shape[1] if k is None else k
         chosen, count = page_pick(scores, total, table, k, want, 0.0 if self.rule.mass is None else self.rule.mass)
+        fields = self.view(fields)  # what the queries attend over: the values (and exact keys)
         # the pages some query picked, each brought over the bus once into device memory (the
         # queries would read each many times in place), unless that would take more than
         # STAGE_BYTES of device memory; a host sync: a chunk's shapes follow the data
@@ -332,67 +356,12 @@ class ValueSplit:
             for b, seq in enumerate(seqs):
                 if total[b]:
                     ids = torch.unique(pages[:, b][read[:, b]]).tolist()  # ascending
-                    self.fetched(seq, [self.names[p] for p in ids], total[b] * per_page, "cpu", ("v",))
+                    self.fetched(seq, [self.names[p] for p in ids], total[b] * per_page, "cpu", self.host_fields)
 
-    # --- the reference path ---------------------------------------------------------------------
+    # --- the reference path (split_dense.py) ------------------------------------------------------
 
     def attend(self, seq: Sequence, layer: int, q: torch.Tensor, causal: bool, scale: float | None,
                mass_queries: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention of q [T, Hq, D] (the last T positions) over what the sequence holds, in
-        fp32, the split pages' values read as the rule picks them. Returns (out [T, Hq, D] in
-        q's dtype, each key's mass [H, L] summed over the last `mass_queries` queries, or None);
-        the mass is the exact softmax's, whatever was read."""
-        s = self.cfg.page_size
-        refs = list(seq.pages)
-        n = seq.lengths[layer]
-        k, v = self.store.gather(refs, layer, torch.float32, values=False)  # split pages' values: zeros
-        k, v = k[:, :n], v[:, :n]
-        t, hq, d = q.shape
-        h = k.shape[0]
-        cold = [i for i, r in enumerate(refs) if r.where == SPLIT and (i + 1) * s <= n]
-        out = torch.empty(h, hq // h, t, d, device=q.device)
-        mass = torch.zeros(h, n, device=q.device) if mass_queries > 0 else None
-        fetched: dict[int, torch.Tensor] = {}  # page index -> its values [H, S, D], read once per call
-        read = 0
-        tok = (torch.tensor(cold, device=q.device)[:, None] * s + torch.arange(s, device=q.device)).flatten()
-        bounds = page_bounds(k[:, tok], s) if cold and self.rule.score == "bound" else None  # Quest's, per page
-        for lo, hi, probs in score_blocks(q, k, causal, scale):
-            add_mass(mass, probs, lo, hi, t, mass_queries)
-            vb = v
-            if cold:  # each cold page's share of each query head's attention (kvguard/cache/picks.py)
-                bound = None if bounds is None else bound_shares(
-                    q[lo:hi], *bounds, tok[::s], torch.arange(n - t + lo, n - t + hi, device=q.device), scale)
-                picked = picks.pick(self.rule, picks.shares(self.rule, probs[..., tok].unflatten(-1, (len(cold), s))
-                                                            .sum(-1), bound))  # [hi - lo, cold]
-                union = [cold[j] for j in picked.any(dim=0).nonzero().flatten().tolist()]
-                need = [i for i in union if i not in fetched]
-                if need:
-                    fetched.update(zip(need, self._values(seq, layer, refs, need), strict=True))
-                if union:
-                    vb = v.clone()
-                    for i in union:
-                        vb[:, i * s:(i + 1) * s] = fetched[i]
-                keep = torch.ones(hi - lo, n, device=q.device)  # [query, key]: the values each query read
-                keep[:, tok] = picked.to(keep.dtype).repeat_interleave(s, dim=1)
-                probs = probs * keep  # a page not read adds no value
-                if self.rule.normalize == "read" and not picked.all():  # ... nor weight: the softmax
-                    probs = probs / probs.sum(dim=-1, keepdim=True).clamp_min(1e-30)  # of what was read
-                read += int(keep.sum())
-            else:
-                read += (hi - lo) * n
-            out[:, :, lo:hi] = torch.einsum("hgtl,hld->hgtd", probs, vb)
-        self.last_read = read / (t * n) if n else 1.0
-        if layer == self.cfg.num_layers - 1:
-            self.flush(seq)
-        return out.permute(2, 0, 1, 3).reshape(t, hq, d).to(q.dtype), mass
-
-    def _values(self, seq: Sequence, layer: int, refs: list[PageRef], idx: list[int]) -> list[torch.Tensor]:
-        """The values [H, S, D] fp32 of split pages idx of the sequence at one layer, copied
-        from host memory and decoded; counted into the step's `fetch` event."""
-        pages = [PageId(int(refs[i].page)) for i in idx]
-        _, v = self.pool.codec.decode(self.pool.read(layer, pages), torch.float32)  # [n, H, S, D]
-        names, nbytes = self._moved.setdefault(seq.id, ({}, 0))
-        for p in pages:
-            names[page_name(SPLIT, p)] = None
-        self._moved[seq.id] = (names, nbytes + len(pages) * self.page_value_bytes)
-        return list(v)
+        fp32, the split pages' values read as the rule picks them: split_dense.attend."""
+        return split_dense.attend(self, seq, layer, q, causal, scale, mass_queries)

@@ -160,7 +160,10 @@ class KvSplit(_Strict):
     codec of the split pages' keys (default the policy's; int4 beside int8 values: a longer
     context in the same device memory); `slots`: device page slots a layer that keep the pages
     read last, so that a page picked again is not read over the bus again (on the kernel path;
-    at least twice the pages a step's rows pick, else a step reads in place)."""
+    at least twice the pages a step's rows pick, else a step reads in place); `host_keys` (with
+    `keys`): the policy's keys kept in host memory too, so the smaller keys only pick the pages
+    and a query attends over those it read with the policy's keys (twice the bytes over the bus
+    a page read, the error of the policy's keys)."""
 
     enabled: Annotated[bool, Field(strict=True)] = True
     window: Count = 256  # tokens whose values stay on the device
@@ -170,6 +173,7 @@ class KvSplit(_Strict):
     normalize: Literal["read", "all"] = "read"
     keys: Literal["int8", "fp8", "int4"] | None = None
     slots: Annotated[int, Field(ge=2, strict=True)] | None = None
+    host_keys: Annotated[bool, Field(strict=True)] = False
 
     @model_validator(mode="after")
     def _one_rule(self):
@@ -177,18 +181,21 @@ class KvSplit(_Strict):
         if len(given) != 1:
             raise ValueError(f"give exactly one of top_k, fraction and mass (which cold pages a read fetches), "
                              f"got {', '.join(given) or 'none'}")
+        if self.host_keys and (self.keys is None or self.normalize != "read"):
+            raise ValueError("host_keys needs keys (a smaller codec for the device) and normalize read")
         return self
 
     def options(self) -> dict:
         rule = {n: getattr(self, n) for n in ("top_k", "fraction", "mass") if getattr(self, n) is not None}
         return ({"window": self.window} | rule | ({"normalize": self.normalize} if self.normalize != "read" else {})
-                | ({"keys": self.keys} if self.keys else {}) | ({"slots": self.slots} if self.slots else {}))
+                | ({"keys": self.keys} if self.keys else {}) | ({"slots": self.slots} if self.slots else {})
+                | ({"host_keys": True} if self.host_keys else {}))
 
 
 def split_key(split: dict) -> str:
     """A K/V split as config_key names it: kvsplit@25%/w128, kvsplit@32p/w256, kvsplit@m0.01/w256;
     `/all` when the pages not read keep their weight in the softmax (normalize: all), `/k-int4`
-    when its keys are in their own codec, `/slots64` when it keeps 64 pages a layer read last on
+    when its keys are in their own codec (`/k-int4+host` with the cache's kept in host memory), `/slots64` when it keeps 64 pages a layer read last on
     the device, `/bound` (`/bound-r4`) when pages are ranked by Quest's
     bound (then by exact scores among 4 x k of them; a measurement, not a policy's)."""
     if split.get("top_k") is not None:
@@ -198,7 +205,7 @@ def split_key(split: dict) -> str:
     else:
         rule = f"m{split['mass']:g}"
     norm = "/all" if split.get("normalize") == "all" else ""
-    keys = f"/k-{split['keys']}" if split.get("keys") else ""
+    keys = f"/k-{split['keys']}{'+host' if split.get('host_keys') else ''}" if split.get("keys") else ""
     bound = "" if split.get("score", "exact") == "exact" else "/bound"
     bound += f"-r{split['rerank']}" if split.get("rerank") else ""
     slots = f"/slots{split['slots']}" if split.get("slots") else ""

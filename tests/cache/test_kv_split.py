@@ -263,7 +263,7 @@ def kernel_pair(rule: dict, codec: str):
 
 @pytest.mark.parametrize("codec", ["fp16", "int8"])
 @pytest.mark.parametrize("rule", [{"top_k": 1000}, {"top_k": 3}, {"fraction": 0.5}, {"mass": 0.02},
-                                  {"top_k": 3, "keys": "int4"}])
+                                  {"top_k": 3, "keys": "int4"}, {"top_k": 3, "keys": "int4", "host_keys": True}])
 def test_the_kernel_path_reads_what_the_reference_path_reads(codec, rule):
     """Decode steps of a batch on the kernel path (scores, picks and reads on the device,
     under Triton's interpreter here) give the reference path's answer and the same fetch
@@ -288,7 +288,8 @@ def test_the_kernel_path_reads_what_the_reference_path_reads(codec, rule):
 
 @pytest.mark.parametrize("codec,rule", [("fp16", {"top_k": 1000}), ("int8", {"top_k": 3}),
                                         ("fp16", {"fraction": 0.5, "normalize": "all"}), ("int8", {"mass": 0.02}),
-                                        ("int8", {"top_k": 3, "keys": "int4"})])
+                                        ("int8", {"top_k": 3, "keys": "int4"}),
+                                        ("int8", {"top_k": 3, "keys": "int4", "host_keys": True})])
 def test_a_chunk_on_the_kernel_path_reads_what_the_reference_path_reads(codec, rule):
     """A chunk of queries (a prefill's, after the split moved the older pages) on the kernel
     path: each query picks its own split pages as a decode row does, the other pools take the
@@ -401,7 +402,8 @@ def static_pair(rule: dict, codec: str, **options):
 
 
 @pytest.mark.parametrize("codec,rule", [("fp16", {"top_k": 3}), ("int8", {"fraction": 0.5}),
-                                        ("fp16", {"mass": 0.02}), ("int8", {"top_k": 3, "slots": 24})])
+                                        ("fp16", {"mass": 0.02}), ("int8", {"top_k": 3, "slots": 24}),
+                                        ("int8", {"top_k": 3, "keys": "int4", "host_keys": True, "slots": 24})])
 def test_a_static_decode_step_reads_what_an_eager_step_reads(codec, rule):
     """Decode steps through StaticStep's fixed buffers (what a CUDA graph replays) give the
     eager kernel path's answers and fetch events, while pages move to the split between
