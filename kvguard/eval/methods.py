@@ -168,13 +168,19 @@ def builtin_methods(budget: int = 256, page_size: int = 16) -> dict[str, Method]
                                   description=f"K/V split as kvsplit@{pct}, {text}"))
     for pct in SPLIT_FRACTIONS + (100,):  # INT8 pages (as `int8`, or `int8-rot`), the split's keys INT8 or INT4
         # (a longer context on a device); at 100 % every value is read: what the INT4 keys alone cost
+        # (h: INT4 keys on the device pick, the INT8 keys kept in host memory attend)
         for keys, name, rotate in ((None, "int8+kvsplit", False), ("int4", "int8+kvsplit4", False),
-                                   ("int4", "int8-rot+kvsplit4", True)):
-            split = {"window": SPLIT_WINDOW, "fraction": pct / 100} | ({"keys": keys} if keys else {})
+                                   ("int4", "int8-rot+kvsplit4", True), ("int4", "int8+kvsplit4h", False),
+                                   ("int4", "int8-rot+kvsplit4h", True)):
+            host = name.endswith("h")
+            split = {"window": SPLIT_WINDOW, "fraction": pct / 100} | ({"keys": keys} if keys else {}) \
+                | ({"host_keys": True} if host else {})
             methods.append(Method(f"{name}@{pct}", "split", {"codec": "int8", "fp_sink": 4, "kv_split": split}
                                   | ({"codec_options": {"rotate": True}} if rotate else {}), default=False,
                                   description=f"INT8{' rotated' if rotate else ''}, 16-bit sink page; K/V split as "
-                                              f"kvsplit@{pct}, the split pages' keys in {(keys or 'int8').upper()}"))
+                                              f"kvsplit@{pct}, the split pages' keys in {(keys or 'int8').upper()}"
+                                              + (" on the device, INT8 in host memory for the pages read" if host
+                                                 else "")))
     return {m.name: m for m in methods}
 
 

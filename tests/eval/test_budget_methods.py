@@ -29,7 +29,8 @@ def test_budget_methods_are_distinct_configurations_run_only_when_named():
     assert split == ({f"{name}@{f}" for f in (5, 10, 25, 50) for name in ("kvsplit-all", "kvsplit-bound",
                                                                          "kvsplit-bound-r4", "kvsplit-bound-r8")}
                      | {f"{name}@{f}" for f in (5, 10, 25, 50, 100)
-                        for name in ("int8+kvsplit", "int8+kvsplit4", "int8-rot+kvsplit4")})
+                        for name in ("int8+kvsplit", "int8+kvsplit4", "int8-rot+kvsplit4", "int8+kvsplit4h",
+                                     "int8-rot+kvsplit4h")})
     for f in (5, 10, 25, 50):
         assert methods[f"kvsplit-bound@{f}"].options["kv_split"] == {"window": 128, "fraction": f / 100,
                                                                       "score": "bound"}
@@ -41,4 +42,7 @@ def test_budget_methods_are_distinct_configurations_run_only_when_named():
             "window": 128, "fraction": f / 100, "keys": "int4"}}
         assert methods[f"int8-rot+kvsplit4@{f}"].options["codec_options"] == {"rotate": True}
         assert "keys" not in methods[f"int8+kvsplit@{f}"].options["kv_split"]
+        assert methods[f"int8+kvsplit4h@{f}"].options["kv_split"] == {"window": 128, "fraction": f / 100,
+                                                                      "keys": "int4", "host_keys": True}
+        assert methods[f"int8-rot+kvsplit4h@{f}"].key.endswith("/k-int4+host")
     assert methods["h2o-adaptive-prefix"].options["evictor_options"]["window"] == 256  # h2o's half and half
