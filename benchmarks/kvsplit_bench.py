@@ -23,6 +23,8 @@ reference path (dense fp32, values copied in).
     python benchmarks/kvsplit_bench.py --prefill 32768,131072 --chunk 512   # a prompt chunk after the split
     python benchmarks/kvsplit_bench.py --no-check --fractions 0.01 --split-keys int8 --slots 2,4
                                                             # and with the pages read last kept on the device
+    python benchmarks/kvsplit_bench.py --fractions 0.01 --split-keys int8,int4h --slots 2,4
+                                                            # INT4 keys pick, INT8 keys in host memory attend
     python benchmarks/kvsplit_bench.py --smoke              # tiny, on the CPU
 """
 
@@ -62,6 +64,12 @@ def page_bytes(args, codec: str, keys_only: bool = False) -> int:
     return layers * sum(b for f, b in per.items() if not (keys_only and f.startswith("v")))
 
 
+def key_options(keys: str) -> dict:
+    """The kv_split options of a --split-keys name: int8, fp8, int4, or int4h (INT4 keys on the
+    device pick the pages, INT8 keys in host memory attend: kv_split.host_keys)."""
+    return {"keys": keys[:-1], "host_keys": True} if keys.endswith("h") else {"keys": keys}
+
+
 def sizes(args, kind: str, keys: str = "int8") -> dict:
     """Pools of one configuration within the budget: (main pages, hot pages, split pages)."""
     budget = int(args.budget_gb * 2**30)
@@ -77,7 +85,7 @@ def sizes(args, kind: str, keys: str = "int8") -> dict:
     # each row's window, and a chunk quantized before it moves
     main = -(-(2 * args.chunk) // S) + b * (args.window // S + 2) + 8
     left = budget - hot_bytes - main * page_bytes(args, "int8")
-    return dict(codec="int8", num_hot_pages=hot, num_pages=main, split=left // page_bytes(args, keys, True))
+    return dict(codec="int8", num_hot_pages=hot, num_pages=main, split=left // page_bytes(args, key_options(keys)["keys"], True))
 
 
 def make(args, kind: str, fraction: float, keys: str = "int8") -> tuple[CacheManager, int, int]:
@@ -87,7 +95,7 @@ def make(args, kind: str, fraction: float, keys: str = "int8") -> tuple[CacheMan
     dev = torch.device(args.device)
     z = sizes(args, kind, keys)
     split = None if z["split"] is None else {"window": args.window, "fraction": fraction, "capacity": z["split"],
-                                              "keys": keys}
+                                              **key_options(keys)}
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -230,7 +238,7 @@ def with_slots(m: CacheManager, seqs: list, fraction: float, keys: str, mult: in
         return
     held = max(sum(r.where == "split" for r in m.seqs.get(s).pages) for s in seqs)  # a row's split pages
     slots = mult * max(1, KVSplit(window=0, fraction=fraction).pages(held)) * len(seqs)
-    m.split.rule = KVSplit(window=m.split.rule.window, fraction=fraction, keys=keys, slots=slots)
+    m.split.rule = KVSplit(window=m.split.rule.window, fraction=fraction, slots=slots, **key_options(keys))
     hot = m.split.hot = HotValues(m.split.pool, slots, m.cfg.device)
     try:
         run(hot, f"slots {mult}xk")
@@ -240,11 +248,12 @@ def with_slots(m: CacheManager, seqs: list, fraction: float, keys: str, mult: in
 
 
 def reported(m: CacheManager, wait: bool = True) -> int:
-    """Value bytes the `fetch` events emitted so far report reading from the host; with `wait`,
-    the split's reads of every step emitted first (waits for the device)."""
+    """Bytes the split's `fetch` events emitted so far report reading from the host (values, and
+    with host keys the keys); with `wait`, the split's reads of every step emitted first (waits
+    for the device)."""
     if wait and m.split is not None:
         m.split.drain()
-    return sum(e.bytes for e in m.events.take_events() if isinstance(e, ev.PagesFetched) and e.fields == ("v",))
+    return sum(e.bytes for e in m.events.take_events() if isinstance(e, ev.PagesFetched) and "v" in (e.fields or ()))
 
 
 def check(args) -> None:
@@ -325,13 +334,16 @@ def check(args) -> None:
     chunks = max((chunk({**rule, **r}, True) - chunk({**rule, **r}, False)).abs().max().item()
                  for r in ({"fraction": 0.25}, {"fraction": 0.25, "normalize": "all"}, {"mass": 1e-3}))
     chunk_full = (chunk(None, True) - chunk({**rule, "fraction": 1.0}, True)).abs().max().item()
-    full = (run(None, True) - run({**rule, "fraction": 1.0}, True)).abs().max().item()
+    full = max((run(None, True) - run({**rule, "fraction": 1.0, **x}, True)).abs().max().item()
+               for x in ({}, key_options("int4h")))  # INT8 keys on the device, or in host memory
     part = (run({**rule, "fraction": 0.25}, True) - run({**rule, "fraction": 0.25}, False)).abs().max().item()
     graph = max((run({**rule, **r}, True, graph=True) - run({**rule, **r}, True)).abs().max().item()
-                for r in ({"fraction": 0.25}, {"mass": 1e-3}, {"fraction": 0.25, "keys": "int4"}))
-    int4 = {**rule, "fraction": 0.25, "keys": "int4"}  # the split's keys in INT4 (kv_split.keys)
-    part = max(part, (run(int4, True) - run(int4, False)).abs().max().item(),
-               (chunk(int4, True) - chunk(int4, False)).abs().max().item())
+                for r in ({"fraction": 0.25}, {"mass": 1e-3}, {"fraction": 0.25, "keys": "int4"},
+                          {"fraction": 0.25, **key_options("int4h")}))
+    for x in ("int4", "int4h"):  # the split's keys in INT4 (kv_split.keys), with INT8 in host memory
+        int4 = {**rule, "fraction": 0.25, **key_options(x)}
+        part = max(part, (run(int4, True) - run(int4, False)).abs().max().item(),
+                   (chunk(int4, True) - chunk(int4, False)).abs().max().item())
     # the pages read last kept in device slots (kv_split.slots): the same answer, eager bit for bit;
     # should they fail, the rest is still timed, without the --slots rows
     plain, slots = {**rule, "fraction": 0.25}, {**rule, "fraction": 0.25, "slots": 512}
@@ -345,9 +357,10 @@ def check(args) -> None:
         print("check: with slots vs without FAILED: the --slots rows are not timed")
         args.slots = ""
     ok = full < 2e-3 and part < 2e-2 and graph < 2e-2 and chunk_full < 2e-3 and chunks < 2e-2
-    print(f"check: every page read vs no split max|diff| {full:.2e}; fraction 0.25 kernel vs reference path "
-          f"(and with INT4 keys, a chunk's too) {part:.2e}; replayed from a CUDA graph vs eager (fraction 0.25, "
-          f"mass 1e-3, INT4 keys) {graph:.2e}; a 64-query "
+    print(f"check: every page read vs no split (INT8 keys on the device or in host memory) max|diff| {full:.2e}; "
+          f"fraction 0.25 kernel vs reference path (and with INT4 keys, alone and with INT8 in host memory, a chunk's "
+          f"too) {part:.2e}; replayed from a CUDA graph vs eager (fraction 0.25, mass 1e-3, INT4 keys alone and with "
+          f"INT8) {graph:.2e}; a 64-query "
           f"chunk: every page read vs no split {chunk_full:.2e}, kernel vs reference path (fraction 0.25 read and "
           f"all, mass 1e-3) {chunks:.2e}: {'PASSED' if ok else 'FAILED'}; with slots vs without, eager "
           f"{kept:.2e}, replayed {kept_graph:.2e}")
@@ -456,7 +469,7 @@ def tune(args, context: int) -> None:
     dev, b = torch.device(args.device), args.batch
     n = context // S  # pages a row
     g = torch.Generator(device=dev).manual_seed(0)
-    int4 = args.split_keys.split(",")[-1] == "int4"  # the split's keys in INT4 (values INT8)
+    int4 = args.split_keys.split(",")[-1].removesuffix("h") == "int4"  # the split's keys in INT4 (values INT8)
 
     def encode(k, v):
         f = ref.encode_int8(k, v)
@@ -563,7 +576,7 @@ def sweep(args, contexts: list[int], fractions: list[float]) -> None:
             seqs = fill(m, at, args)
             for f in fractions if kind == "split" else [None]:
                 if f is not None:
-                    m.split.rule = KVSplit(window=args.window, fraction=f, keys=kc)
+                    m.split.rule = KVSplit(window=args.window, fraction=f, **key_options(kc))
                 ms, fetched = decode(m, seqs, args)
                 gms = decode_graph(m, seqs, args)[0] if graphs else float("nan")
                 times[(kind, kc, f, at)] = ms, fetched, gms
@@ -594,7 +607,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together, each as long as fits")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--fractions", default="0.01,0.05,0.25")
-    p.add_argument("--split-keys", default="int8,int4", help="the split's key codecs to run (kv_split.keys)")
+    p.add_argument("--split-keys", default="int8,int4,int4h",
+                   help="the split's key codecs to run (kv_split.keys; int4h: INT4 on the device to pick, INT8 in "
+                        "host memory to attend, kv_split.host_keys)")
     p.add_argument("--chunk", type=int, default=2048, help="prompt tokens written at a time")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -677,7 +692,7 @@ def main() -> None:
         for at in (tokens, int8_tokens):
             seqs = fill(m, at, args)
             for f in fractions:
-                m.split.rule = KVSplit(window=args.window, fraction=f, keys=keys)
+                m.split.rule = KVSplit(window=args.window, fraction=f, **key_options(keys))
                 row(f"{name} f={f}", m, seqs, used, at)
             for mult in (int(x) for x in args.slots.split(",") if x) if at == int8_tokens else ():
                 for f in fractions:

@@ -161,12 +161,20 @@ def test_kvsplit_benchmark_smoke():
     assert {"fp16", "int8", "int8+split f=0.01", "int8+split f=0.05", "int8+split f=0.25"} <= set(rows)
     assert float(rows["int8"][8]) == 1.0 and float(rows["int8"][11]) == 0.0  # the baseline reads nothing from the host
     split = [x for x in (line.split("|") for line in r.stdout.splitlines()) if len(x) == 13 and "split" in x[1]]
-    assert len(split) == 12 and all(float(x[11]) > 0 for x in split)  # every split step read cold values
-    # the split's keys INT8, then INT4: the same device budget holds a longer context with INT4 keys
-    int8_keys, int4_keys = [x for x in split if "k-int4" not in x[1]], [x for x in split if "k-int4" in x[1]]
-    assert len(int8_keys) == len(int4_keys) == 6
-    most = [max(int(x[2].replace(",", "")) for x in rows_) for rows_ in (int8_keys, int4_keys)]
-    assert most[1] > most[0]
+    assert len(split) == 18 and all(float(x[11]) > 0 for x in split)  # every split step read cold values
+    # the split's keys INT8, INT4, and INT4 with INT8 in host memory: the same device budget holds
+    # a longer context with INT4 keys, and the same with INT8 keys in host memory, which a read moves too
+    def keys_of(row):  # "int8+split f=0.01", "int8+split k-int4 f=0.01", "int8+split k-int4h f=0.01"
+        word = row[1].split()[1]
+        return word[2:] if word.startswith("k-") else "int8"
+
+    int8_keys, int4_keys, host_keys = ([x for x in split if keys_of(x) == k] for k in ("int8", "int4", "int4h"))
+    assert len(int8_keys) == len(int4_keys) == len(host_keys) == 6
+    most = [max(int(x[2].replace(",", "")) for x in rows_) for rows_ in (int8_keys, int4_keys, host_keys)]
+    assert most[1] > most[0] and most[2] == most[1]
+    for four, host in zip(int4_keys, host_keys, strict=True):
+        assert four[1].split()[2:] == host[1].split()[2:] and four[2] == host[2]
+        assert float(host[11]) > 1.8 * float(four[11])  # the pages read: their values and their INT8 keys
 
 
 def test_kvsplit_benchmark_prefill_smoke():
