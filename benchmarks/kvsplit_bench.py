@@ -13,9 +13,11 @@ is timed at its own longest context and at INT8's, for each `--fractions` (top f
 cold pages read per layer). Random keys spread attention evenly, so the fraction is set, not
 found; which fraction a real model needs is docs/fidelity.md's question.
 
-Before timing, `--check` (default on) compares on the device the split's kernel path with every
-page read against the same cache without the split, and with a fraction against the split's
-reference path (dense fp32, values copied in).
+Before timing, the check (default on; benchmarks/kvsplit_check.py) compares on the device the
+split's kernel path with every page read against the same cache without the split, with a
+fraction against the split's reference path (dense fp32, values copied in), replayed steps
+against eager ones, and slots against none; `--check-only` runs it alone (on the CPU too, under
+TRITON_INTERPRET=1, on `--smoke`'s shape).
 
     python benchmarks/kvsplit_bench.py                      # llama-8b, 16 GB, on CUDA
     python benchmarks/kvsplit_bench.py --batch 8 --no-check
@@ -32,17 +34,23 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-from kvguard.cache import CacheConfig, CacheManager
-from kvguard.cache import events as ev
-from kvguard.cache.config import KVSplit
-from kvguard.types import Subject
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
 
-SHAPES = {"smollm2-135m": (30, 3, 64, 9), "llama-8b": (32, 8, 128, 32)}  # layers, KV heads, head dim, query heads
+from benchmarks.kvsplit_check import check  # noqa: E402
+from kvguard.cache import CacheConfig, CacheManager  # noqa: E402
+from kvguard.cache import events as ev  # noqa: E402
+from kvguard.cache.config import KVSplit  # noqa: E402
+from kvguard.types import Subject  # noqa: E402
+
+# layers, KV heads, head dim, query heads ("tiny": --smoke --check-only, interpreted on the CPU)
+SHAPES = {"smollm2-135m": (30, 3, 64, 9), "llama-8b": (32, 8, 128, 32), "tiny": (2, 2, 32, 4)}
 S = 16
 
 
@@ -239,7 +247,7 @@ def with_slots(m: CacheManager, seqs: list, fraction: float, keys: str, mult: in
     held = max(sum(r.where == "split" for r in m.seqs.get(s).pages) for s in seqs)  # a row's split pages
     slots = mult * max(1, KVSplit(window=0, fraction=fraction).pages(held)) * len(seqs)
     m.split.rule = KVSplit(window=m.split.rule.window, fraction=fraction, slots=slots, **key_options(keys))
-    hot = m.split.hot = HotValues(m.split.pool, slots, m.cfg.device)
+    hot = m.split.hot = HotValues(m.split.pool, slots, m.cfg.device, m.split.view)
     try:
         run(hot, f"slots {mult}xk")
     finally:
@@ -254,118 +262,6 @@ def reported(m: CacheManager, wait: bool = True) -> int:
     if wait and m.split is not None:
         m.split.drain()
     return sum(e.bytes for e in m.events.take_events() if isinstance(e, ev.PagesFetched) and "v" in (e.fields or ()))
-
-
-def check(args) -> None:
-    """The split's kernel path against the cache without it (every page read), against its
-    reference path (a fraction), and its steps replayed from a CUDA graph (StaticStep) against
-    its eager steps, on a short context, all on the device."""
-    from kvguard.cache.step import StaticStep
-
-    layers, h, d, hq = SHAPES[args.shape]
-    dev = torch.device(args.device)
-    n = 4096 + 300
-    g = torch.Generator(device=dev).manual_seed(3)
-    ks = torch.randn(3, 2, 2, h, d, generator=g, device=dev, dtype=torch.float16)  # steps, layers, rows
-    qs = torch.randn(3, 2, 2, hq, d, generator=g, device=dev, dtype=torch.float16)
-
-    def run(split, kernels, graph=False):
-        m = CacheManager(CacheConfig(num_layers=2, num_kv_heads=h, head_dim=d, num_query_heads=hq, page_size=S,
-                                     num_pages=512, num_hot_pages=512, dtype=torch.float16, device=dev,
-                                     codec="int8", fp_sink=16, fp_window=128, kv_split=split,
-                                     use_kernels=kernels))
-        g = torch.Generator(device=dev).manual_seed(2)
-        seqs = [m.open(Subject("bench", f"u{i}", f"s{i}")) for i in range(2)]
-        for i, seq in enumerate(seqs):
-            for layer in range(2):
-                k = torch.randn(n - 1000 * i, h, d, generator=g, device=dev, dtype=torch.float16)
-                k[::97] *= 4  # pages that matter more
-                m.append(seq, layer, k, torch.randn(n - 1000 * i, h, d, generator=g, device=dev, dtype=torch.float16))
-            if split:
-                m.split_cold(seq)
-        outs = []
-        if graph:  # the first step eagerly through the fixed buffers, then captured and replayed
-            step, cuda_graph = StaticStep(m, seqs, n + 10), None
-            kb, qb = ks[0].clone(), qs[0].clone()
-
-            def body():
-                for layer in range(2):
-                    step.write(layer, kb[layer], kb[layer])
-                    yield step.attend(layer, qb[layer])
-            for i in range(3):
-                kb.copy_(ks[i])
-                qb.copy_(qs[i])
-                with step:
-                    if i == 0:
-                        outs += [o.float() for o in body()]
-                        continue
-                    if cuda_graph is None:
-                        cuda_graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(cuda_graph):
-                            captured = list(body())
-                    cuda_graph.replay()
-                outs += [o.float() for o in captured]
-        else:
-            for i in range(3):
-                for layer in range(2):
-                    m.append_step(seqs, layer, ks[i, layer], ks[i, layer])
-                    outs.append(m.attend_step(seqs, layer, qs[i, layer]).float())
-        if m.split is not None:
-            assert m.pools["split"].used_count > 0
-        return torch.stack(outs)
-
-    def chunk(split, kernels):
-        """A 64-query chunk after the split moved the older pages, each layer."""
-        m = CacheManager(CacheConfig(num_layers=2, num_kv_heads=h, head_dim=d, num_query_heads=hq, page_size=S,
-                                     num_pages=512, num_hot_pages=512, dtype=torch.float16, device=dev,
-                                     codec="int8", fp_sink=16, fp_window=128, kv_split=split,
-                                     use_kernels=kernels))
-        g = torch.Generator(device=dev).manual_seed(4)
-        seq = m.open(Subject("bench", "u", "s"))
-        for t in (n, 64):
-            for layer in range(2):
-                k = torch.randn(t, h, d, generator=g, device=dev, dtype=torch.float16)
-                k[::97] *= 4
-                m.append(seq, layer, k, torch.randn(t, h, d, generator=g, device=dev, dtype=torch.float16))
-        q = torch.randn(2, 64, hq, d, generator=g, device=dev, dtype=torch.float16)
-        return torch.stack([m.attend(seq, layer, q[layer]).float() for layer in range(2)])
-
-    rule = {"window": 512}
-    chunks = max((chunk({**rule, **r}, True) - chunk({**rule, **r}, False)).abs().max().item()
-                 for r in ({"fraction": 0.25}, {"fraction": 0.25, "normalize": "all"}, {"mass": 1e-3}))
-    chunk_full = (chunk(None, True) - chunk({**rule, "fraction": 1.0}, True)).abs().max().item()
-    full = max((run(None, True) - run({**rule, "fraction": 1.0, **x}, True)).abs().max().item()
-               for x in ({}, key_options("int4h")))  # INT8 keys on the device, or in host memory
-    part = (run({**rule, "fraction": 0.25}, True) - run({**rule, "fraction": 0.25}, False)).abs().max().item()
-    graph = max((run({**rule, **r}, True, graph=True) - run({**rule, **r}, True)).abs().max().item()
-                for r in ({"fraction": 0.25}, {"mass": 1e-3}, {"fraction": 0.25, "keys": "int4"},
-                          {"fraction": 0.25, **key_options("int4h")}))
-    for x in ("int4", "int4h"):  # the split's keys in INT4 (kv_split.keys), with INT8 in host memory
-        int4 = {**rule, "fraction": 0.25, **key_options(x)}
-        part = max(part, (run(int4, True) - run(int4, False)).abs().max().item(),
-                   (chunk(int4, True) - chunk(int4, False)).abs().max().item())
-    # the pages read last kept in device slots (kv_split.slots): the same answer, eager bit for bit;
-    # should they fail, the rest is still timed, without the --slots rows
-    plain, slots = {**rule, "fraction": 0.25}, {**rule, "fraction": 0.25, "slots": 512}
-    try:
-        kept = (run(slots, True) - run(plain, True)).abs().max().item()
-        kept_graph = (run(slots, True, graph=True) - run(plain, True)).abs().max().item()
-    except Exception as e:  # noqa: BLE001 (reported, and the slots' rows dropped)
-        print(f"check: the split with slots failed: {type(e).__name__}: {e}")
-        kept = kept_graph = float("inf")
-    if not (kept == 0 and kept_graph < 2e-2) and args.slots:
-        print("check: with slots vs without FAILED: the --slots rows are not timed")
-        args.slots = ""
-    ok = full < 2e-3 and part < 2e-2 and graph < 2e-2 and chunk_full < 2e-3 and chunks < 2e-2
-    print(f"check: every page read vs no split (INT8 keys on the device or in host memory) max|diff| {full:.2e}; "
-          f"fraction 0.25 kernel vs reference path (and with INT4 keys, alone and with INT8 in host memory, a chunk's "
-          f"too) {part:.2e}; replayed from a CUDA graph vs eager (fraction 0.25, mass 1e-3, INT4 keys alone and with "
-          f"INT8) {graph:.2e}; a 64-query "
-          f"chunk: every page read vs no split {chunk_full:.2e}, kernel vs reference path (fraction 0.25 read and "
-          f"all, mass 1e-3) {chunks:.2e}: {'PASSED' if ok else 'FAILED'}; with slots vs without, eager "
-          f"{kept:.2e}, replayed {kept_graph:.2e}")
-    if not ok:
-        raise SystemExit(1)
 
 
 def profile(args, fraction: float) -> None:
@@ -615,6 +511,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-check", dest="check", action="store_false")
+    p.add_argument("--check-only", action="store_true",
+                   help="only the check (benchmarks/kvsplit_check.py); on the CPU under TRITON_INTERPRET=1 too")
     p.add_argument("--profile", action="store_true", help="only profile the split's step at INT8's context "
                    "(with --prefill: the kernels of one chunk's layer too)")
     p.add_argument("--contexts", default="", help="instead: INT8 and the split at these contexts (comma-separated "
@@ -642,9 +540,21 @@ def main() -> None:
         PICK_CONFIG["many_from"] = args.many_from
     if args.smoke:
         args.shape, args.device, args.budget_gb, args.steps, args.warmup = "smollm2-135m", "cpu", 0.035, 1, 0
-        args.chunk, args.window, args.check, args.batch = 256, 64, False, 2
-    if args.check and args.device.startswith("cuda"):
-        check(args)
+        args.chunk, args.window, args.check, args.batch = 256, 64, args.check_only, 2
+        if args.check_only:
+            args.shape = "tiny"
+    if args.check_only and not args.device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--check-only on the CPU runs the kernels under Triton's interpreter: set TRITON_INTERPRET=1")
+    if args.check and (args.device.startswith("cuda") or args.check_only):
+        cuda = args.device.startswith("cuda")  # on the CPU (interpreted): a short context, --smoke's window
+        ok, slots_ok = check(SHAPES[args.shape], args.device, 4096 + 300 if cuda else 512, 512 if cuda else 128)
+        if not ok:
+            raise SystemExit(1)
+        if not slots_ok and args.slots:
+            print("check: with slots vs without FAILED: the --slots rows are not timed")
+            args.slots = ""
+        if args.check_only:
+            return
     fractions = [float(f) for f in args.fractions.split(",")]
     rows = []
     if args.prefill:

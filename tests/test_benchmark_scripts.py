@@ -177,6 +177,23 @@ def test_kvsplit_benchmark_smoke():
         assert float(host[11]) > 1.8 * float(four[11])  # the pages read: their values and their INT8 keys
 
 
+def test_kvsplit_check_runs_on_the_cpu_under_the_interpreter():
+    """The check a GPU run passes before it is timed (benchmarks/kvsplit_check.py), on a tiny
+    shape with the kernels interpreted: every comparison but the CUDA graph's, the split's keys
+    INT8, INT4, and INT4 with INT8 in host memory, and slots."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "benchmarks/kvsplit_bench.py", "--smoke", "--check-only"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("check:")]
+    assert ": PASSED; with slots vs without, eager 0.00e+00" in line and line.endswith("PASSED")
+    assert "row-steps of 6 that read others: [" in line and "not run (no CUDA here)" in line
+    without = subprocess.run([sys.executable, "benchmarks/kvsplit_bench.py", "--smoke", "--check-only"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120,
+                             env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert without.returncode != 0 and "TRITON_INTERPRET=1" in without.stderr
+
+
 def test_kvsplit_benchmark_prefill_smoke():
     """--prefill on the CPU: the reference path only (the kernels need CUDA there), one row per
     configuration, the split's rows reading cold values and INT8's none."""
