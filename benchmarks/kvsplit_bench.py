@@ -96,9 +96,11 @@ def sizes(args, kind: str, keys: str = "int8") -> dict:
     return dict(codec="int8", num_hot_pages=hot, num_pages=main, split=left // page_bytes(args, key_options(keys)["keys"], True))
 
 
-def make(args, kind: str, fraction: float, keys: str = "int8") -> tuple[CacheManager, int, int]:
+def make(args, kind: str, fraction: float, keys: str = "int8",
+         kernels: bool | None = None) -> tuple[CacheManager, int, int]:
     """The cache, its device bytes (measured) and the tokens each of `--batch` sequences can hold
-    in it (within 3 pages a sequence of the most); `keys`: the split's key codec."""
+    in it (within 3 pages a sequence of the most); `keys`: the split's key codec; `kernels`: the
+    kernel path (default on CUDA only)."""
     layers, h, d, hq = SHAPES[args.shape]
     dev = torch.device(args.device)
     z = sizes(args, kind, keys)
@@ -110,9 +112,9 @@ def make(args, kind: str, fraction: float, keys: str = "int8") -> tuple[CacheMan
     before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
     m = CacheManager(CacheConfig(num_layers=layers, num_kv_heads=h, head_dim=d, num_query_heads=hq, page_size=S,
                                  num_pages=z["num_pages"], num_hot_pages=z["num_hot_pages"],
-                                 dtype=torch.float16 if dev.type == "cuda" else torch.float32, device=dev,
+                                 dtype=torch.float16 if dev.type == "cuda" or kernels else torch.float32, device=dev,
                                  codec=z["codec"], fp_sink=16, fp_window=128, kv_split=split,
-                                 use_kernels=dev.type == "cuda"))
+                                 use_kernels=dev.type == "cuda" if kernels is None else kernels))
     used = (torch.cuda.memory_allocated(dev) - before) if dev.type == "cuda" else sum(
         t.numel() * t.element_size() for p in m.pools.values() for t in p._stacks.values() if t.device == dev)
     b = args.batch

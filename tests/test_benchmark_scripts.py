@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -205,3 +206,34 @@ def test_kvsplit_benchmark_prefill_smoke():
     assert set(rows) == {"int8, no split", "split f=0.25", "split mass 0.001"}
     assert float(rows["int8, no split"][5]) == 1.0 and float(rows["int8, no split"][6]) == 0.0
     assert float(rows["split f=0.25"][6]) > 0 and rows["split f=0.25"][3].strip() == "-"  # no kernel path on the CPU
+
+
+def test_kvsplit_benchmark_slots_rows_serve_host_keys():
+    """The --slots rows' set-up (with_slots) on the kernel path, interpreted on the CPU, with the
+    INT8 keys in host memory: the slots hold what a read attends over (the INT8 keys and the
+    values), a step reads through them, and the slots go away after."""
+    import argparse
+
+    from kvguard.kernels._checks import interpreting
+
+    if not interpreting():
+        pytest.skip("the kernel path runs on the CPU only under TRITON_INTERPRET=1")
+    from benchmarks import kvsplit_bench as kb
+
+    args = argparse.Namespace(shape="tiny", device="cpu", budget_gb=0.002, batch=2, window=64, chunk=256, steps=2,
+                              warmup=0)
+    m, _, tokens = kb.make(args, "split", 0.25, "int4h", kernels=True)
+    assert m.cfg.use_kernels and m.split.exact and tokens > 300
+    seqs = kb.fill(m, 300, args)
+    seen = []
+
+    def run(hot, label):
+        assert {n: t.dtype for n, t in hot.fields[0].items()} == {"k": torch.int8, "k_scale": torch.float16,
+                                                                   "v": torch.int8, "v_scale": torch.float16}
+        ms, fetched = kb.decode(m, seqs, args)
+        seen.append((label, fetched, int((hot.slot_page >= 0).sum())))
+
+    kb.with_slots(m, seqs, 0.25, "int4h", 2, run)
+    (label, fetched, held), = seen
+    assert label == "slots 2xk" and fetched > 0 and held > 0
+    assert m.split.hot is None and not m.split.pool.on_wipe
