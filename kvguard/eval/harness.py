@@ -181,7 +181,8 @@ def _cache(model, method: Method, s: Settings, total: int) -> ProbeCache:
     options = {"page_size": s.page_size, "dtype": s.dtype} | method.options
     if method.per_head:  # the cache holds everything; the simulation evicts at read time
         evictor = {"name": options.pop("evictor"), **options.pop("evictor_options")}
-        return HeadwiseCache(model.config, SUBJECT, evictor=evictor, num_pages=pages, num_hot_pages=pages, **options)
+        return HeadwiseCache(model.config, SUBJECT, evictor=evictor, merge=method.merge, num_pages=pages,
+                             num_hot_pages=pages, **options)
     if method.evict_prefix_only:
         options["auto_compact"] = False
     return ProbeCache(model.config, SUBJECT, sparse_pages=method.sparse_pages, num_pages=pages,

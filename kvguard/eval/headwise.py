@@ -13,6 +13,11 @@ option (pyramid, adaptive: kvguard/compress/evictors/allocation.py) run: the
 cache's pages hold every layer and KV head, so its compaction keeps the same
 count in all of them. Value-aware scoring reads each position's value norm from
 the pages, as the cache's compaction does.
+
+With `merge` (an experiment: D2O / CaM's idea, not what the cache stores) the tokens a head
+evicts are not simply dropped: each is merged into the kept token of that head whose key is most
+like its own (cosine), whose value becomes the mass-weighted mean of its own and its merged
+tokens' values (mass: the attention each received in the prefix).
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ from .probe import ProbeCache
 
 
 class HeadwiseCache(ProbeCache):
-    def __init__(self, config, subject, *, evictor: dict, **options):
+    def __init__(self, config, subject, *, evictor: dict, merge: bool = False, **options):
         super().__init__(config, subject, **options)
+        self.merge = merge
+        self.merged: dict[int, torch.Tensor] = {}  # layer -> [H, prefix, D] the prefix's values, merged
         self.evictor = make_evictor(evictor["name"], **{k: v for k, v in evictor.items() if k != "name"})
         self.mass: dict[int, torch.Tensor] = {}  # layer -> [H, prefix] attention mass seen in the prefix
         self.values: dict[int, torch.Tensor] = {}  # layer -> [H, prefix] each value's L1 norm (value_aware)
@@ -54,6 +61,8 @@ class HeadwiseCache(ProbeCache):
         allowed = causal.expand(h, g, t, length)
         if layer in self.mass or self.scoring:  # after the prefix: each head reads what it keeps
             keep = self._keep(layer)
+            if self.merge:
+                v = self._merged(layer, k, v, keep)
             allowed = allowed.clone()
             allowed[..., : keep.shape[1]] &= keep[:, None, None, :]
             if self.scoring:
@@ -66,3 +75,27 @@ class HeadwiseCache(ProbeCache):
                 self.values[layer] = v.abs().sum(-1)  # [H, L]
         out = torch.einsum("hgtl,hld->hgtd", probs, v).permute(2, 0, 1, 3).reshape(t, h * g, d)
         return out.to(q.dtype)
+
+    def _merged(self, layer: int, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """v [H, L, D] with each head's prefix values merged (merge_values), once a layer."""
+        n = keep.shape[1]
+        if layer not in self.merged:
+            self.merged[layer] = merge_values(k[:, :n], v[:, :n], self.mass[layer], keep)
+        out = v.clone()
+        out[:, :n] = self.merged[layer].to(v.dtype)
+        return out
+
+
+def merge_values(k: torch.Tensor, v: torch.Tensor, mass: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Per head, each evicted token's value merged into the kept token whose key is most like its
+    own (cosine): a kept token's value becomes the mean of its own and its merged tokens' values,
+    weighted by their mass. k, v [H, L, D]; mass [H, L]; keep [H, L] bool (some kept in each
+    head). Returns v' [H, L, D] fp32 (the evicted tokens' rows as they were: nothing reads them)."""
+    n = keep.shape[1]
+    kf, vf, w = k.float(), v.float(), mass.float().clamp_min(1e-12)
+    unit = torch.nn.functional.normalize(kf, dim=-1)
+    sim = (unit @ unit.transpose(1, 2)).masked_fill(~keep[:, None, :], -2.0)  # [H, from, to]: only kept targets
+    to = torch.where(keep, torch.arange(n, device=k.device), sim.argmax(-1))  # [H, L]: a kept token, itself
+    num = torch.zeros_like(vf).scatter_add_(1, to[..., None].expand_as(vf), w[..., None] * vf)
+    den = torch.zeros_like(w).scatter_add_(1, to, w)
+    return torch.where(keep[..., None], num / den.clamp_min(1e-12)[..., None], vf)

@@ -40,6 +40,7 @@ class Method:
     sparse_pages: int | None = None  # Quest-style: attend only the top-k pages of each query
     evict_prefix_only: bool = False  # compress the prefix once, keep every later token
     per_head: bool = False  # simulate the evictor per (layer, KV head) at read time (headwise.py)
+    merge: bool = False  # with per_head: evicted tokens' values merged into kept ones (headwise.merge_values)
     description: str = ""
     fidelity: Fidelity | None = None  # its own bound (a policy's); None: the report's
     default: bool = True  # measured when --methods names none
@@ -48,7 +49,7 @@ class Method:
     def key(self) -> str:
         """What the configuration is, whatever it is called (see kvguard.policy.config_key)."""
         return (config_key(self.options) + ("/prefix" if self.evict_prefix_only else "")
-                + ("/per-head" if self.per_head else "")
+                + ("/per-head" if self.per_head else "") + ("/merge" if self.merge else "")
                 + (f"+sparse@{self.sparse_pages}p" if self.sparse_pages else ""))
 
     def effective_key(self, prefix: int, total: int, page_size: int = 16) -> str:
@@ -209,6 +210,13 @@ def _budget_methods(evictors: dict) -> list[Method]:
         out.append(Method(f"{name}-pages", "evictor", {"evictor": name, "evictor_options": paged}, default=False,
                           description=f"{text}, each head's whole pages dropped first (no requantization); "
                                       "compacts whenever past the budget"))
+        for scoring, suffix, extra in (("mass", "", ""), ("value_aware", "-value", f", {value_text}")):
+            out.append(Method(f"{name}{suffix}-merge-prefix", "simulation",
+                              {"evictor": name, "evictor_options": {**options, "scoring": scoring}},
+                              evict_prefix_only=True, per_head=True, merge=True, default=False,
+                              description=f"{text}{extra}; each evicted token's value merged into the kept token "
+                                          "with the most similar key, by mass (D2O/CaM's idea); the prefix only, "
+                                          "once (read-time simulation)"))
         for allocation, how in ALLOCATION_TEXT.items():
             for scoring, suffix, extra in (("mass", "", ""), ("value_aware", "-value", f", {value_text}")):
                 o = {**options, "allocation": allocation, "scoring": scoring}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from kvguard.eval.methods import builtin_methods
 
 
@@ -15,9 +17,10 @@ def test_budget_methods_are_distinct_configurations_run_only_when_named():
     for name, m in budget.items():
         options = m.options["evictor_options"]
         assert options["budget"] == 512
-        assert (m.kind == "simulation") == m.per_head == ("allocation" in options)
+        assert (m.kind == "simulation") == m.per_head == ("allocation" in options or m.merge)
+        assert m.merge == name.endswith("-merge-prefix")
         assert m.evict_prefix_only or name.endswith("-value")
-        assert name.endswith("-value-prefix") or name.endswith("-value") or options.get("scoring") == "mass"
+        assert name.endswith(("-value-prefix", "-value", "-value-merge-prefix")) or options.get("scoring") == "mass"
     for name in ("h2o", "snapkv"):  # each head's whole pages dropped first: the same evictor otherwise
         paged = methods[f"{name}-pages"]
         assert not paged.default and not paged.evict_prefix_only and paged.kind == "evictor"
@@ -46,3 +49,19 @@ def test_budget_methods_are_distinct_configurations_run_only_when_named():
                                                                       "keys": "int4", "host_keys": True}
         assert methods[f"int8-rot+kvsplit4h@{f}"].key.endswith("/k-int4+host")
     assert methods["h2o-adaptive-prefix"].options["evictor_options"]["window"] == 256  # h2o's half and half
+
+
+def test_merge_values_by_key_similarity_and_mass():
+    """Each evicted token's value joins the kept token whose key is most like its own, weighted by
+    mass; a kept token nothing joined keeps its value; each head on its own."""
+    from kvguard.eval.headwise import merge_values
+
+    k = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [2.0, 0.1], [0.1, 3.0], [0.0, -1.0]]])  # one head, 5 tokens
+    v = torch.tensor([[[1.0], [10.0], [3.0], [20.0], [7.0]]])
+    mass = torch.tensor([[1.0, 2.0, 1.0, 2.0, 5.0]])
+    keep = torch.tensor([[True, True, False, False, True]])
+    got = merge_values(k, v, mass, keep)
+    assert torch.allclose(got[0, :, 0], torch.tensor([(1 + 3) / 2, (20 + 40) / 4, 3.0, 20.0, 7.0]))
+    two = merge_values(torch.cat([k, k]), torch.cat([v, 2 * v]), torch.cat([mass, mass]),
+                       torch.cat([keep, torch.ones_like(keep)]))
+    assert torch.equal(two[0], got[0]) and torch.equal(two[1], 2 * v[0])  # all kept: unchanged

@@ -83,6 +83,37 @@ def test_headwise_heads_read_what_their_own_mass_keeps(alice):
     assert cache.read and cache.read[0] < 0.5
 
 
+def test_headwise_merge_reads_the_kept_tokens_with_the_evicted_values_merged_in(alice):
+    from kvguard.compress.evictors import make_evictor
+    from kvguard.eval.headwise import HeadwiseCache, merge_values
+
+    k, v = outlier_kv(72, 2, 64, seed=5, dtype=torch.float32)
+    q = torch.randn(72, 4, 64, generator=torch.Generator().manual_seed(6))
+    spec = {"name": "h2o", "budget": 24, "sink": 4, "window": 8}
+    cache = HeadwiseCache(CONFIG, alice, evictor=spec, merge=True, num_pages=16, dtype=torch.float32)
+    for layer in range(2):
+        step(cache, layer, q[:64], k[:64], v[:64])
+    cache.scoring = True
+    out = step(cache, 0, q[64:], k[64:], v[64:])
+
+    kk, vv = k.transpose(0, 1), v.transpose(0, 1)  # [H, L, D]
+    qh = q[:64].reshape(64, 2, 2, 64).permute(1, 2, 0, 3)
+    scores = torch.einsum("hgtd,hld->hgtl", qh, kk[:, :64]) / 8.0
+    scores = scores.masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), float("-inf"))
+    mass = torch.softmax(scores, -1).sum((1, 2))  # [H, 64]
+    evictor = make_evictor("h2o", budget=24, sink=4, window=8)
+    keep = torch.zeros(2, 64, dtype=torch.bool)
+    for h in range(2):
+        keep[h, evictor.select(64, mass[h])] = True
+    merged = merge_values(kk[:, :64], vv[:, :64], mass, keep)
+    for h in range(2):
+        idx = torch.cat([keep[h].nonzero().flatten(), torch.arange(64, 72)])
+        values = torch.cat([merged[h], vv[h, 64:]])[idx]
+        want, _ = dense_attention(q[64:, 2 * h : 2 * h + 2], kk[h : h + 1, idx], values[None])
+        torch.testing.assert_close(out[:, 2 * h : 2 * h + 2], want, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(merged[keep], vv[:, :64][keep])  # something was merged
+
+
 @pytest.mark.parametrize("scoring", ["mass", "value_aware"])
 def test_headwise_simulation_matches_the_cache_that_evicts(alice, scoring):
     """The read-time simulation of a uniform budget reads exactly what the cache's own
