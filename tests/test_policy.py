@@ -439,6 +439,13 @@ def test_kv_split_is_a_compression_layer_the_downgrade_steps_may_drop():
     for bad in ("1", "2.5", "many"):
         with pytest.raises(PolicyError, match="kv_split.slots"):
             parse_policy(CHAT.replace("  enabled: true\n", f"  enabled: true\n  slots: {bad}\n"))
+    host = parse_policy(CHAT.replace("  enabled: true\n", "  enabled: true\n  keys: int4\n  host_keys: true\n"))
+    assert host.key.endswith("/k-int4+host")
+    manager = CacheManager(host.cache_config(SMOLLM2, num_pages=8))  # the cache a server builds from it
+    assert manager.split.exact and manager.pools["split"].codec.exact == manager.pools["main"].codec
+    for bad in ("  host_keys: true\n", "  host_keys: yes please\n", "  keys: int4\n  normalize: all\n  host_keys: true\n"):
+        with pytest.raises(PolicyError, match="host_keys"):
+            parse_policy(CHAT.replace("  enabled: true\n", "  enabled: true\n" + bad))
 
 
 def test_the_shipped_chat_rag_and_reasoning_policies_split_keys_and_values():
