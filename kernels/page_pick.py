@@ -82,8 +82,9 @@ def _select(hist, need, MASK: tl.constexpr):
 def _page_pick_kernel(mass, table, want, chosen, count, n, threshold, m_row, t_row, c_row, TOPK: tl.constexpr,
                       BLOCK: tl.constexpr):
     # one row: the pages to read, in page order, into chosen[b, :count[b]]. TOPK: the want[b]
-    # of largest mass (ties at the k-th value go to the lower pages); else every page whose
-    # mass reaches `threshold`. Masses are >= 0, so their bits order as they do.
+    # of largest mass (ties at the k-th value go to the lower pages), of them those whose mass
+    # reaches `threshold` (0: all); else every page whose mass reaches `threshold`. Masses are
+    # >= 0, so their bits order as they do.
     b = tl.program_id(0)
     row = mass + b.to(tl.int64) * m_row
     offs = tl.arange(0, BLOCK)
@@ -105,7 +106,7 @@ def _page_pick_kernel(mass, table, want, chosen, count, n, threshold, m_row, t_r
             bits = x.to(tl.int32, bitcast=True)
             eq = (bits == lo) & (i < n)
             rank = seen + tl.cumsum(eq.to(tl.int32), 0) - 1
-            keep = (((bits > lo) & (i < n)) | (eq & (rank < ties))) & (k > 0)
+            keep = (((bits > lo) & (i < n)) | (eq & (rank < ties))) & (k > 0) & (x >= threshold)
             seen += tl.sum(eq.to(tl.int32), 0)
         else:
             keep = (x >= threshold) & (i < n)
@@ -164,8 +165,8 @@ def _keeps(mass, want, hist, n, threshold, m_row, b, i, TOPK: tl.constexpr):
         k = tl.load(want + b)
         lo, _, ties = _known(hist + b * 1024, k, 4)
         bits = x.to(tl.int32, bitcast=True)
-        above = (bits > lo) & (i < n) & (k > 0)
-        at = (bits == lo) & (i < n) & (k > 0)
+        above = (bits > lo) & (i < n) & (k > 0) & (x >= threshold)
+        at = (bits == lo) & (i < n) & (k > 0) & (x >= threshold)  # all or none: they share one mass
     else:
         above = (x >= threshold) & (i < n)
         at = i < 0
@@ -215,7 +216,8 @@ def page_pick(scores: torch.Tensor, total: torch.Tensor, table: torch.Tensor, wi
     softmax's normalizer over every page; a page's mass is the largest over query heads of
     exp(score - total). table [B, n] int32 the pages' ids. With `want` ([B] int32, each at most
     `width` and at most the row's pages), row b reads the want[b] pages of largest mass (ties
-    to the lower slots); without, every page whose mass reaches `threshold`.
+    to the lower slots), of them those whose mass reaches `threshold` (a mass rule capped at
+    want[b] pages; 0: all of them); without, every page whose mass reaches `threshold`.
 
     Returns (chosen [B, width] int32, the page ids in slot order in the first count[b] of row b;
     count [B] int32). `config` overrides PICK_CONFIG, for tuning."""

@@ -116,14 +116,14 @@ BAD = [
 
 
 BAD_SPLIT = [
-    (("  mass: 0.001\n", "  mass: 0.001\n  top_k: 4\n"), "kv_split:", "kv_split", "exactly one of top_k"),
-    (("  mass: 0.001\n", ""), "kv_split:", "kv_split", "exactly one of top_k, fraction and mass"),
+    (("  mass: 0.001\n", "  fraction: 0.5\n  top_k: 4\n"), "kv_split:", "kv_split", "one of top_k"),
+    (("  mass: 0.001\n", ""), "kv_split:", "kv_split", "one of top_k, fraction and mass"),
     (("  mass: 0.001\n", "  fraction: 0\n"), "fraction: 0", "kv_split.fraction", "greater than 0"),
     (("  mass: 0.001\n", "  mass: 1\n"), "mass: 1", "kv_split.mass", "less than 1"),
     (("  window: 512\n", "  windw: 512\n"), "windw", "kv_split.windw", "not permitted"),
     (("tiers: [device, cpu]", "tiers: [device]"), "kv_split:", "kv_split", "add cpu to tiers"),
-    (("  - codec: {name: fp16}", "  - codec: {name: fp16}\n    kv_split: {top_k: 2, mass: 0.1}"), "kv_split: {",
-     "downgrade[1].kv_split", "exactly one"),
+    (("  - codec: {name: fp16}", "  - codec: {name: fp16}\n    kv_split: {top_k: 2, fraction: 0.1}"), "kv_split: {",
+     "downgrade[1].kv_split", "or mass with top_k or fraction"),
 ]
 
 
@@ -439,6 +439,9 @@ def test_kv_split_is_a_compression_layer_the_downgrade_steps_may_drop():
     for bad in ("1", "2.5", "many"):
         with pytest.raises(PolicyError, match="kv_split.slots"):
             parse_policy(CHAT.replace("  enabled: true\n", f"  enabled: true\n  slots: {bad}\n"))
+    capped = parse_policy(CHAT.replace("  mass: 0.001\n", "  mass: 0.001\n  top_k: 64\n  slots: 128\n"))
+    rule = capped.cache_config(SMOLLM2, num_pages=8).kv_split
+    assert (rule.mass, rule.top_k, rule.pages(1000)) == (0.001, 64, 64) and "+kvsplit@m0.001-64p/w512/slots128" in capped.key
     host = parse_policy(CHAT.replace("  enabled: true\n", "  enabled: true\n  keys: int4\n  host_keys: true\n"))
     assert host.key.endswith("/k-int4+host")
     manager = CacheManager(host.cache_config(SMOLLM2, num_pages=8))  # the cache a server builds from it

@@ -20,7 +20,8 @@ class KVSplit:
     """The K/V split tier (split.py): values of full pages older than the last `window` tokens
     live in CPU memory; each read fetches the values of the cold pages its attention mass picks:
     the `top_k` pages, a `fraction` of the cold pages (rounded up), or every page whose mass
-    reaches `mass` (one of the three); each query picks its own. `normalize`: the softmax of what
+    reaches `mass`; `mass` with `top_k` or `fraction`: the pages whose mass reaches it, at most
+    that many (those of largest mass), so a step's reads are bounded; each query picks its own. `normalize`: the softmax of what
     a query reads, "read" (over the keys whose values it read: the pages not read drop out) or
     "all" (over every key: the pages not read keep their weight and add no value, which pulls
     the output towards zero by the mass skipped). `capacity`: how many pages the split's pool
@@ -58,8 +59,9 @@ class KVSplit:
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
             raise ConfigError(f"kv_split window must be an integer >= 0, got {self.window!r}")
         given = [n for n in ("top_k", "fraction", "mass") if getattr(self, n) is not None]
-        if len(given) != 1:
-            raise ConfigError(f"kv_split takes exactly one of top_k, fraction and mass, got {given or 'none'}")
+        if not given or (self.top_k is not None and self.fraction is not None):
+            raise ConfigError(f"kv_split takes one of top_k, fraction and mass, or mass with top_k or fraction as "
+                              f"its cap; got {given or 'none'}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool)
                                        or self.top_k < 1):
             raise ConfigError(f"kv_split top_k must be a positive integer, got {self.top_k!r}")
@@ -93,7 +95,7 @@ class KVSplit:
                               "reads: it needs keys in a smaller codec (kv_split keys) and normalize read")
 
     def pages(self, cold: int) -> int | None:
-        """How many of `cold` pages a read fetches (None: by mass)."""
+        """How many of `cold` pages a read fetches (at most, with `mass` too; None: by mass alone)."""
         if self.top_k is not None:
             return min(self.top_k, cold)
         if self.fraction is not None:

@@ -32,10 +32,13 @@ def shares(rule: KVSplit, exact: torch.Tensor, bound: torch.Tensor | None) -> to
 
 def pick(rule: KVSplit, share: torch.Tensor) -> torch.Tensor:
     """The cold pages each query reads, from share [H, g, T, cold]: by the largest share over
-    its heads, the rule's k of largest, or every page whose share reaches its mass. [T, cold] bool."""
+    its heads, the rule's k of largest, every page whose share reaches its mass, or (both) of the
+    k of largest those that reach it. [T, cold] bool."""
     best = share.amax(dim=(0, 1))  # [T, cold]
     k = rule.pages(best.shape[1])
-    return best >= rule.mass if k is None else top(best, k)
+    if k is None:
+        return best >= rule.mass
+    return top(best, k) if rule.mass is None else top(best, k) & (best >= rule.mass)
 
 
 def top(x: torch.Tensor, k: int) -> torch.Tensor:

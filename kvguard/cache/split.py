@@ -9,7 +9,7 @@ memory, pinned where CUDA is present. The codec's page is freed: the device keep
 A read scores every key on the device exactly and takes the softmax over all of them. Each
 query picks the cold pages whose attention mass matters: the `top_k` pages with the largest
 mass (the largest over its query heads of the probability in the page), a `fraction` of them,
-or every page whose mass reaches `mass`; with `score: bound`, by Quest's upper bound of each
+or every page whose mass reaches `mass` (with `top_k` or `fraction`, at most that many); with `score: bound`, by Quest's upper bound of each
 page's logits instead. Only their values are read. With `normalize: read` (the default) the
 query's softmax is then over the keys whose values it read; with `all` the pages not read keep
 their share of it and contribute no value (on SmolLM2 that costs far more: docs/fidelity.md,
@@ -196,7 +196,7 @@ class ValueSplit:
         j = names.index(SPLIT)
         want = [self.rule.pages(t // self.cfg.page_size) for t in used[j][1]]
         k = count = None
-        if self.rule.mass is None:
+        if want[0] is not None:  # a count of pages (with `mass` too, its cap)
             k = max(want)
             count = self.tables.device_ints(("split-k", tuple(want)), lambda: list(want), torch.int32)
         out, chosen, count = self.decode(q, bounded, lens, j, k, count, scale, layer)
@@ -211,8 +211,9 @@ class ValueSplit:
         sets: (page fields, block table [B, n_i] int32, an upper bound of the tokens a row holds
         there) per pool; lens [sets, B] int32: the tokens. The rule picks the split pages whose
         values are read (kernels/page_pick.py): with `want` ([B] int32, pages per
-        row), the want[b] of largest mass, k (>= every want[b]) the width of the picks; without
-        (the mass rule), every page whose mass reaches the rule's. Returns out [B, Hq, D] in q's
+        row), the want[b] of largest mass (with the rule's `mass` too, those of them that reach
+        it), k (>= every want[b]) the width of the picks; without (the mass rule), every page
+        whose mass reaches the rule's. Returns out [B, Hq, D] in q's
         dtype, the split pages whose values were read over the bus [B, k or n_j] int32 (those
         picked in slot order; with `slots`, those no slot held), and how many of each row's [B] int32."""
         from kvguard.kernels.page_pick import page_pick, page_total, rescale

@@ -154,8 +154,9 @@ class KvSplit(_Strict):
     """The K/V split tier (kvguard/cache/split.py): keys stay on the device, the values of pages
     older than the last `window` tokens live in CPU memory, and each read fetches the values of
     the cold pages that its attention mass picks: the `top_k` pages, a `fraction` of the cold
-    pages, or every page holding at least `mass` of some query head's attention (one of the three),
-    each query its own; `normalize`: a query's softmax over the keys whose values it read ("read")
+    pages, or every page holding at least `mass` of some query head's attention; `mass` with
+    `top_k` or `fraction`: those pages, at most that many (a bound on a step's reads); each query
+    its own; `normalize`: a query's softmax over the keys whose values it read ("read")
     or over every key ("all": the pages not read keep their weight and add no value); `keys`: the
     codec of the split pages' keys (default the policy's; int4 beside int8 values: a longer
     context in the same device memory); `slots`: device page slots a layer that keep the pages
@@ -178,9 +179,9 @@ class KvSplit(_Strict):
     @model_validator(mode="after")
     def _one_rule(self):
         given = [n for n in ("top_k", "fraction", "mass") if getattr(self, n) is not None]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of top_k, fraction and mass (which cold pages a read fetches), "
-                             f"got {', '.join(given) or 'none'}")
+        if not given or (self.top_k is not None and self.fraction is not None):
+            raise ValueError(f"give one of top_k, fraction and mass (which cold pages a read fetches), or mass with "
+                             f"top_k or fraction as its cap; got {', '.join(given) or 'none'}")
         if self.host_keys and (self.keys is None or self.normalize != "read"):
             raise ValueError("host_keys needs keys (a smaller codec for the device) and normalize read")
         return self
@@ -193,7 +194,8 @@ class KvSplit(_Strict):
 
 
 def split_key(split: dict) -> str:
-    """A K/V split as config_key names it: kvsplit@25%/w128, kvsplit@32p/w256, kvsplit@m0.01/w256;
+    """A K/V split as config_key names it: kvsplit@25%/w128, kvsplit@32p/w256, kvsplit@m0.01/w256,
+    kvsplit@m0.01-64p/w256 (the mass rule capped at 64 pages);
     `/all` when the pages not read keep their weight in the softmax (normalize: all), `/k-int4`
     when its keys are in their own codec (`/k-int4+host` with the cache's kept in host memory), `/slots64` when it keeps 64 pages a layer read last on
     the device, `/bound` (`/bound-r4`) when pages are ranked by Quest's
@@ -203,7 +205,9 @@ def split_key(split: dict) -> str:
     elif split.get("fraction") is not None:
         rule = f"{split['fraction'] * 100:g}%"
     else:
-        rule = f"m{split['mass']:g}"
+        rule = ""
+    if split.get("mass") is not None:
+        rule = f"m{split['mass']:g}" + (f"-{rule}" if rule else "")
     norm = "/all" if split.get("normalize") == "all" else ""
     keys = f"/k-{split['keys']}{'+host' if split.get('host_keys') else ''}" if split.get("keys") else ""
     bound = "" if split.get("score", "exact") == "exact" else "/bound"

@@ -112,6 +112,10 @@ def test_fewer_pages_the_error_is_only_the_skipped_values():
     ({"fraction": 0.25}, lambda mass: mass.topk(2).indices.tolist()),  # ceil(0.25 * 8 cold pages) = 2
     ({"mass": 0.05}, lambda mass: (mass >= 0.05).nonzero().flatten().tolist()),
     ({"mass": 0.999}, lambda mass: []),  # no page holds that much: the window's values alone
+    # the mass rule capped (the pages' masses here: 0.72, 0.41, 0.15, 0.12, 0.10, 0.10, 0.09, 0.09):
+    # the threshold cuts into the top 4, and the cap into the 7 pages over 0.09
+    ({"mass": 0.13, "top_k": 4}, lambda mass: [i for i in mass.topk(4).indices.tolist() if mass[i] >= 0.13]),
+    ({"mass": 0.09, "top_k": 2}, lambda mass: mass.topk(2).indices.tolist()),
 ])
 def test_fraction_and_mass_threshold_pick_as_said(rule, pick, normalize):
     m = make({"window": 8, "normalize": normalize, **rule})
@@ -263,6 +267,7 @@ def kernel_pair(rule: dict, codec: str):
 
 @pytest.mark.parametrize("codec", ["fp16", "int8"])
 @pytest.mark.parametrize("rule", [{"top_k": 1000}, {"top_k": 3}, {"fraction": 0.5}, {"mass": 0.02},
+                                  {"mass": 0.2, "top_k": 1000}, {"mass": 0.02, "top_k": 2},
                                   {"top_k": 3, "keys": "int4"}, {"top_k": 3, "keys": "int4", "host_keys": True}])
 def test_the_kernel_path_reads_what_the_reference_path_reads(codec, rule):
     """Decode steps of a batch on the kernel path (scores, picks and reads on the device,
@@ -282,14 +287,15 @@ def test_the_kernel_path_reads_what_the_reference_path_reads(codec, rule):
         kf = [e for e in km.events.take_events() if isinstance(e, ev.PagesFetched)]
         rf = [e for e in rm.events.take_events() if isinstance(e, ev.PagesFetched)]
         assert [(e.seq, sorted(e.pages), e.bytes) for e in kf] == [(e.seq, sorted(e.pages), e.bytes) for e in rf]
-        if rule.get("top_k") == 1000:
+        if rule == {"top_k": 1000}:
             assert kf and len(kf[0].pages) == km.pools["split"].used_count
 
 
 @pytest.mark.parametrize("codec,rule", [("fp16", {"top_k": 1000}), ("int8", {"top_k": 3}),
                                         ("fp16", {"fraction": 0.5, "normalize": "all"}), ("int8", {"mass": 0.02}),
                                         ("int8", {"top_k": 3, "keys": "int4"}),
-                                        ("int8", {"top_k": 3, "keys": "int4", "host_keys": True})])
+                                        ("int8", {"top_k": 3, "keys": "int4", "host_keys": True}),
+                                        ("fp16", {"mass": 0.02, "fraction": 0.25})])
 def test_a_chunk_on_the_kernel_path_reads_what_the_reference_path_reads(codec, rule):
     """A chunk of queries (a prefill's, after the split moved the older pages) on the kernel
     path: each query picks its own split pages as a decode row does, the other pools take the
@@ -403,7 +409,8 @@ def static_pair(rule: dict, codec: str, **options):
 
 @pytest.mark.parametrize("codec,rule", [("fp16", {"top_k": 3}), ("int8", {"fraction": 0.5}),
                                         ("fp16", {"mass": 0.02}), ("int8", {"top_k": 3, "slots": 24}),
-                                        ("int8", {"top_k": 3, "keys": "int4", "host_keys": True, "slots": 24})])
+                                        ("int8", {"top_k": 3, "keys": "int4", "host_keys": True, "slots": 24}),
+                                        ("int8", {"mass": 0.02, "top_k": 3, "slots": 24})])
 def test_a_static_decode_step_reads_what_an_eager_step_reads(codec, rule):
     """Decode steps through StaticStep's fixed buffers (what a CUDA graph replays) give the
     eager kernel path's answers and fetch events, while pages move to the split between

@@ -43,7 +43,8 @@ def fetches(m: CacheManager) -> list[tuple]:
 
 @pytest.mark.parametrize("codec,rule", [("int8", {"top_k": 3}), ("fp16", {"top_k": 2}),
                                         ("int8", {"top_k": 3, "keys": "int4"}), ("int8", {"fraction": 0.25}),
-                                        ("int8", {"top_k": 3, "keys": "int4", "host_keys": True})])
+                                        ("int8", {"top_k": 3, "keys": "int4", "host_keys": True}),
+                                        ("int8", {"mass": 0.02, "top_k": 3})])
 def test_slots_give_the_same_answer_and_read_less_over_the_bus(codec, rule):
     """Steps with slots answer as steps without, bit for bit; each step's fetch names only pages
     no slot held (a subset of what it picked), and over the steps fewer bytes cross the bus."""

@@ -124,6 +124,14 @@ def test_page_pick_takes_the_pages_of_largest_mass():
             slots = (mass[i] >= t).nonzero().flatten().to(DEVICE)
             assert int(count[i]) == len(slots) and torch.equal(chosen[i, :len(slots)], table[i, slots])
         assert int(count[3]) == 0 and int(count[0]) >= n // 2
+        # the mass rule capped: of the want[b] pages of largest mass, those reaching the threshold
+        chosen, count = page_pick(scores, total, table, 450, want, threshold=t, config=config)
+        for i in range(b):
+            k = int(want[i])
+            top = mass[i].topk(k).indices if k else torch.zeros(0, dtype=torch.long)
+            slots = top[mass[i][top] >= t].sort().values.to(DEVICE)
+            assert int(count[i]) == len(slots) and torch.equal(chosen[i, :len(slots)], table[i, slots])
+        assert 0 < int(count[1]) < int(want[1])  # the threshold cut into row 1's 450
 
 
 def test_page_pick_breaks_ties_by_slot():
