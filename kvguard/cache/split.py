@@ -9,8 +9,8 @@ memory, pinned where CUDA is present. The codec's page is freed: the device keep
 A read scores every key on the device exactly and takes the softmax over all of them. Each
 query picks the cold pages whose attention mass matters: the `top_k` pages with the largest
 mass (the largest over its query heads of the probability in the page), a `fraction` of them,
-or every page whose mass reaches `mass` (with `top_k` or `fraction`, at most that many); with `score: bound`, by Quest's upper bound of each
-page's logits instead. Only their values are read. With `normalize: read` (the default) the
+or every page whose mass reaches `mass` (with `top_k` or `fraction`, at most that many); with
+`score: bound`, by Quest's upper bound of each page's logits instead. Only their values are read. With `normalize: read` (the default) the
 query's softmax is then over the keys whose values it read; with `all` the pages not read keep
 their share of it and contribute no value (on SmolLM2 that costs far more: docs/fidelity.md,
 "K/V split"). Either way the one approximation is the values skipped.
