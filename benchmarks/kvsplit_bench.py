@@ -549,7 +549,8 @@ def main() -> None:
         raise SystemExit("--check-only on the CPU runs the kernels under Triton's interpreter: set TRITON_INTERPRET=1")
     if args.check and (args.device.startswith("cuda") or args.check_only):
         cuda = args.device.startswith("cuda")  # on the CPU (interpreted): a short context, --smoke's window
-        ok, slots_ok = check(SHAPES[args.shape], args.device, 4096 + 300 if cuda else 512, 512 if cuda else 128)
+        ok, slots_ok = check(SHAPES[args.shape], args.device, 4096 + 300 if cuda else 512, 512 if cuda else 128,
+                             64 if cuda else 16)
         if not ok:
             raise SystemExit(1)
         if not slots_ok and args.slots:
