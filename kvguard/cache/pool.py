@@ -202,9 +202,8 @@ class PagePool:
             self._host_sync()
         # a split pool's exact keys (x fields) come back as the keys of a pool in their codec, and
         # are copied from the keys of the pool whose codec they are in
-        exact = getattr(src.codec, "exact", None)
-        back = exact is not None and exact == self.codec.key_codec
-        recode = src.codec.key_codec != self.codec.key_codec and not back
+        back = getattr(src.codec, "exact", None) == self.codec.key_codec
+        recode = self.keys_recoded(src)
         if recode:
             self._recode_keys(src, src_pages, dst_pages)
         for name, t in self._stacks.items():
@@ -225,6 +224,11 @@ class PagePool:
                 d0 = int(dst_pages[a])
                 for layer in range(t.shape[0]):
                     _raw(t)[layer, d0:d0 + b - a].copy_(got[layer, a:b], non_blocking=True)
+
+    def keys_recoded(self, src: PagePool) -> bool:
+        """Whether copying src's pages here encodes their keys again: their codecs differ and src
+        keeps no exact copy in this pool's (kv_split.host_keys)."""
+        return src.codec.key_codec != self.codec.key_codec and getattr(src.codec, "exact", None) != self.codec.key_codec
 
     def _recode_keys(self, src: PagePool, src_pages: list[PageId], dst_pages: list[PageId], chunk: int = 256) -> None:
         """The keys of src_pages (src's key codec) into dst_pages in this pool's key codec: decoded to

@@ -10,8 +10,8 @@ A read scores every key on the device exactly and takes the softmax over all of 
 query picks the cold pages whose attention mass matters: the `top_k` pages with the largest
 mass (the largest over its query heads of the probability in the page), a `fraction` of them,
 or every page whose mass reaches `mass` (with `top_k` or `fraction`, at most that many); with
-`score: bound`, by Quest's upper bound of each page's logits instead. Only their values are read. With `normalize: read` (the default) the
-query's softmax is then over the keys whose values it read; with `all` the pages not read keep
+`score: bound`, by Quest's upper bound of each page's logits instead. Only their values are
+read. With `normalize: read` (the default) the query's softmax is then over the keys whose values it read; with `all` the pages not read keep
 their share of it and contribute no value (on SmolLM2 that costs far more: docs/fidelity.md,
 "K/V split"). Either way the one approximation is the values skipped.
 
@@ -78,19 +78,13 @@ class ValueSplit:
         self._pending: deque[tuple] = deque()  # (event or None, pages [L, B, k], counts [L, B], seqs)
         self.last_read = 1.0  # fraction of the keys of the last reference read whose values were read
         self.names = [page_name(SPLIT, p) for p in range(self.pool.num_pages)]  # made once: a read names many
+        # the split pages keep the cache's keys in host memory too (kv_split.host_keys), and the
+        # fields of a split page there, as its events name them
+        self.exact = getattr(self.pool.codec, "exact", None) is not None
+        self.host_fields = ("k", "v") if self.exact else ("v",)
         # the pages read last, kept in device slots on the kernel path (hot.py)
         self.hot = HotValues(self.pool, self.rule.slots, cfg.device, self.view) if self.rule and self.rule.slots \
             and cfg.use_kernels else None
-
-    @property
-    def exact(self) -> bool:
-        """Whether the split pages keep the cache's keys in host memory (`kv_split.host_keys`)."""
-        return getattr(self.pool.codec, "exact", None) is not None
-
-    @property
-    def host_fields(self) -> tuple[str, ...]:
-        """The fields of a split page in host memory, as its events name them."""
-        return ("k", "v") if self.exact else ("v",)
 
     def view(self, fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The split pages' fields that a read attends over: with exact keys those and the values
@@ -161,10 +155,9 @@ class ValueSplit:
         self._recoded(seq, dst, self.home, SPLIT)
 
     def _recoded(self, seq: Sequence, pages: list[PageId], to: str, frm: str) -> None:
-        """A `quantize` of the keys of pages moved from pool `frm` to `to` (kv_split.keys); none
-        when they come back from their exact copy (kv_split.host_keys)."""
-        back = frm == SPLIT and self.exact
-        if self.store.pools[to].codec.key_codec != self.store.pools[frm].codec.key_codec and not back:
+        """A `quantize` of the keys of pages moved from pool `frm` to `to`, when the move encoded
+        them again (kv_split.keys; not from their exact copy, kv_split.host_keys)."""
+        if self.store.pools[to].keys_recoded(self.store.pools[frm]):
             self.recoded(seq, pages, to, frm)
 
     def flush(self, seq: Sequence) -> None:

@@ -56,25 +56,36 @@ def test_uncompressed_pages_deviate_by_exactly_zero(alice):
     assert cache.deviation() == [0.0, 0.0]
 
 
-def test_headwise_heads_read_what_their_own_mass_keeps(alice):
-    from kvguard.compress.evictors import make_evictor
+def headwise_run(alice, merge: bool):
+    """A HeadwiseCache (H2O per head, budget 24) given a 64-token prefix in 2 layers, then 8 scored
+    tokens in layer 0: (q, k, v, the cache, the scored tokens' output)."""
     from kvguard.eval.headwise import HeadwiseCache
 
     k, v = outlier_kv(72, 2, 64, seed=5, dtype=torch.float32)
     q = torch.randn(72, 4, 64, generator=torch.Generator().manual_seed(6))
     spec = {"name": "h2o", "budget": 24, "sink": 4, "window": 8}
-    cache = HeadwiseCache(CONFIG, alice, evictor=spec, num_pages=16, dtype=torch.float32)
+    cache = HeadwiseCache(CONFIG, alice, evictor=spec, merge=merge, num_pages=16, dtype=torch.float32)
     for layer in range(2):
         step(cache, layer, q[:64], k[:64], v[:64])  # the prefix, attended in full
     cache.scoring = True
-    out = step(cache, 0, q[64:], k[64:], v[64:])
+    return q, k, v, cache, step(cache, 0, q[64:], k[64:], v[64:])
 
-    # independently: each KV head's mass over the prefix, the evictor's choice per head
-    kk, vv = k.transpose(0, 1), v.transpose(0, 1)  # [H, L, D]
+
+def prefix_mass(q, k, v):
+    """Independently of the cache: k, v as [H, L, D] and each KV head's mass over the 64-token prefix [H, 64]."""
+    kk, vv = k.transpose(0, 1), v.transpose(0, 1)
     qh = q[:64].reshape(64, 2, 2, 64).permute(1, 2, 0, 3)
     scores = torch.einsum("hgtd,hld->hgtl", qh, kk[:, :64]) / 8.0
     scores = scores.masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), float("-inf"))
-    mass = torch.softmax(scores, -1).sum((1, 2))  # [H, 64]
+    return kk, vv, torch.softmax(scores, -1).sum((1, 2))
+
+
+def test_headwise_heads_read_what_their_own_mass_keeps(alice):
+    from kvguard.compress.evictors import make_evictor
+
+    q, k, v, cache, out = headwise_run(alice, merge=False)
+    # independently: each KV head's mass over the prefix, the evictor's choice per head
+    kk, vv, mass = prefix_mass(q, k, v)
     evictor = make_evictor("h2o", budget=24, sink=4, window=8)
     for h in range(2):
         keep = torch.cat([evictor.select(64, mass[h]), torch.arange(64, 72)])
@@ -85,22 +96,10 @@ def test_headwise_heads_read_what_their_own_mass_keeps(alice):
 
 def test_headwise_merge_reads_the_kept_tokens_with_the_evicted_values_merged_in(alice):
     from kvguard.compress.evictors import make_evictor
-    from kvguard.eval.headwise import HeadwiseCache, merge_values
+    from kvguard.eval.headwise import merge_values
 
-    k, v = outlier_kv(72, 2, 64, seed=5, dtype=torch.float32)
-    q = torch.randn(72, 4, 64, generator=torch.Generator().manual_seed(6))
-    spec = {"name": "h2o", "budget": 24, "sink": 4, "window": 8}
-    cache = HeadwiseCache(CONFIG, alice, evictor=spec, merge=True, num_pages=16, dtype=torch.float32)
-    for layer in range(2):
-        step(cache, layer, q[:64], k[:64], v[:64])
-    cache.scoring = True
-    out = step(cache, 0, q[64:], k[64:], v[64:])
-
-    kk, vv = k.transpose(0, 1), v.transpose(0, 1)  # [H, L, D]
-    qh = q[:64].reshape(64, 2, 2, 64).permute(1, 2, 0, 3)
-    scores = torch.einsum("hgtd,hld->hgtl", qh, kk[:, :64]) / 8.0
-    scores = scores.masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), float("-inf"))
-    mass = torch.softmax(scores, -1).sum((1, 2))  # [H, 64]
+    q, k, v, _, out = headwise_run(alice, merge=True)
+    kk, vv, mass = prefix_mass(q, k, v)
     evictor = make_evictor("h2o", budget=24, sink=4, window=8)
     keep = torch.zeros(2, 64, dtype=torch.bool)
     for h in range(2):
