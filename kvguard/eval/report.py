@@ -52,6 +52,8 @@ _pp = _known(lambda x: f"{100 * x:+.2f} %")  # a relative perplexity change, in 
 _kl = _known(lambda x: f"{x:.5f}")
 _top1 = _known(lambda x: f"{x:.1%}")
 _greedy = _known(lambda x: f"{x:.0%}")
+_ms = _known(lambda x: f"{x:.0f}")  # timings: not measured without greedy tokens, or where merged in
+_tps = _known(lambda x: f"{x:.1f}")
 
 
 # The report's columns, each once: (heading, value of a Summary) for the summary table, (heading,
@@ -71,8 +73,8 @@ SUMMARY_COLUMNS = [
     ("KL (nats)", lambda s, r: _kl(s.kl)),
     ("top-1 agreement", lambda s, r: _top1(s.top1)),
     ("greedy agreement (info)", lambda s, r: _greedy(s.agreement)),
-    ("TTFT ms", lambda s, r: f"{s.ttft_ms:.0f}"),
-    ("decode tok/s", lambda s, r: f"{s.decode_tps:.1f}"),
+    ("TTFT ms", lambda s, r: _ms(s.ttft_ms)),
+    ("decode tok/s", lambda s, r: _tps(s.decode_tps)),
     (_gate_head, lambda s, r: s.status),
 ]
 # the retrieval probe (needle.py): keys found, reported, not gated; a column only where it ran
@@ -210,7 +212,7 @@ def from_json(data: dict) -> Report:
         return math.nan if x is None else x
 
     # NaN, JSON's null: without greedy tokens (--generate 0), or in a report older than the field
-    undefined = ("ppl_delta", "worst_ppl_delta", "agreement", "decode_tps", "ppl_delta_rel", "worst_ppl_delta_rel",
+    undefined = ("ppl_delta", "worst_ppl_delta", "agreement", "decode_tps", "ttft_ms", "ppl_delta_rel", "worst_ppl_delta_rel",
                  "kl", "worst_kl", "top1")
     derived = ("mean_deviation", "mean_layer_deviation", "worst_layer_deviation")  # TextResult's properties
     renamed = {"deviation": "mean_layer_deviation", "worst_layer": "worst_layer_deviation"}  # older reports
