@@ -4,7 +4,7 @@ page's mass, and the pages whose values it reads, all on the device with no host
 kernels/page_scores.py writes each page's log-sum-exp per query head. From those:
 `page_total` is the normalizer over every page, `page_pick` gives each page its mass (the
 largest over query heads of exp(score - total)) and picks the pages to read, by a top-k or by
-a threshold; `rescale` scales an output normalized over the pages read to the whole softmax.
+a threshold (one for all rows, or a row's own: a coverage rule's); `rescale` scales an output normalized over the pages read to the whole softmax.
 
 Each has two ways to run. One program a row (a row's masses: one sequence, or one (sequence,
 query head) for the normalizer) loops over the row: few launches, fit for short rows, latency-
@@ -79,13 +79,14 @@ def _select(hist, need, MASK: tl.constexpr):
 
 
 @triton.jit
-def _page_pick_kernel(mass, table, want, chosen, count, n, threshold, m_row, t_row, c_row, TOPK: tl.constexpr,
-                      BLOCK: tl.constexpr):
+def _page_pick_kernel(mass, table, want, chosen, count, n, threshold, rows, m_row, t_row, c_row, TOPK: tl.constexpr,
+                      ROWS: tl.constexpr, BLOCK: tl.constexpr):
     # one row: the pages to read, in page order, into chosen[b, :count[b]]. TOPK: the want[b]
     # of largest mass (ties at the k-th value go to the lower pages), of them those whose mass
-    # reaches `threshold` (0: all); else every page whose mass reaches `threshold`. Masses are
-    # >= 0, so their bits order as they do.
+    # reaches `threshold` (0: all); else every page whose mass reaches `threshold`. ROWS: the
+    # threshold is rows[b]. Masses are >= 0, so their bits order as they do.
     b = tl.program_id(0)
+    threshold = _threshold(threshold, rows, b, ROWS)
     row = mass + b.to(tl.int64) * m_row
     offs = tl.arange(0, BLOCK)
     if TOPK:  # the k-th largest mass's bits, 7 then 8 at a time from the top (a radix select)
@@ -157,9 +158,18 @@ def _many_digit_kernel(mass, want, hist, n, m_row, J: tl.constexpr, BLOCK: tl.co
 
 
 @triton.jit
-def _keeps(mass, want, hist, n, threshold, m_row, b, i, TOPK: tl.constexpr):
+def _threshold(threshold, rows, b, ROWS: tl.constexpr):
+    # the row's threshold: one for every row, or its own (a coverage rule's)
+    if ROWS:
+        threshold = tl.load(rows + b)
+    return threshold
+
+
+@triton.jit
+def _keeps(mass, want, hist, n, threshold, rows, m_row, b, i, TOPK: tl.constexpr, ROWS: tl.constexpr):
     # a block's pages: those above the k-th largest mass (or reaching the threshold), those at
     # it, and how many of the row's pages at it are to be taken (none when the row takes none)
+    threshold = _threshold(threshold, rows, b, ROWS)
     x = tl.load(mass + b.to(tl.int64) * m_row + i, mask=i < n, other=0.0)
     if TOPK:
         k = tl.load(want + b)
@@ -175,23 +185,25 @@ def _keeps(mass, want, hist, n, threshold, m_row, b, i, TOPK: tl.constexpr):
 
 
 @triton.jit
-def _many_count_kernel(mass, want, hist, counts, n, threshold, m_row, C, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def _many_count_kernel(mass, want, hist, counts, n, threshold, rows, m_row, C, TOPK: tl.constexpr,
+                       ROWS: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     c = tl.program_id(1)
-    above, at, _ = _keeps(mass, want, hist, n, threshold, m_row, b, c * BLOCK + tl.arange(0, BLOCK), TOPK)
+    above, at, _ = _keeps(mass, want, hist, n, threshold, rows, m_row, b, c * BLOCK + tl.arange(0, BLOCK), TOPK,
+                          ROWS)
     base = counts + (b * C + c) * 2
     tl.store(base, tl.sum(above.to(tl.int32), 0))
     tl.store(base + 1, tl.sum(at.to(tl.int32), 0))
 
 
 @triton.jit
-def _many_write_kernel(mass, table, want, hist, counts, chosen, count, n, threshold, m_row, t_row, c_row, C,
-                       TOPK: tl.constexpr, BLOCK: tl.constexpr, CP: tl.constexpr):
+def _many_write_kernel(mass, table, want, hist, counts, chosen, count, n, threshold, rows, m_row, t_row, c_row, C,
+                       TOPK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CP: tl.constexpr):
     # a block's picks at their place in the row's page order: after those of the blocks before
     b = tl.program_id(0)
     c = tl.program_id(1)
     i = c * BLOCK + tl.arange(0, BLOCK)
-    above, at, ties = _keeps(mass, want, hist, n, threshold, m_row, b, i, TOPK)
+    above, at, ties = _keeps(mass, want, hist, n, threshold, rows, m_row, b, i, TOPK, ROWS)
     cc = tl.arange(0, CP)
     above_c = tl.load(counts + (b * C + cc) * 2, mask=cc < C, other=0)
     at_c = tl.load(counts + (b * C + cc) * 2 + 1, mask=cc < C, other=0)
@@ -208,7 +220,7 @@ def _many_write_kernel(mass, table, want, hist, counts, chosen, count, n, thresh
 
 
 def page_pick(scores: torch.Tensor, total: torch.Tensor, table: torch.Tensor, width: int,
-              want: torch.Tensor | None = None, threshold: float = 0.0,
+              want: torch.Tensor | None = None, threshold: float = 0.0, coverage: float | None = None,
               config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The pages a decode step reads, chosen on the device with no host wait.
 
@@ -217,7 +229,9 @@ def page_pick(scores: torch.Tensor, total: torch.Tensor, table: torch.Tensor, wi
     exp(score - total). table [B, n] int32 the pages' ids. With `want` ([B] int32, each at most
     `width` and at most the row's pages), row b reads the want[b] pages of largest mass (ties
     to the lower slots), of them those whose mass reaches `threshold` (a mass rule capped at
-    want[b] pages; 0: all of them); without, every page whose mass reaches `threshold`.
+    want[b] pages; 0: all of them); without, every page whose mass reaches `threshold`. With
+    `coverage` (instead of a threshold) each row's threshold is its own: the least mass that
+    leaves out only pages whose masses sum to at most 1 - coverage (`coverage_threshold`).
 
     Returns (chosen [B, width] int32, the page ids in slot order in the first count[b] of row b;
     count [B] int32). `config` overrides PICK_CONFIG, for tuning."""
@@ -246,21 +260,37 @@ def page_pick(scores: torch.Tensor, total: torch.Tensor, table: torch.Tensor, wi
            (scores, total, mass, hist, n, scores.stride(0), scores.stride(1), mass.stride(0)),
            dict(HQ=hq, HP=hp, BLOCK=blk, HIST=many and topk, num_warps=4), (hq, hp, blk, many and topk))
     wants = want if topk else count
+    rows = mass if coverage is None else coverage_threshold(mass, 1.0 - coverage)
+    threshold = (float(threshold), rows, coverage is not None)
     if many:
-        _pick_many(mass, table, wants, hist, chosen, count, n, float(threshold), topk, cfg["many_block"])
+        _pick_many(mass, table, wants, hist, chosen, count, n, threshold, topk, cfg["many_block"])
         return chosen, count
     blk, warps = cfg["block"], cfg["num_warps"]
     if "block" not in (config or {}):  # a short row in one step of the loops, a warp per 1024 pages
         blk = min(blk, max(1024, triton.next_power_of_2(n)))
         warps = min(warps, max(4, blk // 1024))
     launch(_page_pick_kernel, (b,),
-           (mass, table, wants, chosen, count, n, float(threshold), mass.stride(0), table.stride(0),
+           (mass, table, wants, chosen, count, n, *threshold[:2], mass.stride(0), table.stride(0),
             chosen.stride(0)),
-           dict(TOPK=topk, BLOCK=blk, num_warps=warps), (topk, blk, warps))
+           dict(TOPK=topk, ROWS=threshold[2], BLOCK=blk, num_warps=warps), (topk, threshold[2], blk, warps))
     return chosen, count
 
 
+def coverage_threshold(mass: torch.Tensor, miss: float) -> torch.Tensor:
+    """[B] fp32: each row of mass [B, n] its least mass whose pages, with every page of less or
+    equal mass, sum to more than `miss` (inf when the whole row sums to at most that); the pages
+    that reach it are kept, the others hold at most `miss` of every query head's attention
+    (kvguard/cache/picks.py `covering`, the reference). A sort a row: no host wait, no shape
+    that follows the data."""
+    n = mass.shape[1]
+    low = mass.sort(dim=1).values
+    first = (low.cumsum(dim=1) <= miss).sum(dim=1, keepdim=True)  # the first past the pages left out
+    t = low.gather(1, first.clamp_max(n - 1)).squeeze(1)
+    return torch.where(first.squeeze(1) >= n, torch.full_like(t, float("inf")), t)
+
+
 def _pick_many(mass, table, wants, hist, chosen, count, n, threshold, topk, blk) -> None:
+    # threshold: (the threshold, a [B] threshold a row, whether the rows' are used)
     """page_pick's many-program path, after the mass kernel (which, for a top-k, added the top
     digit's histogram): the other digits, then each block's count, then its picks."""
     b = mass.shape[0]
@@ -271,13 +301,13 @@ def _pick_many(mass, table, wants, hist, chosen, count, n, threshold, topk, blk)
             launch(_many_digit_kernel, (b, c), (mass, wants, hist, n, mass.stride(0)),
                    dict(J=j, BLOCK=blk, num_warps=warps), (j, blk, warps))
     counts = torch.empty(b, c, 2, device=mass.device, dtype=torch.int32)
-    launch(_many_count_kernel, (b, c), (mass, wants, hist, counts, n, threshold, mass.stride(0), c),
-           dict(TOPK=topk, BLOCK=blk, num_warps=warps), (topk, blk, warps))
+    launch(_many_count_kernel, (b, c), (mass, wants, hist, counts, n, *threshold[:2], mass.stride(0), c),
+           dict(TOPK=topk, ROWS=threshold[2], BLOCK=blk, num_warps=warps), (topk, threshold[2], blk, warps))
     cp = max(2, triton.next_power_of_2(c))
     launch(_many_write_kernel, (b, c),
-           (mass, table, wants, hist, counts, chosen, count, n, threshold, mass.stride(0), table.stride(0),
+           (mass, table, wants, hist, counts, chosen, count, n, *threshold[:2], mass.stride(0), table.stride(0),
             chosen.stride(0), c),
-           dict(TOPK=topk, BLOCK=blk, CP=cp, num_warps=warps), (topk, blk, cp, warps))
+           dict(TOPK=topk, ROWS=threshold[2], BLOCK=blk, CP=cp, num_warps=warps), (topk, threshold[2], blk, cp, warps))
 
 
 # --- the normalizer, and the rescale to it -------------------------------------------------------

@@ -37,6 +37,7 @@ POLICIES = Path(__file__).resolve().parents[1] / "policies"
 SHIPPED = sorted(POLICIES.glob("*.yaml"))
 SMOLLM2 = ModelShape(num_layers=30, num_kv_heads=3, head_dim=64, num_query_heads=9)
 CHAT = (POLICIES / "chat.yaml").read_text()
+COVERAGE = next(line + "\n" for line in CHAT.splitlines() if line.startswith("  coverage: "))  # chat's split rule
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
@@ -116,14 +117,15 @@ BAD = [
 
 
 BAD_SPLIT = [
-    (("  mass: 0.001\n", "  fraction: 0.5\n  top_k: 4\n"), "kv_split:", "kv_split", "one of top_k"),
-    (("  mass: 0.001\n", ""), "kv_split:", "kv_split", "one of top_k, fraction and mass"),
-    (("  mass: 0.001\n", "  fraction: 0\n"), "fraction: 0", "kv_split.fraction", "greater than 0"),
-    (("  mass: 0.001\n", "  mass: 1\n"), "mass: 1", "kv_split.mass", "less than 1"),
+    ((COVERAGE, "  fraction: 0.5\n  top_k: 4\n"), "kv_split:", "kv_split", "one of top_k"),
+    ((COVERAGE, ""), "kv_split:", "kv_split", "one of top_k, fraction, mass and coverage"),
+    ((COVERAGE, "  fraction: 0\n"), "fraction: 0", "kv_split.fraction", "greater than 0"),
+    ((COVERAGE, "  mass: 1\n"), "mass: 1", "kv_split.mass", "less than 1"),
+    ((COVERAGE, "  coverage: 1\n"), "coverage: 1", "kv_split.coverage", "less than 1"),
     (("  window: 512\n", "  windw: 512\n"), "windw", "kv_split.windw", "not permitted"),
     (("tiers: [device, cpu]", "tiers: [device]"), "kv_split:", "kv_split", "add cpu to tiers"),
     (("  - codec: {name: fp16}", "  - codec: {name: fp16}\n    kv_split: {top_k: 2, fraction: 0.1}"), "kv_split: {",
-     "downgrade[1].kv_split", "or mass with top_k or fraction"),
+     "downgrade[1].kv_split", "or mass or coverage with top_k or fraction"),
 ]
 
 
@@ -178,7 +180,7 @@ def test_calibrate_accepts_within_the_bound():
     events = EventQueue()
     d = calibrate(p, Measurement(mean_layer_deviation=0.004, ppl_delta=0.01), tenant="acme", events=events)
     assert (d.outcome, d.step, d.config) == ("accept", 0, "int8(sink 4, window 128)+streamingllm@4096/s4"
-                                                          "+kvsplit@m0.001/w512")  # chat splits K/V
+                                                          "+kvsplit@c0.99/w512")  # chat splits K/V
     assert events.take_events() == [d]
 
 
@@ -439,9 +441,15 @@ def test_kv_split_is_a_compression_layer_the_downgrade_steps_may_drop():
     for bad in ("1", "2.5", "many"):
         with pytest.raises(PolicyError, match="kv_split.slots"):
             parse_policy(CHAT.replace("  enabled: true\n", f"  enabled: true\n  slots: {bad}\n"))
-    capped = parse_policy(CHAT.replace("  mass: 0.001\n", "  mass: 0.001\n  top_k: 64\n  slots: 128\n"))
+    capped = parse_policy(CHAT.replace(COVERAGE, "  mass: 0.001\n  top_k: 64\n  slots: 128\n"))
     rule = capped.cache_config(SMOLLM2, num_pages=8).kv_split
     assert (rule.mass, rule.top_k, rule.pages(1000)) == (0.001, 64, 64) and "+kvsplit@m0.001-64p/w512/slots128" in capped.key
+    covered = parse_policy(CHAT.replace(COVERAGE, "  coverage: 0.99\n  top_k: 64\n"))
+    rule = covered.cache_config(SMOLLM2, num_pages=8).kv_split
+    assert (rule.coverage, rule.mass, rule.pages(1000)) == (0.99, None, 64) and "+kvsplit@c0.99-64p/w512" in covered.key
+    for bad in ("  mass: 0.001\n" + COVERAGE, "  coverage: 1\n", "  coverage: 0\n"):  # with mass; out of range
+        with pytest.raises(PolicyError, match="coverage"):
+            parse_policy(CHAT.replace(COVERAGE, bad))
     host = parse_policy(CHAT.replace("  enabled: true\n", "  enabled: true\n  keys: int4\n  host_keys: true\n"))
     assert host.key.endswith("/k-int4+host")
     manager = CacheManager(host.cache_config(SMOLLM2, num_pages=8))  # the cache a server builds from it

@@ -19,9 +19,12 @@ SPLIT_SCORES = ("exact", "bound")  # KVSplit.score
 class KVSplit:
     """The K/V split tier (split.py): values of full pages older than the last `window` tokens
     live in CPU memory; each read fetches the values of the cold pages its attention mass picks:
-    the `top_k` pages, a `fraction` of the cold pages (rounded up), or every page whose mass
-    reaches `mass`; `mass` with `top_k` or `fraction`: the pages whose mass reaches it, at most
-    that many (those of largest mass), so a step's reads are bounded; each query picks its own. `normalize`: the softmax of what
+    the `top_k` pages, a `fraction` of the cold pages (rounded up), every page whose mass
+    reaches `mass`, or the fewest pages that hold `coverage` of every query head's attention
+    (the pages of least mass skipped while their masses sum to at most 1 - coverage: a bound
+    on the attention left unread that does not grow with the context, as `mass`'s does); `mass`
+    or `coverage` with `top_k` or `fraction`: those pages, at most that many (those of largest
+    mass), so a step's reads are bounded; each query picks its own. `normalize`: the softmax of what
     a query reads, "read" (over the keys whose values it read: the pages not read drop out) or
     "all" (over every key: the pages not read keep their weight and add no value, which pulls
     the output towards zero by the mass skipped). `capacity`: how many pages the split's pool
@@ -47,6 +50,7 @@ class KVSplit:
     top_k: int | None = None
     fraction: float | None = None
     mass: float | None = None
+    coverage: float | None = None
     capacity: int | None = None
     normalize: str = "read"
     keys: str | None = None
@@ -58,10 +62,11 @@ class KVSplit:
     def __post_init__(self) -> None:
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
             raise ConfigError(f"kv_split window must be an integer >= 0, got {self.window!r}")
-        given = [n for n in ("top_k", "fraction", "mass") if getattr(self, n) is not None]
-        if not given or (self.top_k is not None and self.fraction is not None):
-            raise ConfigError(f"kv_split takes one of top_k, fraction and mass, or mass with top_k or fraction as "
-                              f"its cap; got {given or 'none'}")
+        given = [n for n in ("top_k", "fraction", "mass", "coverage") if getattr(self, n) is not None]
+        if not given or (self.top_k is not None and self.fraction is not None) or (
+                self.mass is not None and self.coverage is not None):
+            raise ConfigError(f"kv_split takes one of top_k, fraction, mass and coverage, or mass or coverage with "
+                              f"top_k or fraction as its cap; got {given or 'none'}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool)
                                        or self.top_k < 1):
             raise ConfigError(f"kv_split top_k must be a positive integer, got {self.top_k!r}")
@@ -69,6 +74,8 @@ class KVSplit:
             raise ConfigError(f"kv_split fraction must be in (0, 1], got {self.fraction!r}")
         if self.mass is not None and not 0 < self.mass < 1:
             raise ConfigError(f"kv_split mass must be in (0, 1), got {self.mass!r}")
+        if self.coverage is not None and (isinstance(self.coverage, bool) or not 0 < self.coverage < 1):
+            raise ConfigError(f"kv_split coverage must be in (0, 1), got {self.coverage!r}")
         if self.capacity is not None and (not isinstance(self.capacity, int) or isinstance(self.capacity, bool)
                                           or self.capacity < 1):
             raise ConfigError(f"kv_split capacity must be a positive integer, got {self.capacity!r}")
@@ -79,7 +86,7 @@ class KVSplit:
                               f"got {self.keys!r}")
         if self.score not in SPLIT_SCORES:
             raise ConfigError(f"kv_split score must be one of {', '.join(SPLIT_SCORES)}, got {self.score!r}")
-        if self.score == "bound" and self.mass is not None:
+        if self.score == "bound" and (self.mass is not None or self.coverage is not None):
             raise ConfigError("kv_split score bound takes top_k or fraction: a bound gives no page its mass")
         if self.rerank is not None and (self.score != "bound" or not isinstance(self.rerank, int)
                                         or isinstance(self.rerank, bool) or self.rerank < 2):
@@ -95,7 +102,8 @@ class KVSplit:
                               "reads: it needs keys in a smaller codec (kv_split keys) and normalize read")
 
     def pages(self, cold: int) -> int | None:
-        """How many of `cold` pages a read fetches (at most, with `mass` too; None: by mass alone)."""
+        """How many of `cold` pages a read fetches (at most, with `mass` or `coverage` too; None: by
+        mass or coverage alone)."""
         if self.top_k is not None:
             return min(self.top_k, cold)
         if self.fraction is not None:

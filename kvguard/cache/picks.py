@@ -32,13 +32,27 @@ def shares(rule: KVSplit, exact: torch.Tensor, bound: torch.Tensor | None) -> to
 
 def pick(rule: KVSplit, share: torch.Tensor) -> torch.Tensor:
     """The cold pages each query reads, from share [H, g, T, cold]: by the largest share over
-    its heads, the rule's k of largest, every page whose share reaches its mass, or (both) of the
-    k of largest those that reach it. [T, cold] bool."""
+    its heads, the rule's k of largest, every page whose share reaches its mass, the fewest that
+    cover its coverage, or (both) of the k of largest those that reach it or cover it. [T, cold]
+    bool."""
     best = share.amax(dim=(0, 1))  # [T, cold]
     k = rule.pages(best.shape[1])
-    if k is None:
-        return best >= rule.mass
-    return top(best, k) if rule.mass is None else top(best, k) & (best >= rule.mass)
+    if rule.mass is not None:
+        by_mass = best >= rule.mass
+    elif rule.coverage is not None:
+        by_mass = covering(best, 1.0 - rule.coverage)
+    else:
+        return top(best, k)
+    return by_mass if k is None else top(best, k) & by_mass
+
+
+def covering(best: torch.Tensor, miss: float) -> torch.Tensor:
+    """[T, n] bool: each row of best [T, n] but its smallest entries while their sum stays within
+    `miss` (entries of one value skipped or kept together). Each query head's share of a page is
+    at most `best`'s, so the pages skipped hold at most `miss` of every head's attention."""
+    low = best.sort(dim=1).values
+    upto = low.cumsum(dim=1).gather(1, torch.searchsorted(low, best, right=True) - 1)  # sum of those <= each
+    return upto > miss
 
 
 def top(x: torch.Tensor, k: int) -> torch.Tensor:

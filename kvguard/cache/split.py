@@ -9,7 +9,8 @@ memory, pinned where CUDA is present. The codec's page is freed: the device keep
 A read scores every key on the device exactly and takes the softmax over all of them. Each
 query picks the cold pages whose attention mass matters: the `top_k` pages with the largest
 mass (the largest over its query heads of the probability in the page), a `fraction` of them,
-or every page whose mass reaches `mass` (with `top_k` or `fraction`, at most that many); with
+every page whose mass reaches `mass`, or the fewest pages that hold `coverage` of every query
+head's attention (with `top_k` or `fraction`, at most that many); with
 `score: bound`, by Quest's upper bound of each page's logits instead. Only their values are
 read. With `normalize: read` (the default) the query's softmax is then over the keys whose values it read; with `all` the pages not read keep
 their share of it and contribute no value (on SmolLM2 that costs far more: docs/fidelity.md,
@@ -83,6 +84,8 @@ class ValueSplit:
         self.exact = getattr(self.pool.codec, "exact", None) is not None
         self.host_fields = ("k", "v") if self.exact else ("v",)
         # the pages read last, kept in device slots on the kernel path (hot.py)
+        # the kernels' pick by mass: (threshold, coverage), page_pick's arguments
+        self.by_mass = (0.0, None) if self.rule is None else (self.rule.mass or 0.0, self.rule.coverage)
         self.hot = HotValues(self.pool, self.rule.slots, cfg.device, self.view) if self.rule and self.rule.slots \
             and cfg.use_kernels else None
 
@@ -204,9 +207,9 @@ class ValueSplit:
         sets: (page fields, block table [B, n_i] int32, an upper bound of the tokens a row holds
         there) per pool; lens [sets, B] int32: the tokens. The rule picks the split pages whose
         values are read (kernels/page_pick.py): with `want` ([B] int32, pages per
-        row), the want[b] of largest mass (with the rule's `mass` too, those of them that reach
-        it), k (>= every want[b]) the width of the picks; without (the mass rule), every page
-        whose mass reaches the rule's. Returns out [B, Hq, D] in q's
+        row), the want[b] of largest mass (with the rule's `mass` or `coverage` too, those of them
+        that reach it or cover it), k (>= every want[b]) the width of the picks; without (the
+        mass or coverage rule), every page whose mass reaches the rule's, or that cover it. Returns out [B, Hq, D] in q's
         dtype, the split pages whose values were read over the bus [B, k or n_j] int32 (those
         picked in slot order; with `slots`, those no slot held), and how many of each row's [B] int32."""
         from kvguard.kernels.page_pick import page_pick, page_total, rescale
@@ -225,8 +228,7 @@ class ValueSplit:
         # the pages read: by a page's mass, the largest over query heads of the probability in it
         n = widths[j]
         k = n if want is None else k
-        chosen, count = page_pick(scores[:, :, :n], total, sets[j][1], k, want,
-                                  0.0 if self.rule.mass is None else self.rule.mass)
+        chosen, count = page_pick(scores[:, :, :n], total, sets[j][1], k, want, *self.by_mass)
         args = [(fields, tb, lens[i], bound) for i, (fields, tb, bound) in enumerate(sets)]
         args[j] = (self.view(sets[j][0]), chosen, count * s, k * s)  # exact keys, if kept, beside the values
         if self.hot is not None and self.hot.fits(b * k):  # every pick read from a device slot
@@ -269,7 +271,7 @@ class ValueSplit:
         k = self.rule.pages(held // s)
         want = None if k is None else torch.full((t,), k, device=q.device, dtype=torch.int32)
         k = table.shape[1] if k is None else k
-        chosen, count = page_pick(scores, total, table, k, want, 0.0 if self.rule.mass is None else self.rule.mass)
+        chosen, count = page_pick(scores, total, table, k, want, *self.by_mass)
         fields = self.view(fields)  # what the queries attend over: the values (and exact keys)
         # the pages some query picked, each brought over the bus once into device memory (the
         # queries would read each many times in place), unless that would take more than

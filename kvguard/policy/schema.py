@@ -150,12 +150,17 @@ class Evictor(_Strict):
         return {"budget": self.budget, "sink": self.sink, "window": self.window, "per_head": self.per_head} | extra
 
 
+RULES = ("top_k", "fraction", "mass", "coverage")  # which cold pages a K/V split read fetches
+
+
 class KvSplit(_Strict):
     """The K/V split tier (kvguard/cache/split.py): keys stay on the device, the values of pages
     older than the last `window` tokens live in CPU memory, and each read fetches the values of
     the cold pages that its attention mass picks: the `top_k` pages, a `fraction` of the cold
-    pages, or every page holding at least `mass` of some query head's attention; `mass` with
-    `top_k` or `fraction`: those pages, at most that many (a bound on a step's reads); each query
+    pages, every page holding at least `mass` of some query head's attention, or the fewest
+    pages holding `coverage` of every query head's attention (a bound on what a read leaves out
+    that does not grow with the context); `mass` or `coverage` with `top_k` or `fraction`: those
+    pages, at most that many (a bound on a step's reads); each query
     its own; `normalize`: a query's softmax over the keys whose values it read ("read")
     or over every key ("all": the pages not read keep their weight and add no value); `keys`: the
     codec of the split pages' keys (default the policy's; int4 beside int8 values: a longer
@@ -171,6 +176,7 @@ class KvSplit(_Strict):
     top_k: Annotated[int, Field(gt=0, strict=True)] | None = None
     fraction: Annotated[float, Field(gt=0, le=1)] | None = None
     mass: Annotated[float, Field(gt=0, lt=1)] | None = None
+    coverage: Annotated[float, Field(gt=0, lt=1)] | None = None
     normalize: Literal["read", "all"] = "read"
     keys: Literal["int8", "fp8", "int4"] | None = None
     slots: Annotated[int, Field(ge=2, strict=True)] | None = None
@@ -178,16 +184,17 @@ class KvSplit(_Strict):
 
     @model_validator(mode="after")
     def _one_rule(self):
-        given = [n for n in ("top_k", "fraction", "mass") if getattr(self, n) is not None]
-        if not given or (self.top_k is not None and self.fraction is not None):
-            raise ValueError(f"give one of top_k, fraction and mass (which cold pages a read fetches), or mass with "
-                             f"top_k or fraction as its cap; got {', '.join(given) or 'none'}")
+        given = [n for n in RULES if getattr(self, n) is not None]
+        if not given or (self.top_k is not None and self.fraction is not None) or (
+                self.mass is not None and self.coverage is not None):
+            raise ValueError(f"give one of top_k, fraction, mass and coverage (which cold pages a read fetches), or "
+                             f"mass or coverage with top_k or fraction as its cap; got {', '.join(given) or 'none'}")
         if self.host_keys and (self.keys is None or self.normalize != "read"):
             raise ValueError("host_keys needs keys (a smaller codec for the device) and normalize read")
         return self
 
     def options(self) -> dict:
-        rule = {n: getattr(self, n) for n in ("top_k", "fraction", "mass") if getattr(self, n) is not None}
+        rule = {n: getattr(self, n) for n in RULES if getattr(self, n) is not None}
         return ({"window": self.window} | rule | ({"normalize": self.normalize} if self.normalize != "read" else {})
                 | ({"keys": self.keys} if self.keys else {}) | ({"slots": self.slots} if self.slots else {})
                 | ({"host_keys": True} if self.host_keys else {}))
@@ -195,7 +202,7 @@ class KvSplit(_Strict):
 
 def split_key(split: dict) -> str:
     """A K/V split as config_key names it: kvsplit@25%/w128, kvsplit@32p/w256, kvsplit@m0.01/w256,
-    kvsplit@m0.01-64p/w256 (the mass rule capped at 64 pages);
+    kvsplit@m0.01-64p/w256 (the mass rule capped at 64 pages), kvsplit@c0.99/w512 (coverage);
     `/all` when the pages not read keep their weight in the softmax (normalize: all), `/k-int4`
     when its keys are in their own codec (`/k-int4+host` with the cache's kept in host memory), `/slots64` when it keeps 64 pages a layer read last on
     the device, `/bound` (`/bound-r4`) when pages are ranked by Quest's
@@ -208,6 +215,8 @@ def split_key(split: dict) -> str:
         rule = ""
     if split.get("mass") is not None:
         rule = f"m{split['mass']:g}" + (f"-{rule}" if rule else "")
+    elif split.get("coverage") is not None:
+        rule = f"c{split['coverage']:g}" + (f"-{rule}" if rule else "")
     norm = "/all" if split.get("normalize") == "all" else ""
     keys = f"/k-{split['keys']}{'+host' if split.get('host_keys') else ''}" if split.get("keys") else ""
     bound = "" if split.get("score", "exact") == "exact" else "/bound"

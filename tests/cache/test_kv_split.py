@@ -116,6 +116,11 @@ def test_fewer_pages_the_error_is_only_the_skipped_values():
     # the threshold cuts into the top 4, and the cap into the 7 pages over 0.09
     ({"mass": 0.13, "top_k": 4}, lambda mass: [i for i in mass.topk(4).indices.tolist() if mass[i] >= 0.13]),
     ({"mass": 0.09, "top_k": 2}, lambda mass: mass.topk(2).indices.tolist()),
+    # coverage: the least pages skipped while their masses sum to at most 1 - coverage
+    ({"coverage": 0.8}, lambda mass: covers(mass, 0.2)),  # the two of 0.09 skipped
+    ({"coverage": 0.6}, lambda mass: covers(mass, 0.4)),
+    ({"coverage": 0.999}, lambda mass: list(range(len(mass)))),  # no page holds as little as 0.001
+    ({"coverage": 0.6, "top_k": 2}, lambda mass: [i for i in mass.topk(2).indices.tolist() if i in covers(mass, 0.4)]),
 ])
 def test_fraction_and_mass_threshold_pick_as_said(rule, pick, normalize):
     m = make({"window": 8, "normalize": normalize, **rule})
@@ -126,6 +131,35 @@ def test_fraction_and_mass_threshold_pick_as_said(rule, pick, normalize):
     want, skipped = hand(q, k[0], v[0], list(range(8)), pick, normalize)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert m.split.last_read == pytest.approx((N - len(skipped) * S) / N)
+
+
+def covers(mass: torch.Tensor, miss: float) -> list[int]:
+    """The pages a coverage rule reads, by hand: from the least mass up, each value's pages
+    skipped together while the running sum stays within `miss`."""
+    skip, run = set(), 0.0
+    for value in sorted(set(mass.tolist())):
+        group = [i for i, m in enumerate(mass.tolist()) if m == value]
+        run += value * len(group)
+        if run > miss:
+            break
+        skip.update(group)
+    assert 0 < len(skip) < len(mass) or miss < 0.01  # the rule cuts into these pages
+    return [i for i in range(len(mass)) if i not in skip]
+
+
+def test_coverage_bounds_what_every_query_head_leaves_unread():
+    """Whatever the context, the pages a coverage rule skips hold at most 1 - coverage of each
+    query head's softmax (the mass rule's skipped share grows with the pages)."""
+    from kvguard.cache.picks import covering
+
+    g = torch.Generator().manual_seed(5)
+    for cold in (8, 300, 3000):
+        share = torch.softmax(torch.randn(2, 3, 4, cold, generator=g) * 2, dim=-1)  # [H, g, T, cold]
+        for miss in (0.01, 0.1):
+            read = covering(share.amax(dim=(0, 1)), miss)  # [T, cold]
+            left = (share * ~read).sum(dim=-1)  # [H, g, T]
+            assert left.max() <= miss + 1e-6
+            assert (~read).any() or cold == 8  # past a few pages the rule skips some
 
 
 def test_offload_and_fetch_events_name_the_values():
@@ -232,7 +266,8 @@ def test_erasure_leaves_neither_keys_nor_values(how):
 
 def test_config_checks():
     for bad in ({"window": 8}, {"top_k": 2, "fraction": 0.5}, {"top_k": 0}, {"fraction": 1.5}, {"mass": 1.0},
-                {"window": -1, "top_k": 1}, {"top_k": 1, "bogus": 1}, {"top_k": 1, "normalize": "some"}):
+                {"window": -1, "top_k": 1}, {"top_k": 1, "bogus": 1}, {"top_k": 1, "normalize": "some"},
+                {"coverage": 1.0}, {"coverage": 0}, {"coverage": 0.9, "mass": 0.01}, {"coverage": True}):
         with pytest.raises(ConfigError):
             make(bad)
     m = make(None)
@@ -268,6 +303,7 @@ def kernel_pair(rule: dict, codec: str):
 @pytest.mark.parametrize("codec", ["fp16", "int8"])
 @pytest.mark.parametrize("rule", [{"top_k": 1000}, {"top_k": 3}, {"fraction": 0.5}, {"mass": 0.02},
                                   {"mass": 0.2, "top_k": 1000}, {"mass": 0.02, "top_k": 2},
+                                  {"coverage": 0.9}, {"coverage": 0.9, "top_k": 2},
                                   {"top_k": 3, "keys": "int4"}, {"top_k": 3, "keys": "int4", "host_keys": True}])
 def test_the_kernel_path_reads_what_the_reference_path_reads(codec, rule):
     """Decode steps of a batch on the kernel path (scores, picks and reads on the device,
@@ -295,7 +331,7 @@ def test_the_kernel_path_reads_what_the_reference_path_reads(codec, rule):
                                         ("fp16", {"fraction": 0.5, "normalize": "all"}), ("int8", {"mass": 0.02}),
                                         ("int8", {"top_k": 3, "keys": "int4"}),
                                         ("int8", {"top_k": 3, "keys": "int4", "host_keys": True}),
-                                        ("fp16", {"mass": 0.02, "fraction": 0.25})])
+                                        ("fp16", {"mass": 0.02, "fraction": 0.25}), ("int8", {"coverage": 0.9})])
 def test_a_chunk_on_the_kernel_path_reads_what_the_reference_path_reads(codec, rule):
     """A chunk of queries (a prefill's, after the split moved the older pages) on the kernel
     path: each query picks its own split pages as a decode row does, the other pools take the
@@ -410,7 +446,8 @@ def static_pair(rule: dict, codec: str, **options):
 @pytest.mark.parametrize("codec,rule", [("fp16", {"top_k": 3}), ("int8", {"fraction": 0.5}),
                                         ("fp16", {"mass": 0.02}), ("int8", {"top_k": 3, "slots": 24}),
                                         ("int8", {"top_k": 3, "keys": "int4", "host_keys": True, "slots": 24}),
-                                        ("int8", {"mass": 0.02, "top_k": 3, "slots": 24})])
+                                        ("int8", {"mass": 0.02, "top_k": 3, "slots": 24}),
+                                        ("int8", {"coverage": 0.9, "top_k": 3, "slots": 24})])
 def test_a_static_decode_step_reads_what_an_eager_step_reads(codec, rule):
     """Decode steps through StaticStep's fixed buffers (what a CUDA graph replays) give the
     eager kernel path's answers and fetch events, while pages move to the split between

@@ -99,12 +99,14 @@ def scores_of(b: int, hq: int, n: int, lens: list[int], seed: int = 0) -> tuple[
 def test_page_pick_takes_the_pages_of_largest_mass():
     from kvguard.kernels.page_pick import page_pick
 
+    from kvguard.cache.picks import covering
+
     b, hq, n = 4, 6, 700
     lens = [700, 450, 3, 0]
     scores, total = scores_of(b, hq, n, lens)
     table = torch.stack([torch.randperm(5000, generator=torch.Generator().manual_seed(i))[:n] for i in range(b)])
     table = table.int().to(DEVICE)
-    mass = torch.exp(scores - total[..., None]).amax(dim=1).cpu()  # [B, n]
+    mass = torch.exp(scores - total[..., None]).amax(dim=1).cpu().nan_to_num(0.0)  # [B, n] (a row of none: 0)
     want = torch.tensor([37, 450, 2, 0], dtype=torch.int32, device=DEVICE)
     t = float(mass[0].median())
     # one program a row in several steps of its loops and in one; many programs a row, three
@@ -132,6 +134,20 @@ def test_page_pick_takes_the_pages_of_largest_mass():
             slots = top[mass[i][top] >= t].sort().values.to(DEVICE)
             assert int(count[i]) == len(slots) and torch.equal(chosen[i, :len(slots)], table[i, slots])
         assert 0 < int(count[1]) < int(want[1])  # the threshold cut into row 1's 450
+        # coverage: every page but those of least mass whose masses sum to at most 1 - coverage
+        # (picks.covering, the reference path's), alone and capped at want[b]
+        for cov in (0.5, 0.99):
+            keep = covering(mass, 1 - cov)
+            chosen, count = page_pick(scores, total, table, n, coverage=cov, config=config)
+            capped, ccount = page_pick(scores, total, table, 450, want, coverage=cov, config=config)
+            for i in range(b):
+                slots = keep[i].nonzero().flatten().to(DEVICE)
+                assert int(count[i]) == len(slots) and torch.equal(chosen[i, :len(slots)], table[i, slots])
+                k = int(want[i])
+                top = mass[i].topk(k).indices if k else torch.zeros(0, dtype=torch.long)
+                slots = top[keep[i][top]].sort().values.to(DEVICE)
+                assert int(ccount[i]) == len(slots) and torch.equal(capped[i, :len(slots)], table[i, slots])
+            assert 0 < int(count[0]) < lens[0] and int(ccount[0]) == int(want[0]) < int(count[0])  # it cuts; the cap too
 
 
 def test_page_pick_breaks_ties_by_slot():
