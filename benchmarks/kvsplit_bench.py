@@ -359,9 +359,11 @@ def tune(args, context: int) -> None:
     import itertools
 
     from kvguard.kernels import quantize as ref
-    from kvguard.kernels.page_pick import PICK_CONFIG, page_pick, page_total
+    from kvguard.kernels.page_pick import PICK_CONFIG, coverage_threshold, page_pick, page_total
     from kvguard.kernels.page_scores import DEFAULT_CONFIG, page_lse
     from kvguard.kernels.paged_decode import paged_decode_sets
+
+    from kvguard.cache.picks import covering
 
     _, h, d, hq = SHAPES[args.shape]
     dev, b = torch.device(args.device), args.batch
@@ -454,6 +456,16 @@ def tune(args, context: int) -> None:
         t2 = ms(lambda cfg=cfg: page_pick(scores, total, table, n, threshold=1e-3, config=cfg))
         print(f"| {name} | {tile} | {cfg.get('num_warps', '')} | {t1 * 1e3:.0f} | {t2 * 1e3:.0f} |", flush=True)
     print(f"(the serving default: {PICK_CONFIG})")
+    shares = torch.exp(scores - total[..., None]).amax(dim=1)  # the coverage rule's: a sort a row, then the pick
+    picked, found = page_pick(scores, total, table, n, coverage=0.99)
+    keep = covering(shares, 0.01)[0]
+    if int(found[0]) != int(keep.sum()) or not torch.equal(picked[0, :int(found[0])], table[0, keep]):
+        print("picks by coverage 0.99: WRONG")
+    else:
+        t_pick = ms(lambda: page_pick(scores, total, table, n, coverage=0.99))
+        t_threshold = ms(lambda: coverage_threshold(shares, 0.01))
+        print(f"picks by coverage 0.99 ({int(found[0]):,} pages): {t_pick * 1e3:.0f} us, of it the threshold "
+              f"(coverage_threshold, a sort a row) {t_threshold * 1e3:.0f} us")
     int8_ms = ms(lambda: paged_decode_sets(q, [(pages, table, lens, n * S)])[0])
     print(f"{'INT4-key INT8-value' if int4 else 'INT8'} decode of the layer (keys and values): {int8_ms * 1e3:.0f} us; "
           f"the fastest key pass is "
