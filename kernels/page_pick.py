@@ -4,7 +4,8 @@ page's mass, and the pages whose values it reads, all on the device with no host
 kernels/page_scores.py writes each page's log-sum-exp per query head. From those:
 `page_total` is the normalizer over every page, `page_pick` gives each page its mass (the
 largest over query heads of exp(score - total)) and picks the pages to read, by a top-k or by
-a threshold (one for all rows, or a row's own: a coverage rule's); `rescale` scales an output normalized over the pages read to the whole softmax.
+a threshold (one for all rows, or a row's own: a coverage rule's); `rescale` scales an output
+normalized over the pages read to the whole softmax.
 
 Each has two ways to run. One program a row (a row's masses: one sequence, or one (sequence,
 query head) for the normalizer) loops over the row: few launches, fit for short rows, latency-
@@ -290,9 +291,9 @@ def coverage_threshold(mass: torch.Tensor, miss: float) -> torch.Tensor:
 
 
 def _pick_many(mass, table, wants, hist, chosen, count, n, threshold, topk, blk) -> None:
-    # threshold: (the threshold, a [B] threshold a row, whether the rows' are used)
     """page_pick's many-program path, after the mass kernel (which, for a top-k, added the top
-    digit's histogram): the other digits, then each block's count, then its picks."""
+    digit's histogram): the other digits, then each block's count, then its picks. `threshold`:
+    (one for every row, [B] one a row, whether the rows' are used)."""
     b = mass.shape[0]
     c = max(1, triton.cdiv(n, blk))
     warps = max(1, min(8, blk // 256))

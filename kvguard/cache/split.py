@@ -83,9 +83,9 @@ class ValueSplit:
         # fields of a split page there, as its events name them
         self.exact = getattr(self.pool.codec, "exact", None) is not None
         self.host_fields = ("k", "v") if self.exact else ("v",)
-        # the pages read last, kept in device slots on the kernel path (hot.py)
         # the kernels' pick by mass: (threshold, coverage), page_pick's arguments
         self.by_mass = (0.0, None) if self.rule is None else (self.rule.mass or 0.0, self.rule.coverage)
+        # the pages read last, kept in device slots on the kernel path (hot.py)
         self.hot = HotValues(self.pool, self.rule.slots, cfg.device, self.view) if self.rule and self.rule.slots \
             and cfg.use_kernels else None
 
@@ -209,8 +209,8 @@ class ValueSplit:
         values are read (kernels/page_pick.py): with `want` ([B] int32, pages per
         row), the want[b] of largest mass (with the rule's `mass` or `coverage` too, those of them
         that reach it or cover it), k (>= every want[b]) the width of the picks; without (the
-        mass or coverage rule), every page whose mass reaches the rule's, or that cover it. Returns out [B, Hq, D] in q's
-        dtype, the split pages whose values were read over the bus [B, k or n_j] int32 (those
+        mass or coverage rule), every page whose mass reaches the rule's, or that cover it.
+        Returns out [B, Hq, D] in q's dtype, the split pages whose values were read over the bus [B, k or n_j] int32 (those
         picked in slot order; with `slots`, those no slot held), and how many of each row's [B] int32."""
         from kvguard.kernels.page_pick import page_pick, page_total, rescale
         from kvguard.kernels.page_scores import page_lse
