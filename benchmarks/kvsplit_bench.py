@@ -238,6 +238,9 @@ def decode_graph(m: CacheManager, seqs: list, args) -> tuple[float, float]:
     return 1000 * statistics.median(times), statistics.mean(fetched)
 
 
+SLOT_MARGIN = 8  # pages: a row's split pages may grow by this much while its steps are timed
+
+
 def with_slots(m: CacheManager, seqs: list, fraction: float, keys: str, mult: int, run) -> None:
     """Run `run(hot, label)` with the split's rule at `fraction` and device slots for `mult` x the
     pages a step's rows pick (kv_split.slots, kvguard/cache/hot.py), then take the slots away."""
@@ -246,7 +249,9 @@ def with_slots(m: CacheManager, seqs: list, fraction: float, keys: str, mult: in
     if not m.cfg.use_kernels:
         print(f"    (slots serve the kernel path only: not timed on {m.cfg.device})")
         return
-    held = max(sum(r.where == "split" for r in m.seqs.get(s).pages) for s in seqs)  # a row's split pages
+    # a row's split pages, and a few more: the timed steps move pages in, and a step whose picks
+    # (a fraction of the pages, rounded up) outgrow half the ring reads in place, without its slots
+    held = max(sum(r.where == "split" for r in m.seqs.get(s).pages) for s in seqs) + SLOT_MARGIN
     slots = mult * max(1, KVSplit(window=0, fraction=fraction).pages(held)) * len(seqs)
     m.split.rule = KVSplit(window=m.split.rule.window, fraction=fraction, slots=slots, **key_options(keys))
     hot = m.split.hot = HotValues(m.split.pool, slots, m.cfg.device, m.split.view)

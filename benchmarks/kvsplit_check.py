@@ -165,15 +165,15 @@ def check(shape: tuple[int, int, int, int], device: str, n: int = 4096 + 300, wi
     try:
         for x in ({}, HOST_KEYS):
             plain, slots = {**rule, "fraction": 0.25, **x}, {**rule, "fraction": 0.25, "slots": 512, **x}
-            base = run(plain, True)
-            kept = max(kept, (run(slots, True)[0] - base[0]).abs().max().item())
-            if graphs:
-                worst, differ = steps(run(slots, True, graph=True), base)
-                kept_graph = max(kept_graph, worst if differ <= 1 else float("inf"))
+            kept = max(kept, (run(slots, True)[0] - run(plain, True)[0]).abs().max().item())
+            if graphs:  # replayed, against replayed without slots (a fetch names the pages copied, not
+                # those a slot served, so the pages read are not compared: the outputs are, all of them)
+                got = (run(slots, True, graph=True)[0] - run(plain, True, graph=True)[0]).abs().max().item()
+                kept_graph = max(kept_graph, got)
     except Exception as e:  # noqa: BLE001 (reported: the caller drops the slots' rows)
         print(f"check: the split with slots failed: {type(e).__name__}: {e}")
         kept = kept_graph = float("inf")
-    slots_ok = kept == 0 and kept_graph < TOL
+    slots_ok = kept == 0 and kept_graph == 0
     ok = (full < FULL_TOL and chunk_full < FULL_TOL and part < TOL and max(part_differ) <= 1 and chunks < TOL
           and chunk_beyond <= max(1, chunk_queries // 32) and graph < TOL and max(graph_differ, default=0) <= 1)
     print(f"check: every page read vs no split (INT8 keys on the device or in host memory) max|diff| {full:.2e}, "
@@ -182,6 +182,6 @@ def check(shape: tuple[int, int, int, int], device: str, n: int = 4096 + 300, wi
           f"{part_differ}), a chunk (also read and all, mass 1e-3) {chunks:.2e} ({chunk_beyond} query-layers of {2 * chunk_queries} "
           f"beyond {TOL:g}); replayed from a CUDA graph vs eager (also mass 1e-3) "
           + (f"{graph:.2e} (row-steps that read others: {graph_differ})" if graphs else "not run (no CUDA here)")
-          + f": {'PASSED' if ok else 'FAILED'}; with slots vs without, eager {kept:.2e}, replayed {kept_graph:.2e}: "
+          + f": {'PASSED' if ok else 'FAILED'}; with slots vs without (bit for bit), eager {kept:.2e}, replayed {kept_graph:.2e}: "
           f"{'PASSED' if slots_ok else 'FAILED'}")
     return ok, slots_ok

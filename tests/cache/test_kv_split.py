@@ -446,8 +446,7 @@ def static_pair(rule: dict, codec: str, **options):
 @pytest.mark.parametrize("codec,rule", [("fp16", {"top_k": 3}), ("int8", {"fraction": 0.5}),
                                         ("fp16", {"mass": 0.02}), ("int8", {"top_k": 3, "slots": 24}),
                                         ("int8", {"top_k": 3, "keys": "int4", "host_keys": True, "slots": 24}),
-                                        ("int8", {"mass": 0.02, "top_k": 3, "slots": 24}),
-                                        ("int8", {"coverage": 0.9, "top_k": 3, "slots": 24})])
+                                        ("int8", {"mass": 0.02, "top_k": 3, "slots": 24})])
 def test_a_static_decode_step_reads_what_an_eager_step_reads(codec, rule):
     """Decode steps through StaticStep's fixed buffers (what a CUDA graph replays) give the
     eager kernel path's answers and fetch events, while pages move to the split between
