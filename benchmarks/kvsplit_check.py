@@ -182,6 +182,6 @@ def check(shape: tuple[int, int, int, int], device: str, n: int = 4096 + 300, wi
           f"{part_differ}), a chunk (also read and all, mass 1e-3) {chunks:.2e} ({chunk_beyond} query-layers of {2 * chunk_queries} "
           f"beyond {TOL:g}); replayed from a CUDA graph vs eager (also mass 1e-3) "
           + (f"{graph:.2e} (row-steps that read others: {graph_differ})" if graphs else "not run (no CUDA here)")
-          + f": {'PASSED' if ok else 'FAILED'}; with slots vs without (bit for bit), eager {kept:.2e}, replayed {kept_graph:.2e}: "
+          + f": {'PASSED' if ok else 'FAILED'}; with slots vs without, eager {kept:.2e}, replayed {kept_graph:.2e}: "
           f"{'PASSED' if slots_ok else 'FAILED'}")
     return ok, slots_ok
