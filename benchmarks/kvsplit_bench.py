@@ -461,7 +461,7 @@ def tune(args, context: int) -> None:
         t2 = ms(lambda cfg=cfg: page_pick(scores, total, table, n, threshold=1e-3, config=cfg))
         print(f"| {name} | {tile} | {cfg.get('num_warps', '')} | {t1 * 1e3:.0f} | {t2 * 1e3:.0f} |", flush=True)
     print(f"(the serving default: {PICK_CONFIG})")
-    shares = torch.exp(scores - total[..., None]).amax(dim=1)  # the coverage rule's: a sort a row, then the pick
+    shares = torch.exp(scores - total[..., None]).amax(dim=1)  # the coverage rule's: its threshold, then the pick
     picked, found = page_pick(scores, total, table, n, coverage=0.99)
     keep = covering(shares, 0.01)[0]
     if int(found[0]) != int(keep.sum()) or not torch.equal(picked[0, :int(found[0])], table[0, keep]):
@@ -470,7 +470,7 @@ def tune(args, context: int) -> None:
         t_pick = ms(lambda: page_pick(scores, total, table, n, coverage=0.99))
         t_threshold = ms(lambda: coverage_threshold(shares, 0.01))
         print(f"picks by coverage 0.99 ({int(found[0]):,} pages): {t_pick * 1e3:.0f} us, of it the threshold "
-              f"(coverage_threshold, a sort a row) {t_threshold * 1e3:.0f} us")
+              f"(coverage_threshold, a bisection a row) {t_threshold * 1e3:.0f} us")
     int8_ms = ms(lambda: paged_decode_sets(q, [(pages, table, lens, n * S)])[0])
     print(f"{'INT4-key INT8-value' if int4 else 'INT8'} decode of the layer (keys and values): {int8_ms * 1e3:.0f} us; "
           f"the fastest key pass is "

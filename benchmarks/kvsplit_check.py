@@ -141,7 +141,8 @@ def check(shape: tuple[int, int, int, int], device: str, n: int = 4096 + 300, wi
 
     rule = {"window": window}
     fractions = [{"fraction": 0.25}, {"fraction": 0.25, "keys": "int4"}, {"fraction": 0.25, **HOST_KEYS}]
-    # the coverage rule (a sort a row on the device, tests/cache cover it interpreted): compiled only
+    # the coverage rule (its threshold a bisection a row on the device; tests/cache cover it
+    # interpreted): compiled only
     covered = [{"coverage": 0.99}] if graphs else []
     # every page read: the cache without the split, the keys INT8 on the device or in host memory
     full = max((run(None, True)[0] - run({**rule, "fraction": 1.0, **x}, True)[0]).abs().max().item()

@@ -277,17 +277,62 @@ def page_pick(scores: torch.Tensor, total: torch.Tensor, table: torch.Tensor, wi
     return chosen, count
 
 
-def coverage_threshold(mass: torch.Tensor, miss: float) -> torch.Tensor:
-    """[B] fp32: each row of mass [B, n] its least mass whose pages, with every page of less or
-    equal mass, sum to more than `miss` (inf when the whole row sums to at most that); the pages
-    that reach it are kept, the others hold at most `miss` of every query head's attention
-    (kvguard/cache/picks.py `covering`, the reference). A sort a row: no host wait, no shape
-    that follows the data."""
-    n = mass.shape[1]
-    low = mass.sort(dim=1).values
-    first = (low.cumsum(dim=1) <= miss).sum(dim=1, keepdim=True)  # the first past the pages left out
-    t = low.gather(1, first.clamp_max(n - 1)).squeeze(1)
-    return torch.where(first.squeeze(1) >= n, torch.full_like(t, float("inf")), t)
+@triton.jit
+def _row_sum(row, n, offs, x, upto, ONE: tl.constexpr, BLOCK: tl.constexpr):
+    # the sum of the row's masses whose bits are at most `upto` (x: the row, when ONE)
+    if ONE:
+        return tl.sum(tl.where(x.to(tl.int32, bitcast=True) <= upto, x, 0.0), 0)
+    s = tl.zeros((), dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        y = tl.load(row + start + offs, mask=start + offs < n, other=0.0)
+        s += tl.sum(tl.where(y.to(tl.int32, bitcast=True) <= upto, y, 0.0), 0)
+    return s
+
+
+@triton.jit
+def _coverage_kernel(mass, out, n, miss, m_row, ONE: tl.constexpr, BLOCK: tl.constexpr):
+    # out[b]: the least mass v of row b with S(v) > miss, S(v) the sum of the masses <= v (inf
+    # when the whole row's is at most miss). S only steps at a mass, so v is the least bit
+    # pattern u with S(u) > miss, found by bisection on the bits (masses are >= 0, so their
+    # bits order as they do). ONE: the row fits in one block, held in registers through it.
+    b = tl.program_id(0)
+    row = mass + b.to(tl.int64) * m_row
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(row + offs, mask=offs < n, other=0.0)
+    top = tl.max(x, 0)
+    if not ONE:
+        for start in range(BLOCK, n, BLOCK):
+            top = tl.maximum(top, tl.max(tl.load(row + start + offs, mask=start + offs < n, other=0.0), 0))
+    lo = tl.full((), -1, tl.int32)  # S(lo) <= miss
+    hi = top.to(tl.int32, bitcast=True)  # S(hi) > miss, unless the whole row's is at most miss
+    whole = _row_sum(row, n, offs, x, hi, ONE, BLOCK)
+    for _ in range(31):
+        mid = lo + (hi - lo) // 2  # lo itself once hi = lo + 1: nothing moves
+        above = _row_sum(row, n, offs, x, mid, ONE, BLOCK) > miss
+        hi = tl.where(above, mid, hi)
+        lo = tl.where(above, lo, mid)
+    tl.store(out + b, tl.where(whole > miss, hi.to(tl.float32, bitcast=True), float("inf")))
+
+
+def coverage_threshold(mass: torch.Tensor, miss: float, block: int = 16384) -> torch.Tensor:
+    """[B] fp32: each row of mass [B, n] (>= 0, rows contiguous) its least mass whose pages, with
+    every page of less or equal mass, sum to more than `miss` (inf when the whole row sums to at
+    most that); the pages that reach it are kept, the others hold at most `miss` of every query
+    head's attention (kvguard/cache/picks.py `covering`, the reference). One program a row, a
+    bisection on the masses' bits (31 sums over the row, held in registers when it fits in
+    `block`): no host wait, no shape that follows the data."""
+    b, n = mass.shape
+    if mass.dtype != torch.float32 or mass.stride(1) != 1:
+        raise KernelArgError(f"mass must be [B, n] fp32 with contiguous rows; got {mass.dtype}")
+    out = torch.empty(b, device=mass.device, dtype=torch.float32)
+    if b == 0:
+        return out
+    blk = min(block, max(1024, triton.next_power_of_2(n)))
+    one = n <= blk
+    warps = min(16, max(4, blk // 1024))
+    launch(_coverage_kernel, (b,), (mass, out, n, float(miss), mass.stride(0)),
+           dict(ONE=one, BLOCK=blk, num_warps=warps), (one, blk, warps))
+    return out
 
 
 def _pick_many(mass, table, wants, hist, chosen, count, n, threshold, topk, blk) -> None:

@@ -175,6 +175,32 @@ def test_page_pick_breaks_ties_by_slot():
         page_pick(scores, total, table, 301)  # wider than the pages
 
 
+def test_coverage_threshold_keeps_what_the_reference_keeps():
+    from kvguard.kernels.page_pick import coverage_threshold
+
+    from kvguard.cache.picks import covering
+
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.softmax(torch.randn(3000, generator=g) * 3, 0),  # a softmax's masses
+            torch.softmax(torch.randn(3000, generator=g), 0) * 0.5,  # a row of pages holding half
+            torch.zeros(3000),  # a row of no pages
+            torch.full((3000,), 1 / 3000)]  # every page one mass: all kept or none
+    ties = torch.softmax(torch.randn(3000, generator=g), 0)
+    ties[::7] = ties[0]  # many pages at one mass
+    mass = torch.stack([*rows, ties])
+    for miss in (0.01, 0.3, 0.6):
+        want = covering(mass, miss)
+        # in registers, and looped over a row longer than the block
+        for block in (16384, 1024):
+            t = coverage_threshold(mass.to(DEVICE), miss, block=block).cpu()
+            assert torch.equal(mass >= t[:, None], want), (miss, block)
+    t = coverage_threshold(mass.to(DEVICE), 0.6).cpu()
+    assert t[1] == t[2] == float("inf")  # the row's whole sum is within what may be left out
+    assert t[3] == 1 / torch.tensor(3000.0)  # every page kept: their sum is past 0.6
+    with pytest.raises(KernelArgError):
+        coverage_threshold(mass.double().to(DEVICE), 0.01)
+
+
 def test_page_total_and_rescale_match_torch():
     from kvguard.kernels.page_pick import page_total, rescale
 
