@@ -9,9 +9,13 @@ pages a sequence), and then decodes steps
 configuration: tokens held, device bytes of its pools (measured: torch.cuda.memory_allocated
 around the cache), host bytes, ms per step (median), value bytes read from the host per step
 (from the `fetch` events), and the step time against INT8 at INT8's longest context. The split
-is timed at its own longest context and at INT8's, for each `--fractions` (top fraction of the
-cold pages read per layer). Random keys spread attention evenly, so the fraction is set, not
-found; which fraction a real model needs is docs/fidelity.md's question.
+is timed at its own longest context and at INT8's, for each rule of `--fractions`: a top fraction
+of the cold pages read per layer (0.01), or a coverage rule (c0.99: the fewest pages holding 99 %
+of every query head's attention, the shipped policies' rule). Random keys spread attention evenly,
+so a fraction is set, not found, and coverage reads nearly every page. `--hot SHARE` makes that
+share of the pages heavy hitters for every query head (their keys and every query share a
+direction, worth HOT_LOGIT nats of logit), so that a coverage rule reads about that share. Which
+share a real model reads is docs/fidelity.md's question.
 
 Before timing, the check (default on; benchmarks/kvsplit_check.py) compares on the device the
 split's kernel path with every page read against the same cache without the split, with a
@@ -27,6 +31,8 @@ TRITON_INTERPRET=1, on `--smoke`'s shape).
                                                             # and with the pages read last kept on the device
     python benchmarks/kvsplit_bench.py --fractions 0.01 --split-keys int8,int4h --slots 2,4
                                                             # INT4 keys pick, INT8 keys in host memory attend
+    python benchmarks/kvsplit_bench.py --no-check --fractions 0.01,c0.99 --hot 0.01 --split-keys int8
+                                                            # the coverage rule where 1 % of the pages matter
     python benchmarks/kvsplit_bench.py --smoke              # tiny, on the CPU
 """
 
@@ -52,6 +58,7 @@ from kvguard.types import Subject  # noqa: E402
 # layers, KV heads, head dim, query heads ("tiny": --smoke --check-only, interpreted on the CPU)
 SHAPES = {"smollm2-135m": (30, 3, 64, 9), "llama-8b": (32, 8, 128, 32), "tiny": (2, 2, 32, 4)}
 S = 16
+HOT_LOGIT = 12.0  # --hot: the logit a heavy-hitter page's keys gain with every query (nats)
 
 
 def sync(dev: torch.device) -> None:
@@ -96,7 +103,17 @@ def sizes(args, kind: str, keys: str = "int8") -> dict:
     return dict(codec="int8", num_hot_pages=hot, num_pages=main, split=left // page_bytes(args, key_options(keys)["keys"], True))
 
 
-def make(args, kind: str, fraction: float, keys: str = "int8",
+def rule_of(x: str) -> dict:
+    """A --fractions entry as the split's rule: 0.01 (that fraction of the cold pages, the top by
+    mass) or c0.99 (kv_split.coverage)."""
+    return {"coverage": float(x[1:])} if x.startswith("c") else {"fraction": float(x)}
+
+
+def named(x: str) -> str:
+    return f"c={x[1:]}" if x.startswith("c") else f"f={x}"
+
+
+def make(args, kind: str, rule: str, keys: str = "int8",
          kernels: bool | None = None) -> tuple[CacheManager, int, int]:
     """The cache, its device bytes (measured) and the tokens each of `--batch` sequences can hold
     in it (within 3 pages a sequence of the most); `keys`: the split's key codec; `kernels`: the
@@ -104,7 +121,7 @@ def make(args, kind: str, fraction: float, keys: str = "int8",
     layers, h, d, hq = SHAPES[args.shape]
     dev = torch.device(args.device)
     z = sizes(args, kind, keys)
-    split = None if z["split"] is None else {"window": args.window, "fraction": fraction, "capacity": z["split"],
+    split = None if z["split"] is None else {"window": args.window, **rule_of(rule), "capacity": z["split"],
                                               **key_options(keys)}
     gc.collect()
     if dev.type == "cuda":
@@ -127,19 +144,29 @@ def make(args, kind: str, fraction: float, keys: str = "int8",
     return m, used, tokens - 2 * (args.steps + args.warmup) - 2  # room for the eager steps and the graph's
 
 
+def hot_direction(args, dev: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[d]: what --hot adds to a heavy hitter's keys and to every query (their product, at the
+    softmax's scale 1/sqrt(d), is HOT_LOGIT; zero without --hot)."""
+    d = SHAPES[args.shape][2]
+    return torch.full((d,), (HOT_LOGIT * d**0.5) ** 0.5 / d**0.5 if args.hot else 0.0, device=dev, dtype=dtype)
+
+
 def fill(m: CacheManager, tokens: int, args) -> list:
-    """`--batch` sequences of `tokens` tokens each, written through the cache's write path."""
+    """`--batch` sequences of `tokens` tokens each, written through the cache's write path (with
+    --hot, that share of each row's pages, drawn at random, heavy hitters)."""
     layers, h, d, _ = SHAPES[args.shape]
     dev, dtype = m.cfg.device, m.cfg.dtype
     g = torch.Generator(device=dev).manual_seed(0)
+    u = hot_direction(args, dev, dtype)
     t0 = time.perf_counter()
     seqs = []
     for i in range(args.batch):
         seq = m.open(Subject("bench", f"u{i}", f"s{i}"))
         for lo in range(0, tokens, args.chunk):
             n = min(args.chunk, tokens - lo)
+            hot = (torch.rand(-(-n // S), generator=g, device=dev) < args.hot).repeat_interleave(S)[:n]
             for layer in range(layers):
-                k = torch.randn(n, h, d, generator=g, device=dev, dtype=dtype)
+                k = torch.randn(n, h, d, generator=g, device=dev, dtype=dtype) + hot[:, None, None] * u
                 if not m.append(seq, layer, k, torch.randn(n, h, d, generator=g, device=dev, dtype=dtype)):
                     raise SystemExit(f"the cache ran out of pages at row {i}, {lo} tokens (of {tokens})")
             if m.split is not None:
@@ -158,9 +185,10 @@ def decode(m: CacheManager, seqs: list, args) -> tuple[float, float]:
     dev, dtype = m.cfg.device, m.cfg.dtype
     g = torch.Generator(device=dev).manual_seed(1)
     times, fetched, hosts = [], [], []
+    u = hot_direction(args, dev, dtype)
     for step in range(args.warmup + args.steps):
         k = torch.randn(layers, len(seqs), h, d, generator=g, device=dev, dtype=dtype)
-        q = torch.randn(layers, len(seqs), hq, d, generator=g, device=dev, dtype=dtype)
+        q = torch.randn(layers, len(seqs), hq, d, generator=g, device=dev, dtype=dtype) + u
         sync(dev)
         t0 = time.perf_counter()
         for layer in range(layers):
@@ -188,7 +216,7 @@ def decode_graph(m: CacheManager, seqs: list, args) -> tuple[float, float]:
     step = StaticStep(m, seqs, max(m.length(s) for s in seqs) + args.warmup + args.steps + 2)
     g = torch.Generator(device=dev).manual_seed(1)
     k = torch.randn(layers, len(seqs), h, d, generator=g, device=dev, dtype=dtype)
-    q = torch.randn(layers, len(seqs), hq, d, generator=g, device=dev, dtype=dtype)
+    q = torch.randn(layers, len(seqs), hq, d, generator=g, device=dev, dtype=dtype) + hot_direction(args, dev, dtype)
 
     def body():
         for layer in range(layers):
@@ -241,14 +269,15 @@ def decode_graph(m: CacheManager, seqs: list, args) -> tuple[float, float]:
 SLOT_MARGIN = 8  # pages: a row's split pages may grow by this much while its steps are timed
 
 
-def with_slots(m: CacheManager, seqs: list, fraction: float, keys: str, mult: int, run) -> None:
-    """Run `run(hot, label)` with the split's rule at `fraction` and device slots for `mult` x the
+def with_slots(m: CacheManager, seqs: list, rule: str, keys: str, mult: int, run) -> None:
+    """Run `run(hot, label)` with the split's rule (a fraction) and device slots for `mult` x the
     pages a step's rows pick (kv_split.slots, kvguard/cache/hot.py), then take the slots away."""
     from kvguard.cache.hot import HotValues
 
-    if not m.cfg.use_kernels:
-        print(f"    (slots serve the kernel path only: not timed on {m.cfg.device})")
+    if not m.cfg.use_kernels or "fraction" not in rule_of(rule):
+        print(f"    (slots need the kernel path and a capped rule: not timed with {named(rule)} on {m.cfg.device})")
         return
+    fraction = rule_of(rule)["fraction"]
     # a row's split pages, and a few more: the timed steps move pages in, and a step whose picks
     # (a fraction of the pages, rounded up) outgrow half the ring reads in place, without its slots
     held = max(sum(r.where == "split" for r in m.seqs.get(s).pages) for s in seqs) + SLOT_MARGIN
@@ -271,11 +300,11 @@ def reported(m: CacheManager, wait: bool = True) -> int:
     return sum(e.bytes for e in m.events.take_events() if isinstance(e, ev.PagesFetched) and "v" in (e.fields or ()))
 
 
-def profile(args, fraction: float) -> None:
+def profile(args, rule: str) -> None:
     """The device time of each kernel of the split's decode step, at INT8's longest context (the
     last of --split-keys)."""
-    _, _, int8_tokens = make(args, "int8", 1.0)
-    m, _, _ = make(args, "split", fraction, args.split_keys.split(",")[-1])
+    _, _, int8_tokens = make(args, "int8", "1.0")
+    m, _, _ = make(args, "split", rule, args.split_keys.split(",")[-1])
     seqs = fill(m, int8_tokens, args)
     decode(m, seqs, args)
     import cProfile
@@ -284,7 +313,7 @@ def profile(args, fraction: float) -> None:
     args.warmup, args.steps = 0, 3
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         ms, _ = decode(m, seqs, args)
-    print(f"split f={fraction} at {int8_tokens:,} tokens: {ms:.2f} ms/step")
+    print(f"split {named(rule)} at {int8_tokens:,} tokens: {ms:.2f} ms/step")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
     host = cProfile.Profile()
     host.enable()
@@ -294,7 +323,7 @@ def profile(args, fraction: float) -> None:
     pstats.Stats(host).sort_stats("tottime").print_stats(25)
 
 
-def prefill(args, contexts: list[int], fractions: list[float]) -> None:
+def prefill(args, contexts: list[int], rules: list[str]) -> None:
     """One prompt chunk (`--chunk` queries) of a sequence whose older values the split holds, on
     the kernel path (each query picks its pages; the picked ones gathered once into device
     memory) and on the reference path (dense fp32), against the same chunk over INT8 pages
@@ -307,8 +336,9 @@ def prefill(args, contexts: list[int], fractions: list[float]) -> None:
     print("| context | configuration | kernel path ms | reference path ms | x INT8 | MiB from host a layer |")
     print("|---|---|---|---|---|---|")
     for n in contexts:
-        for split in [None] + [{"window": args.window, "fraction": f} for f in fractions] + [
-                {"window": args.window, "mass": 1e-3}]:
+        for name, split in [("int8, no split", None)] + [
+                (f"split {named(r)}", {"window": args.window, **rule_of(r)}) for r in rules] + [
+                ("split mass 0.001", {"window": args.window, "mass": 1e-3})]:
             times = {}
             paths = (True, False) if split and args.reference else (True,)
             for kernels in (paths if dev.type == "cuda" else (False,)):  # the kernels need CUDA (or the interpreter)
@@ -350,8 +380,6 @@ def prefill(args, contexts: list[int], fractions: list[float]) -> None:
                 gc.collect()
             ms = times.get(True, times.get(False))
             base = ms if split is None else base
-            name = "int8, no split" if split is None else "split " + (
-                f"f={split['fraction']}" if "fraction" in split else f"mass {split['mass']}")
             kernel_ms, ref_ms = (f"{times[p]:.2f}" if p in times else "-" for p in (True, False))
             print(f"| {n:,} | {name} | {kernel_ms} | {ref_ms} | {ms / base:.2f} | {fetched / 2**20:.1f} |", flush=True)
 
@@ -477,33 +505,33 @@ def tune(args, context: int) -> None:
           f"{best[0] / int8_ms:.2f}x of it")
 
 
-def sweep(args, contexts: list[int], fractions: list[float]) -> None:
+def sweep(args, contexts: list[int], rules: list[str]) -> None:
     """The step of INT8 and of the split (each of --split-keys) at each context, in the same caches
     (sized to the budget)."""
     times: dict[tuple, tuple[float, float, float]] = {}
     graphs = args.device.startswith("cuda")
     keys = args.split_keys.split(",")
     for kind, kc in [("int8", "int8")] + [("split", k) for k in keys]:
-        m, _, most = make(args, kind, fractions[0], kc)
+        m, _, most = make(args, kind, rules[0], kc)
         for at in contexts:
             if at > most:
                 raise SystemExit(f"{at} tokens do not fit the {kind} cache's {most}")
             seqs = fill(m, at, args)
-            for f in fractions if kind == "split" else [None]:
+            for f in rules if kind == "split" else [None]:
                 if f is not None:
-                    m.split.rule = KVSplit(window=args.window, fraction=f, **key_options(kc))
+                    m.split.rule = KVSplit(window=args.window, **rule_of(f), **key_options(kc))
                 ms, fetched = decode(m, seqs, args)
                 gms = decode_graph(m, seqs, args)[0] if graphs else float("nan")
                 times[(kind, kc, f, at)] = ms, fetched, gms
-                print(f"  {kind} keys {kc} f={f} at {at:,}: {ms:.2f} ms/step, graph {gms:.2f}", flush=True)
+                print(f"  {kind} keys {kc} {f and named(f)} at {at:,}: {ms:.2f} ms/step, graph {gms:.2f}", flush=True)
             for seq in seqs:
                 m.free(seq)
             m.events.take_events()
         del m
     print(f"\n{args.shape}, B={args.batch}, ms/step eager / replayed from a CUDA graph (x INT8's) and MiB of "
           "values from the host a step")
-    cols = [(k, f) for k in keys for f in fractions]
-    print("| context | int8 | " + " | ".join(f"int8+split{'' if k == 'int8' else ' k-' + k} f={f}" for k, f in cols)
+    cols = [(k, f) for k in keys for f in rules]
+    print("| context | int8 | " + " | ".join(f"int8+split{'' if k == 'int8' else ' k-' + k} {named(f)}" for k, f in cols)
           + " |")
     print("|---" * (2 + len(cols)) + "|")
     for at in contexts:
@@ -521,7 +549,12 @@ def main() -> None:
     p.add_argument("--budget-gb", type=float, default=16.0, help="device bytes for the KV pools (GiB)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together, each as long as fits")
     p.add_argument("--window", type=int, default=512)
-    p.add_argument("--fractions", default="0.01,0.05,0.25")
+    p.add_argument("--fractions", default="0.01,0.05,0.25", metavar="RULES",
+                   help="the split's rules: a fraction of the cold pages (0.01), or cN for kv_split.coverage N "
+                        "(c0.99)")
+    p.add_argument("--hot", type=float, default=0.0, metavar="SHARE",
+                   help="this share of the pages heavy hitters for every query head (default: none, random keys "
+                        "spread attention evenly); a coverage rule then reads about that share")
     p.add_argument("--split-keys", default="int8,int4,int4h",
                    help="the split's key codecs to run (kv_split.keys; int4h: INT4 on the device to pick, INT8 in "
                         "host memory to attend, kv_split.host_keys)")
@@ -575,7 +608,14 @@ def main() -> None:
             args.slots = ""
         if args.check_only:
             return
-    fractions = [float(f) for f in args.fractions.split(",")]
+    if not 0 <= args.hot < 1:
+        raise SystemExit(f"--hot must be in [0, 1), got {args.hot}")
+    fractions = args.fractions.split(",")
+    for f in fractions:
+        try:
+            KVSplit(window=args.window, **rule_of(f))
+        except (ValueError, TypeError) as e:
+            raise SystemExit(f"--fractions: {f!r} is not a rule ({e})") from None
     rows = []
     if args.prefill:
         prefill(args, [int(c) for c in args.prefill.split(",")], fractions)
@@ -608,7 +648,7 @@ def main() -> None:
         return ms, gms
 
     for kind in ("fp16", "int8"):
-        m, used, tokens = make(args, kind, 1.0)
+        m, used, tokens = make(args, kind, "1.0")
         print(f"{kind}: {used / 2**30:.2f} GiB of pools, {tokens:,} tokens a row", flush=True)
         seqs = fill(m, tokens, args)
         ms, gms = row(kind, m, seqs, used, tokens)
@@ -622,11 +662,11 @@ def main() -> None:
         for at in (tokens, int8_tokens):
             seqs = fill(m, at, args)
             for f in fractions:
-                m.split.rule = KVSplit(window=args.window, fraction=f, **key_options(keys))
-                row(f"{name} f={f}", m, seqs, used, at)
+                m.split.rule = KVSplit(window=args.window, **rule_of(f), **key_options(keys))
+                row(f"{name} {named(f)}", m, seqs, used, at)
             for mult in (int(x) for x in args.slots.split(",") if x) if at == int8_tokens else ():
                 for f in fractions:
-                    with_slots(m, seqs, f, keys, mult, lambda hot, label: row(f"{name} f={f} {label}", m, seqs,
+                    with_slots(m, seqs, f, keys, mult, lambda hot, label: row(f"{name} {named(f)} {label}", m, seqs,
                                                                         used + hot.nbytes, at))
             for seq in seqs:
                 m.free(seq)

@@ -178,6 +178,27 @@ def test_kvsplit_benchmark_smoke():
         assert float(host[11]) > 1.8 * float(four[11])  # the pages read: their values and their INT8 keys
 
 
+def test_kvsplit_benchmark_times_the_coverage_rule_with_heavy_hitters():
+    """`--fractions c0.99` times the shipped policies' coverage rule; random keys spread attention
+    so that it reads nearly every cold page, and `--hot` makes a share of the pages hold the
+    attention, so that it reads fewer. A rule the split refuses is refused before any work."""
+    def mib(hot):
+        r = subprocess.run([sys.executable, "benchmarks/kvsplit_bench.py", "--smoke", "--fractions", "c0.99",
+                            "--split-keys", "int8", "--hot", hot], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows = [x for x in (line.split("|") for line in r.stdout.splitlines()) if len(x) == 13
+                and x[1].strip() == "int8+split c=0.99"]
+        assert len(rows) == 2  # at the split's longest context and at INT8's
+        return float(rows[1][11])
+
+    spread, peaked = mib("0"), mib("0.2")
+    assert spread > 0 and peaked < 0.5 * spread
+    r = subprocess.run([sys.executable, "benchmarks/kvsplit_bench.py", "--smoke", "--fractions", "c1.5"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "'c1.5' is not a rule" in r.stderr
+
+
 def test_kvsplit_check_runs_on_the_cpu_under_the_interpreter():
     """The check a GPU run passes before it is timed (benchmarks/kvsplit_check.py), on a tiny
     shape with the kernels interpreted: every comparison but the CUDA graph's, the split's keys
@@ -221,8 +242,8 @@ def test_kvsplit_benchmark_slots_rows_serve_host_keys():
     from benchmarks import kvsplit_bench as kb
 
     args = argparse.Namespace(shape="tiny", device="cpu", budget_gb=0.002, batch=2, window=64, chunk=256, steps=2,
-                              warmup=0)
-    m, _, tokens = kb.make(args, "split", 0.25, "int4h", kernels=True)
+                              warmup=0, hot=0.0)
+    m, _, tokens = kb.make(args, "split", "0.25", "int4h", kernels=True)
     assert m.cfg.use_kernels and m.split.exact and tokens > 300
     seqs = kb.fill(m, 300, args)
     seen = []
@@ -233,7 +254,7 @@ def test_kvsplit_benchmark_slots_rows_serve_host_keys():
         ms, fetched = kb.decode(m, seqs, args)
         seen.append((label, fetched, int((hot.slot_page >= 0).sum())))
 
-    kb.with_slots(m, seqs, 0.25, "int4h", 2, run)
+    kb.with_slots(m, seqs, "0.25", "int4h", 2, run)
     (label, fetched, held), = seen
     assert label == "slots 2xk" and fetched > 0 and held > 0
     assert m.split.hot is None and not m.split.pool.on_wipe
