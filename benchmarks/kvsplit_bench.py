@@ -476,6 +476,8 @@ def tune(args, context: int) -> None:
     above = torch.exp(scores - total[..., None]).amax(dim=1)[0] >= 1e-3
     tiles = [("one program a row", {"block": blk, "num_warps": w, **one})
              for blk, w in ((1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16), (16384, 16))]
+    tiles += [("one program a row, k-th by bisection", {"block": blk, "num_warps": w, "select": "bisect", **one})
+              for blk, w in ((4096, 8), (8192, 16), (16384, 16), (16384, 32))]
     tiles += [("many programs a row", {"many_block": blk, **many}) for blk in (256, 512, 1024, 2048, 4096)]
     for name, cfg in tiles:
         chosen, count = page_pick(scores, total, table, k, wants, config=cfg)

@@ -28,10 +28,13 @@ from . import _interpreter  # noqa: F401  (loop bounds under Triton 3.6's interp
 from ._checks import KernelArgError
 from ._launch import launch
 
-# "block", "num_warps": the one-program pick's loop step and warps; "many_from": rows of at
-# least this many pages take the many-program path (None: never); "many_block": its pages a
-# program (benchmarks/kvsplit_bench.py --tune times both)
-PICK_CONFIG = {"block": 16384, "num_warps": 16, "many_from": None, "many_block": 1024}
+# "block", "num_warps": the one-program pick's loop step and warps; "select": how it finds the
+# k-th largest mass, by a radix select (four digit histograms) or a bisection on the bits (31
+# counts, from registers when the row fits a block); "many_from": rows of at least this many
+# pages take the many-program path (None: never); "many_block": its pages a program
+# (benchmarks/kvsplit_bench.py --tune times each)
+PICK_CONFIG = {"block": 16384, "num_warps": 16, "select": "radix", "many_from": None, "many_block": 1024}
+SELECTS = ("radix", "bisect")
 DIGITS = 4  # the radix select's 8-bit digits of a mass's 32 bits (a row's histograms: 4 x 256 = 1024 counts)
 
 
@@ -80,17 +83,49 @@ def _select(hist, need, MASK: tl.constexpr):
 
 
 @triton.jit
+def _reach(row, n, offs, x, u, ONE: tl.constexpr, BLOCK: tl.constexpr):
+    # the pages whose mass's bits are at least u (x: the row, when ONE; past it -1.0, whose
+    # bits are negative)
+    if ONE:
+        return tl.sum((x.to(tl.int32, bitcast=True) >= u).to(tl.int32), 0)
+    c = tl.zeros((), dtype=tl.int32)
+    for start in range(0, n, BLOCK):
+        y = tl.load(row + start + offs, mask=start + offs < n, other=-1.0)
+        c += tl.sum((y.to(tl.int32, bitcast=True) >= u).to(tl.int32), 0)
+    return c
+
+
+@triton.jit
+def _kth(row, n, offs, k, ONE: tl.constexpr, BLOCK: tl.constexpr):
+    # by bisection on the bits: the k-th largest mass's bits (the greatest u that k pages reach),
+    # and how many of the pages at it are to be taken (k less those above it)
+    x = tl.load(row + offs, mask=offs < n, other=-1.0)
+    lo = tl.zeros((), dtype=tl.int32)  # every page reaches it (masses are >= 0)
+    hi = tl.full((), 0x7F800001, tl.int32)  # none does (past inf's bits)
+    for _ in range(31):
+        mid = lo + (hi - lo) // 2
+        enough = _reach(row, n, offs, x, mid, ONE, BLOCK) >= k
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    return lo, k - _reach(row, n, offs, x, lo + 1, ONE, BLOCK)
+
+
+@triton.jit
 def _page_pick_kernel(mass, table, want, chosen, count, n, threshold, rows, m_row, t_row, c_row, TOPK: tl.constexpr,
-                      ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                      ROWS: tl.constexpr, BISECT: tl.constexpr, ONE: tl.constexpr, BLOCK: tl.constexpr):
     # one row: the pages to read, in page order, into chosen[b, :count[b]]. TOPK: the want[b]
     # of largest mass (ties at the k-th value go to the lower pages), of them those whose mass
     # reaches `threshold` (0: all); else every page whose mass reaches `threshold`. ROWS: the
-    # threshold is rows[b]. Masses are >= 0, so their bits order as they do.
+    # threshold is rows[b]. BISECT: the k-th largest by bisection, not by digits (ONE: the row
+    # fits a block). Masses are >= 0, so their bits order as they do.
     b = tl.program_id(0)
     threshold = _threshold(threshold, rows, b, ROWS)
     row = mass + b.to(tl.int64) * m_row
     offs = tl.arange(0, BLOCK)
-    if TOPK:  # the k-th largest mass's bits, 7 then 8 at a time from the top (a radix select)
+    if TOPK and BISECT:
+        k = tl.load(want + b)
+        lo, ties = _kth(row, n, offs, k, ONE, BLOCK)
+    elif TOPK:  # the k-th largest mass's bits, 7 then 8 at a time from the top (a radix select)
         k = tl.load(want + b)
         prefix = tl.zeros((), dtype=tl.int32)  # the bits found so far
         high = tl.zeros((), dtype=tl.int32)  # which bits those are
@@ -267,13 +302,17 @@ def page_pick(scores: torch.Tensor, total: torch.Tensor, table: torch.Tensor, wi
         _pick_many(mass, table, wants, hist, chosen, count, n, threshold, topk, cfg["many_block"])
         return chosen, count
     blk, warps = cfg["block"], cfg["num_warps"]
+    if cfg["select"] not in SELECTS:
+        raise KernelArgError(f"select must be one of {', '.join(SELECTS)}, got {cfg['select']!r}")
+    bisect = topk and cfg["select"] == "bisect"
     if "block" not in (config or {}):  # a short row in one step of the loops, a warp per 1024 pages
         blk = min(blk, max(1024, triton.next_power_of_2(n)))
         warps = min(warps, max(4, blk // 1024))
     launch(_page_pick_kernel, (b,),
            (mass, table, wants, chosen, count, n, *threshold[:2], mass.stride(0), table.stride(0),
             chosen.stride(0)),
-           dict(TOPK=topk, ROWS=threshold[2], BLOCK=blk, num_warps=warps), (topk, threshold[2], blk, warps))
+           dict(TOPK=topk, ROWS=threshold[2], BISECT=bisect, ONE=n <= blk, BLOCK=blk, num_warps=warps),
+           (topk, threshold[2], bisect, n <= blk, blk, warps))
     return chosen, count
 
 

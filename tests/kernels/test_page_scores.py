@@ -109,9 +109,11 @@ def test_page_pick_takes_the_pages_of_largest_mass():
     mass = torch.exp(scores - total[..., None]).amax(dim=1).cpu().nan_to_num(0.0)  # [B, n] (a row of none: 0)
     want = torch.tensor([37, 450, 2, 0], dtype=torch.int32, device=DEVICE)
     t = float(mass[0].median())
-    # one program a row in several steps of its loops and in one; many programs a row, three
-    # blocks of a row and one
-    for config in (None, {"block": 256, "num_warps": 4}, {"many_from": 1, "many_block": 256}, {"many_from": 1}):
+    # one program a row in several steps of its loops and in one, its k-th largest by digits and
+    # by bisection; many programs a row, three blocks of a row and one
+    for config in (None, {"block": 256, "num_warps": 4}, {"select": "bisect"},
+                   {"select": "bisect", "block": 256, "num_warps": 4}, {"many_from": 1, "many_block": 256},
+                   {"many_from": 1}):
         chosen, count = page_pick(scores, total, table, 450, want, config=config)
         assert count.tolist() == want.tolist()
         for i in range(b):
@@ -157,13 +159,15 @@ def test_page_pick_breaks_ties_by_slot():
     scores[0, :, 7] = 5.0  # but one
     total = torch.logsumexp(scores, dim=-1)
     table = torch.arange(300, dtype=torch.int32, device=DEVICE)[None].contiguous()
-    for config in (None, {"many_from": 1, "many_block": 64}):  # the ties span blocks
+    for config in (None, {"many_from": 1, "many_block": 64}, {"select": "bisect"},
+                   {"select": "bisect", "block": 64, "num_warps": 1}):  # the ties span blocks
         chosen, count = page_pick(scores, total, table, 10, torch.tensor([10], dtype=torch.int32, device=DEVICE),
                                   config=config)
         assert int(count[0]) == 10 and chosen[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     scores[0, :, :5] = -1.0  # the lowest slots below the rest: ties at the k-th go to the slots after them
     total = torch.logsumexp(scores, dim=-1)
-    for config in (None, {"many_from": 1, "many_block": 64}):
+    for config in (None, {"many_from": 1, "many_block": 64}, {"select": "bisect"},
+                   {"select": "bisect", "block": 64, "num_warps": 1}):
         chosen, count = page_pick(scores, total, table, 70, torch.tensor([70], dtype=torch.int32, device=DEVICE),
                                   config=config)
         assert int(count[0]) == 70 and chosen[0].tolist() == list(range(5, 75))
@@ -173,6 +177,9 @@ def test_page_pick_breaks_ties_by_slot():
         page_pick(scores.half(), total, table, 10)
     with pytest.raises(KernelArgError):
         page_pick(scores, total, table, 301)  # wider than the pages
+    with pytest.raises(KernelArgError):
+        page_pick(scores, total, table, 10, torch.tensor([10], dtype=torch.int32, device=DEVICE),
+                  config={"select": "sort"})
 
 
 def test_coverage_threshold_keeps_what_the_reference_keeps():
