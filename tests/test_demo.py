@@ -60,6 +60,16 @@ def test_demo_refuses_a_missing_policy_folder(tmp_path, capsys):
     assert "no folder" in capsys.readouterr().err
 
 
+def test_the_shipped_report_is_told_with_the_length_each_policy_was_measured_at(policies, capsys):
+    from kvguard.demo.fidelity import _explain_eviction
+
+    _explain_eviction([policies[k] for k in ("chat", "rag", "reasoning")], 80)
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if "deviation (worst text)" in line}
+    # chat and rag were measured with their evictors firing (as long as their budgets), reasoning was not
+    assert "at 4,096+256 -> downgraded to" in lines["chat"] and "at 6,144+256 -> accepted" in lines["rag"]
+    assert lines["reasoning"].endswith("-> refused (its evictor never fired)") and " at " not in lines["reasoning"]
+
+
 @pytest.mark.slow
 def test_fidelity_part_explains_what_looks_alarming(smollm2, one_thread, policies, capsys):  # noqa: F811
     from kvguard.demo.fidelity import show_fidelity

@@ -103,17 +103,22 @@ def _explain_eviction(idle: list[Policy], length: int) -> None:
         return
     s = data["settings"]
     decisions = {d["policy"]: d for d in data.get("decisions", [])}
+    rows = {r.get("method"): r for r in data.get("summaries", [])}
     lines = []
     for p in idle:
         d = decisions.get(p.name)
         if d is None:
             continue
         gate = {"accept": "accepted", "refuse": "refused"}.get(d["outcome"], f"downgraded to {d['config']}")
-        lines.append(f"    {p.name:<14} deviation (worst text) {pct(d.get('mean_layer_deviation', d.get('deviation'))):>7}, ΔPPL {d['ppl_delta']:+.3f} -> {gate}")
+        if d.get("evictor") == "not measured":
+            gate += " (its evictor never fired)"
+        row = rows.get(p.name) or {}
+        at = f" at {row['prefix']:,}+{row['score']:,}" if row.get("prefix") else ""  # lengthened so its evictor fires
+        lines.append(f"    {p.name:<14} deviation (worst text) {pct(d.get('mean_layer_deviation', d.get('deviation'))):>7}, ΔPPL {d['ppl_delta']:+.3f}{at} -> {gate}")
     if not lines:
         return
     print(f"""  On long text they do fire. 'kvguard eval' measured the policies as written at {s['prefix']:,} +
-  {s['score']:,} tokens on {len(data['texts'])} texts ({REPORT.relative_to(REPORT.parents[2])}):
+  {s['score']:,} tokens on {len(data['texts'])} texts, or as long as their budget where said ({REPORT.relative_to(REPORT.parents[2])}):
 """ + "\n".join(lines) + f"""
 
   Why an evictor's deviation is large: an evicted token is gone, so every later query that would

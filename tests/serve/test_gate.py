@@ -18,12 +18,14 @@ REPORT = ROOT / "docs/fidelity/fidelity.json"
 def test_the_gate_accepts_downgrades_or_refuses(tmp_path):
     data = json.loads(REPORT.read_text())
     outcome = {d["policy"]: d for d in data["decisions"]}
-    for name in ("chat", "code"):
+    for name in ("chat", "code", "rag"):  # downgraded, downgraded, accepted
         policy = load_policy(ROOT / f"policies/{name}.yaml")
         served, decision = gate(policy, REPORT)
         want = outcome[name]
         assert decision.outcome == want["outcome"] and decision.op == "policy"
         assert served.steps()[0].key == want["config"]  # the step in force, now the policy's own
+    assert (outcome["rag"]["outcome"], outcome["rag"]["evictor"]) == ("accept", "measured")
+    assert served.steps()[0].key == load_policy(ROOT / "policies/rag.yaml").steps()[0].key  # as written
     bad = tmp_path / "r.json"
     refused = [d | {"outcome": "refuse", "step": -1, "config": ""} if d["policy"] == "chat" else d
                for d in data["decisions"]]
