@@ -60,6 +60,20 @@ def test_demo_refuses_a_missing_policy_folder(tmp_path, capsys):
     assert "no folder" in capsys.readouterr().err
 
 
+def test_the_split_policies_hold_old_tokens_keys_only_on_the_gpu(policies):
+    table = {r[0]: r for r in savings.rows(policies)}
+    def gpu(name):
+        return float(table[name][3].split()[0].replace(",", ""))
+
+    def codec(name):
+        return float(table[name][2].split()[0].replace(",", ""))
+
+    assert gpu("code") == codec("code")  # no split: the whole page on the GPU
+    # chat: INT8 keys and their scales, not the values (about half of INT8's page); reasoning: INT4 keys
+    assert 0.45 < gpu("chat") / codec("chat") < 0.55 and gpu("rag") == gpu("chat")
+    assert 0.3 < gpu("reasoning") / codec("reasoning") < 0.4
+
+
 def test_the_shipped_report_is_told_with_the_length_each_policy_was_measured_at(policies, capsys):
     from kvguard.demo.fidelity import _explain_eviction
 

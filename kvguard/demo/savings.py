@@ -42,14 +42,26 @@ def full_bytes_per_token(shape: ModelShape = SMOLLM2) -> int:
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2  # K and V, 2 bytes each
 
 
+def on_device(m: CacheManager, policy: Policy) -> float:
+    """Device bytes per token of the pages older than the recent window: with the K/V split,
+    the split pool's keys only (its values, and with host_keys its exact keys, in host memory)."""
+    split = m.pools.get("split")
+    if split is None:
+        return m.stats().bytes_per_token["main"]
+    return (split.page_bytes - split.value_bytes()) / policy.page_size
+
+
 def rows(policies: dict[str, Policy]) -> list[list[str]]:
     full = full_bytes_per_token()
     out = []
     for name, p in policies.items():
-        stats = CacheManager(p.cache_config(SMOLLM2, num_pages=1, num_hot_pages=1)).stats()
+        m = CacheManager(p.cache_config(SMOLLM2, num_pages=1, num_hot_pages=1))
+        stats = m.stats()
         codec = f"{stats.bytes_per_token['main']:,.0f} B ({stats.bytes_per_token['main'] / full:.0%})"
+        device = on_device(m, p)
+        gpu = f"{device:,.0f} B ({device / full:.0%})"
         keeps = f"{p.evictor.budget:,} ({p.evictor.name})" if p.evictor else "all"
-        row = [name, p.steps()[0].key.split("+")[0], codec, keeps]
+        row = [name, p.steps()[0].key.split("+")[0], codec, gpu, keeps]
         for n in CONTEXTS:
             _, nbytes, pages = held(p, n)
             row.append(f"{pages:>5,} p {1 - nbytes / (n * full):>4.0%}")
@@ -61,7 +73,7 @@ def show_savings(policies: dict[str, Policy]) -> None:
     full = full_bytes_per_token()
     print(f"== 1. What each scenario policy saves (SmolLM2-135M: {SMOLLM2.num_layers} layers x "
           f"{SMOLLM2.num_kv_heads} KV heads x {SMOLLM2.head_dim} dims; a 16-bit cache holds {full:,} B per token)\n")
-    head = ["policy", "codec", "KV bytes/token", "tokens kept"] + [f"at {n // 1024}k tokens: pages saved"
+    head = ["policy", "codec", "KV bytes/token", "GPU bytes/token", "tokens kept"] + [f"at {n // 1024}k tokens: pages saved"
                                                                   for n in CONTEXTS]
     table = [head] + rows(policies)
     print_table(table)
@@ -69,6 +81,9 @@ def show_savings(policies: dict[str, Policy]) -> None:
   KV bytes/token: a quantized page's bytes per token, scales included, against 16-bit {full:,} B;
     the sink page and the recent window (16-bit, for fidelity) cost full price, so short
     sequences save less than the codec alone would.
+  GPU bytes/token: of a token older than the recent window. With the K/V split (kv_split) its
+    value lives in host memory and the GPU holds its key only (INT4 with host_keys, which keeps
+    an INT8 copy of the key in host memory too), so the same GPU memory holds a longer context.
   tokens kept: an evictor drops tokens only once a sequence passes its budget; below it, it
     saves nothing and costs nothing. saved: KV memory of one sequence against 16-bit.
   pages: {policies[next(iter(policies))].page_size}-token pages of one sequence (every layer's K and V; 16-bit: n / 16);
