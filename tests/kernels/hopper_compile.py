@@ -95,6 +95,13 @@ def picks(pp) -> None:
             pp.page_total(scores, config=cfg)
             pp.page_pick(scores, total, table, int(want[0]), want, config=cfg)
             pp.page_pick(scores, total, table, n, threshold=1e-3, config=cfg)
+            pp.page_pick(scores, total, table, n, coverage=0.99, config=cfg)  # a threshold a row
+        # the k-th largest by bisection, the row in registers and looped over; the coverage
+        # threshold looped over a row longer than its block
+        for blk in (None, 4096):
+            cfg = {"many_from": None, "select": "bisect", **({"block": blk, "num_warps": 8} if blk else {})}
+            pp.page_pick(scores, total, table, int(want[0]), want, config=cfg)
+        pp.coverage_threshold(torch.rand(1, n), 0.01, block=1024)
 
 
 def _pages(codec: str, n: int, h: int, d: int, s: int = 16) -> dict[str, torch.Tensor]:
