@@ -164,11 +164,12 @@ def fill(m: CacheManager, tokens: int, args) -> list:
         seq = m.open(Subject("bench", f"u{i}", f"s{i}"))
         for lo in range(0, tokens, args.chunk):
             n = min(args.chunk, tokens - lo)
-            # (drawn only with --hot: without it the keys are those of the runs before it)
-            hot = (torch.rand(-(-n // S), generator=g, device=dev) < args.hot).repeat_interleave(S)[:n] \
-                if args.hot else torch.zeros(n, device=dev, dtype=torch.bool)
+            bump = 0.0  # (drawn only with --hot: without it the keys are those of the runs before it)
+            if args.hot:
+                hot = (torch.rand(-(-n // S), generator=g, device=dev) < args.hot).repeat_interleave(S)[:n]
+                bump = hot[:, None, None] * u
             for layer in range(layers):
-                k = torch.randn(n, h, d, generator=g, device=dev, dtype=dtype) + hot[:, None, None] * u
+                k = torch.randn(n, h, d, generator=g, device=dev, dtype=dtype) + bump
                 if not m.append(seq, layer, k, torch.randn(n, h, d, generator=g, device=dev, dtype=dtype)):
                     raise SystemExit(f"the cache ran out of pages at row {i}, {lo} tokens (of {tokens})")
             if m.split is not None:

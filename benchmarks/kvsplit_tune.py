@@ -6,18 +6,15 @@ INT8's decode over the whole context, which the split's step is compared with.""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
 
 
 def tune(args, context: int, shape: tuple[int, int, int, int], S: int) -> None:
-    """The split's per-layer device work at one context, apart: the key pass (page_lse) in each
-    configuration against a device copy of the same bytes (the bandwidth ceiling), the page
-    picks (top-k of 1 % and the mass rule's threshold), and one layer of INT8's decode over
-    the whole context (keys and values), which the split's step is compared with."""
-    import itertools
-
+    """Prints the tables above for `context` tokens a row of `shape` (layers, KV heads, head
+    dim, query heads), pages of S tokens."""
     from kvguard.kernels import quantize as ref
     from kvguard.kernels.page_pick import PICK_CONFIG, coverage_threshold, page_pick, page_total
     from kvguard.kernels.page_scores import DEFAULT_CONFIG, page_lse
@@ -99,8 +96,9 @@ def tune(args, context: int, shape: tuple[int, int, int, int], S: int) -> None:
     old_ms = ms(lambda: table.gather(1, torch.exp(scores - total[..., None]).amax(dim=1).topk(k, dim=-1).indices))
     print(f"picks of 1 % ({k} of {n:,} pages), mass included: torch topk + gather {old_ms * 1e3:.0f} us")
     print("| page_pick | block | warps | top-k us | mass threshold us |\n|---|---|---|---|---|")
-    top = set(table[0, torch.exp(scores - total[..., None]).amax(dim=1)[0].topk(k).indices].tolist())
-    above = torch.exp(scores - total[..., None]).amax(dim=1)[0] >= 1e-3
+    shares = torch.exp(scores - total[..., None]).amax(dim=1)  # each page's mass, as page_pick computes it
+    top = set(table[0, shares[0].topk(k).indices].tolist())
+    above = shares[0] >= 1e-3
     tiles = [("one program a row", {"block": blk, "num_warps": w, **one})
              for blk, w in ((1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16), (16384, 16))]
     tiles += [("one program a row, k-th by bisection", {"block": blk, "num_warps": w, "select": "bisect", **one})
@@ -118,7 +116,6 @@ def tune(args, context: int, shape: tuple[int, int, int, int], S: int) -> None:
         t2 = ms(lambda cfg=cfg: page_pick(scores, total, table, n, threshold=1e-3, config=cfg))
         print(f"| {name} | {tile} | {cfg.get('num_warps', '')} | {t1 * 1e3:.0f} | {t2 * 1e3:.0f} |", flush=True)
     print(f"(the serving default: {PICK_CONFIG})")
-    shares = torch.exp(scores - total[..., None]).amax(dim=1)  # the coverage rule's: its threshold, then the pick
     picked, found = page_pick(scores, total, table, n, coverage=0.99)
     keep = covering(shares, 0.01)[0]
     if int(found[0]) != int(keep.sum()) or not torch.equal(picked[0, :int(found[0])], table[0, keep]):

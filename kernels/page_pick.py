@@ -308,11 +308,12 @@ def page_pick(scores: torch.Tensor, total: torch.Tensor, table: torch.Tensor, wi
     if "block" not in (config or {}):  # a short row in one step of the loops, a warp per 1024 pages
         blk = min(blk, max(1024, triton.next_power_of_2(n)))
         warps = min(warps, max(4, blk // 1024))
+    one = bisect and n <= blk  # the row in registers (only the bisection reads it)
     launch(_page_pick_kernel, (b,),
            (mass, table, wants, chosen, count, n, *threshold[:2], mass.stride(0), table.stride(0),
             chosen.stride(0)),
-           dict(TOPK=topk, ROWS=threshold[2], BISECT=bisect, ONE=n <= blk, BLOCK=blk, num_warps=warps),
-           (topk, threshold[2], bisect, n <= blk, blk, warps))
+           dict(TOPK=topk, ROWS=threshold[2], BISECT=bisect, ONE=one, BLOCK=blk, num_warps=warps),
+           (topk, threshold[2], bisect, one, blk, warps))
     return chosen, count
 
 
