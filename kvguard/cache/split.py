@@ -83,11 +83,15 @@ class ValueSplit:
         # fields of a split page there, as its events name them
         self.exact = getattr(self.pool.codec, "exact", None) is not None
         self.host_fields = ("k", "v") if self.exact else ("v",)
-        # the kernels' pick by mass: (threshold, coverage), page_pick's arguments
-        self.by_mass = (0.0, None) if self.rule is None else (self.rule.mass or 0.0, self.rule.coverage)
         # the pages read last, kept in device slots on the kernel path (hot.py)
         self.hot = HotValues(self.pool, self.rule.slots, cfg.device, self.view) if self.rule and self.rule.slots \
             and cfg.use_kernels else None
+
+    @property
+    def by_mass(self) -> tuple[float, float | None]:
+        """The kernels' pick by mass, page_pick's (threshold, coverage): the rule's as it is now
+        (a rule set after construction included)."""
+        return (0.0, None) if self.rule is None else (self.rule.mass or 0.0, self.rule.coverage)
 
     def view(self, fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The split pages' fields that a read attends over: with exact keys those and the values

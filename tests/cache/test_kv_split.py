@@ -402,6 +402,26 @@ def test_rows_read_one_by_one_are_reported_as_their_own():
         assert sorted(kf) == sorted(rf) and len(kf) == 2
 
 
+def test_a_rule_set_after_construction_is_the_one_the_kernels_pick_by():
+    """The split's rule may be replaced on a live cache (the benchmark times several rules on one
+    fill): the kernels then pick by the new rule's mass or coverage, as the reference path does,
+    not by the rule the cache was built with."""
+    from kvguard.cache.config import KVSplit
+
+    (km, krows), (rm, rrows) = kernel_pair({"top_k": 3}, "int8")
+    for m in (km, rm):
+        m.split.rule = KVSplit(window=32, coverage=0.5)
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(L, 2, 6, KD, generator=g).half()
+    for layer in range(L):
+        torch.testing.assert_close(km.attend_step(krows, layer, q[layer]).float(),
+                                   rm.attend_step(rrows, layer, q[layer]).float(), rtol=2e-3, atol=2e-3)
+    km.split.drain()
+    kf = [sorted(e.pages) for e in km.events.take_events() if isinstance(e, ev.PagesFetched)]
+    rf = [sorted(e.pages) for e in rm.events.take_events() if isinstance(e, ev.PagesFetched)]
+    assert kf == rf and len(kf[0]) < km.pools["split"].used_count  # coverage 0.5 leaves pages unread
+
+
 def test_the_kernel_path_reads_the_values_of_the_picked_pages_only():
     """Values of pages not picked are never read: poison them and the answer does not change."""
     (km, krows), _ = kernel_pair({"top_k": 2}, "int8")
