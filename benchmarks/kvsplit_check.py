@@ -4,7 +4,8 @@ On a short context of two rows and two layers at a model's head shape: the split
 with every page read against the cache without the split (INT8 keys on the device, and INT4 keys
 there with the INT8 ones in host memory); with a fraction, against its reference path (dense
 fp32); a 64-query chunk both ways; steps replayed from a CUDA graph (StaticStep) against eager
-steps; and with device slots against without (eager bit for bit). On a GPU before timing; on
+steps; with device slots against without (eager bit for bit); and the picks alone at the page
+counts the benchmark times, with heavy pages, against torch's. On a GPU before timing; on
 the CPU under Triton's interpreter (no CUDA graph there) in the tests, on a smaller shape.
 
     python benchmarks/kvsplit_bench.py --check-only
@@ -25,6 +26,38 @@ HOST_KEYS = {"keys": "int4", "host_keys": True}  # INT4 keys pick on the device,
 
 TOL = 2e-2  # the split's paths against each other (fp16 scores on one side, fp32 on the other)
 FULL_TOL = 2e-3  # every page read against the cache without the split
+
+
+def picks_at_scale(hq: int, device: str, pages: tuple[int, ...] = (15_031, 28_053)) -> tuple[int, int]:
+    """The device's picks at the lengths the benchmark times (240K and 448K tokens of 16), where the
+    steps above never go: page scores of two rows of `hq` query heads with 1 % of the pages heavy
+    (12 nats), so that a coverage rule keeps few of them (on random keys it keeps nearly all, and a
+    threshold that kept every page would pass unseen). Each row's pages picked by coverage 0.99 and
+    by a top 1 % are compared with torch's (kvguard/cache/picks.py). Returns (rows that picked
+    other pages, rows compared)."""
+    from kvguard.kernels.page_pick import page_pick, page_total
+
+    from kvguard.cache.picks import covering
+
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(5)
+    wrong = rows = 0
+    for n in pages:
+        heavy = torch.rand(2, 1, n, generator=g, device=dev) < 0.01
+        scores = (torch.randn(2, hq, n, generator=g, device=dev) + 12.0 * heavy).contiguous()
+        total = page_total(scores)
+        best = (scores - torch.logsumexp(scores, -1, keepdim=True)).exp().amax(1)  # [2, n]
+        table = torch.arange(2 * n, device=dev, dtype=torch.int32).view(2, n)
+        k = -(-n // 100)
+        for want, coverage, ref in ((None, 0.99, covering(best, 0.01)),
+                                    (torch.full((2,), k, device=dev, dtype=torch.int32), None,
+                                     torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(k).indices, True))):
+            chosen, count = page_pick(scores, total, table, n if want is None else k, want, 0.0, coverage)
+            for r in range(2):
+                got = set((chosen[r, : count[r]] - r * n).tolist())
+                wrong += got != set(ref[r].nonzero().flatten().tolist())
+                rows += 1
+    return wrong, rows
 
 
 def check(shape: tuple[int, int, int, int], device: str, n: int = 4096 + 300, window: int = 512,
@@ -175,7 +208,8 @@ def check(shape: tuple[int, int, int, int], device: str, n: int = 4096 + 300, wi
         print(f"check: the split with slots failed: {type(e).__name__}: {e}")
         kept = kept_graph = float("inf")
     slots_ok = kept == 0 and kept_graph == 0
-    ok = (full < FULL_TOL and chunk_full < FULL_TOL and part < TOL and max(part_differ) <= 1 and chunks < TOL
+    wrong, rows = picks_at_scale(hq, device)
+    ok = (wrong == 0 and full < FULL_TOL and chunk_full < FULL_TOL and part < TOL and max(part_differ) <= 1 and chunks < TOL
           and chunk_beyond <= max(1, chunk_queries // 32) and graph < TOL and max(graph_differ, default=0) <= 1)
     print(f"check: every page read vs no split (INT8 keys on the device or in host memory) max|diff| {full:.2e}, "
           f"a {chunk_queries}-query chunk {chunk_full:.2e}; fraction 0.25 (INT8 keys, INT4, INT4 with INT8 in host memory) kernel "
@@ -183,6 +217,7 @@ def check(shape: tuple[int, int, int, int], device: str, n: int = 4096 + 300, wi
           f"{part_differ}), a chunk (also read and all, mass 1e-3) {chunks:.2e} ({chunk_beyond} query-layers of {2 * chunk_queries} "
           f"beyond {TOL:g}); replayed from a CUDA graph vs eager (also mass 1e-3) "
           + (f"{graph:.2e} (row-steps that read others: {graph_differ})" if graphs else "not run (no CUDA here)")
-          + f": {'PASSED' if ok else 'FAILED'}; with slots vs without, eager {kept:.2e}, replayed {kept_graph:.2e}: "
+          + f"; picks of 15,031 and 28,053 pages, 1 % heavy, by coverage 0.99 and a top 1 % vs torch's: {wrong} "
+          f"rows of {rows} picked others: {'PASSED' if ok else 'FAILED'}; with slots vs without, eager {kept:.2e}, replayed {kept_graph:.2e}: "
           f"{'PASSED' if slots_ok else 'FAILED'}")
     return ok, slots_ok
