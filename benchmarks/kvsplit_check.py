@@ -37,7 +37,7 @@ def picks_at_scale(hq: int, device: str, pages: tuple[int, ...] = (15_031, 28_05
     other pages, rows compared)."""
     from kvguard.kernels.page_pick import page_pick, page_total
 
-    from kvguard.cache.picks import covering
+    from kvguard.cache.picks import covering, top
 
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(5)
@@ -50,8 +50,7 @@ def picks_at_scale(hq: int, device: str, pages: tuple[int, ...] = (15_031, 28_05
         table = torch.arange(2 * n, device=dev, dtype=torch.int32).view(2, n)
         k = -(-n // 100)
         for want, coverage, ref in ((None, 0.99, covering(best, 0.01)),
-                                    (torch.full((2,), k, device=dev, dtype=torch.int32), None,
-                                     torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(k).indices, True))):
+                                    (torch.full((2,), k, device=dev, dtype=torch.int32), None, top(best, k))):
             chosen, count = page_pick(scores, total, table, n if want is None else k, want, 0.0, coverage)
             for r in range(2):
                 got = set((chosen[r, : count[r]] - r * n).tolist())
