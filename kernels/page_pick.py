@@ -466,7 +466,22 @@ def page_total(scores: torch.Tensor, config: dict | None = None) -> torch.Tensor
     launch(_total_part_kernel, (b * hq, p), (scores, part, n, scores.stride(0), p), dict(HQ=hq, BLOCK=blk, num_warps=8),
            (hq, blk))
     pp = max(2, triton.next_power_of_2(p))
-    launch(_total_join_kernel, (b * hq,), (part, total, p), dict(PP=pp, num_warps=4), (pp,))
+    launch(_total_join_kernel, (b * hq,), (part, total, p), dict(PP=pp, num_warps=4), (pp, 4))
+    return total
+
+
+def join_totals(part: torch.Tensor, b: int, hq: int) -> torch.Tensor:
+    """The normalizer [B, Hq] fp32 from partial sums part [B * Hq, P, 2] fp32 (each a (max, sum
+    of exp(x - max)) over some of a row's logits, natural log; page_scores.page_lse's slices);
+    -inf for a row whose every part is empty."""
+    rows, p = part.shape[0], part.shape[1]
+    if rows != b * hq or part.dim() != 3 or part.shape[2] != 2 or not part.is_contiguous():
+        raise KernelArgError(f"part must be a contiguous [{b * hq}, P, 2] buffer")
+    total = torch.empty(b, hq, device=part.device, dtype=torch.float32)
+    if rows:
+        pp = max(2, triton.next_power_of_2(p))
+        warps = 4 if pp <= 1024 else 8
+        launch(_total_join_kernel, (rows,), (part, total, p), dict(PP=pp, num_warps=warps), (pp, warps))
     return total
 
 

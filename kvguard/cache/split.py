@@ -216,21 +216,17 @@ class ValueSplit:
         mass or coverage rule), every page whose mass reaches the rule's, or that cover it.
         Returns out [B, Hq, D] in q's dtype, the split pages whose values were read over the bus [B, k or n_j] int32 (those
         picked in slot order; with `slots`, those no slot held), and how many of each row's [B] int32."""
-        from kvguard.kernels.page_pick import page_pick, page_total, rescale
-        from kvguard.kernels.page_scores import page_lse
+        from kvguard.kernels.page_pick import page_pick, rescale
+        from kvguard.kernels.page_scores import page_lse_sets
         from kvguard.kernels.paged_decode import paged_decode_sets
 
         b, s = q.shape[0], self.cfg.page_size
-        widths = [table.shape[1] for _, table, _ in sets]
-        # every page's log-sum-exp, the split's pages first, in one buffer
-        scores = torch.empty(b, q.shape[1], sum(widths), device=q.device, dtype=torch.float32)
-        at = widths[j]
-        for i, (fields, table, _) in enumerate(sets):
-            lo, at = (0, at) if i == j else (at, at + widths[i])
-            page_lse(q, fields, table, lens[i], scale, out=scores[:, :, lo:lo + widths[i]])
-        total = page_total(scores)  # [B, Hq]: the softmax's normalizer (finite: a row holds tokens)
+        # every page's log-sum-exp, the split's pages first, and the softmax's normalizer [B, Hq]
+        # (finite: a row holds tokens)
+        order = [j] + [i for i in range(len(sets)) if i != j]
+        scores, total = page_lse_sets(q, [(sets[i][0], sets[i][1], lens[i]) for i in order], scale)
         # the pages read: by a page's mass, the largest over query heads of the probability in it
-        n = widths[j]
+        n = sets[j][1].shape[1]
         k = n if want is None else k
         chosen, count = page_pick(scores[:, :, :n], total, sets[j][1], k, want, *self.by_mass)
         args = [(fields, tb, lens[i], bound) for i, (fields, tb, bound) in enumerate(sets)]

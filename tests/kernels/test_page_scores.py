@@ -82,10 +82,39 @@ def test_a_tuning_configuration_gives_the_same_scores():
     lens = torch.tensor([37 * 16, 20 * 16 + 1], dtype=torch.int32, device=DEVICE)
     table = table.int().to(DEVICE)
     want = page_lse(q, pages, table, lens)
-    for config in ({"pages": 16, "num_warps": 2, "num_stages": 2}, {"pages": 4, "iters": 3}):
+    # the decode step's pass: other tiles, unpeeled loops, one split and many short ones (a
+    # split's slots past the row's tokens written -inf without a read); the block layout
+    for config in ({"pages": 16, "num_warps": 2, "num_stages": 2}, {"pages": 4, "peel": False},
+                   {"programs_per_sm": 1, "min_steps": 64}, {"pages": 1, "min_steps": 1, "programs_per_sm": 64},
+                   {"transposed": False, "pages": 8, "num_warps": 4}, {"transposed": False, "pages": 4, "iters": 3}):
         got = page_lse(q, pages, table, lens, config=config)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert torch.isinf(got[1, :, 21:]).all() and torch.isfinite(got[1, :, :21]).all()
+        assert torch.isinf(got[1, :, 21:]).all() and torch.isfinite(got[1, :, :21]).all()
+
+
+@pytest.mark.parametrize("config", [None, {"programs_per_sm": 64, "min_steps": 1}, {"transposed": False}])
+def test_page_lse_sets_scores_every_set_and_joins_the_normalizer(config):
+    """Two pools of different codecs (a split's and a window's) side by side in the order given,
+    and the softmax's normalizer over both: from the slices' partial sums (the decode step's
+    pass, few splits and many) or summed over the scores (the block layout); a row of no tokens
+    at all has -inf."""
+    from kvguard.kernels.page_scores import page_lse_sets
+
+    h, s, d = 2, 16, 64
+    split, window = pages_of("int8", 40, h, s, d, seed=3), pages_of("16bit", 8, h, s, d, seed=4)
+    q = torch.randn(3, h * 4, d, generator=torch.Generator().manual_seed(6)).half().to(DEVICE)
+    t1 = torch.stack([torch.randperm(40, generator=torch.Generator().manual_seed(i))[:29] for i in range(3)])
+    t2 = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(9 + i))[:3] for i in range(3)])
+    t1, t2 = t1.int().to(DEVICE), t2.int().to(DEVICE)
+    l1 = torch.tensor([29 * s, 17 * s + 5, 0], dtype=torch.int32, device=DEVICE)
+    l2 = torch.tensor([2 * s + 9, 3 * s, 0], dtype=torch.int32, device=DEVICE)
+    scores, total = page_lse_sets(q, [(split, t1, l1), (window, t2, l2)], config=config)
+    want = torch.cat([page_lse_ref(q, split, t1, l1), page_lse_ref(q, window, t2, l2)], dim=-1)
+    assert scores.shape == (3, 8, 32)
+    assert torch.equal(torch.isfinite(scores), torch.isfinite(want))
+    torch.testing.assert_close(scores[torch.isfinite(want)], want[torch.isfinite(want)], rtol=1e-3, atol=2e-3)
+    torch.testing.assert_close(total[:2], torch.logsumexp(want[:2], dim=-1), rtol=1e-4, atol=2e-3)
+    assert torch.isneginf(total[2]).all()
 
 
 def scores_of(b: int, hq: int, n: int, lens: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
