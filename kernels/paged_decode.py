@@ -175,7 +175,7 @@ def _decode_kernel_t(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, 
                      KIND: tl.constexpr, GROUP: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr,
                      MASS: tl.constexpr, ON_GPU: tl.constexpr, W: tl.constexpr, FUSED: tl.constexpr,
                      CH: tl.constexpr, VKIND: tl.constexpr, VON_GPU: tl.constexpr, PEEL: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False, SPREAD: tl.constexpr = False):
     # As _decode_kernel_warps (each of the W warps its own pages and softmax), with the
     # products transposed: logits^T = K q^T ([BW, GP] per warp) and out^T += V^T p^T ([D, GP]).
     # The tokens fill the MMA's 16 rows and the group's query heads its 8 columns: no padded
@@ -183,11 +183,15 @@ def _decode_kernel_t(q, kp, ksp, kzp, vp, vsp, vzp, block_table, seq_lens, out, 
     # a group of 4 padded to 16 rows, and the softmax and rescale work on [BW, GP] and [D, GP].
     # PEEL: the loop runs the split's full steps without token masks, and one masked step after
     # it takes the rest (the masks' ISETP/SEL/PLOP3 were 7 % of the int8 loop's instructions).
+    # SPREAD: the splits divide the row's own tokens, not split_tokens apiece of the table's
+    # width (a table whose rows fill a varying, often small, part of it keeps every split busy)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
     BN: tl.constexpr = PAGES * S
     seq_len = tl.load(seq_lens + b)
+    if SPREAD:
+        split_tokens = tl.cdiv(seq_len, tl.num_programs(2) * BN) * BN
     lo = sp * split_tokens
     hi = tl.minimum(seq_len, lo + split_tokens)
 
@@ -528,7 +532,7 @@ def paged_decode(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: t
 
 
 def paged_decode_sets(q: torch.Tensor, sets: list[tuple], sm_scale: float | None = None, return_mass: bool = False,
-                      config: dict | None = None, mass_into: list[tuple] | None = None):
+                      config: dict | None = None, mass_into: list[tuple] | None = None, spread: tuple[int, ...] = ()):
     """Decode attention of one new token per sequence over several sets of pages at once, as if
     each sequence's keys were the union of its keys in every set: (pages, block_table, seq_lens,
     max_seq_len) per set, each as paged_decode takes them. The sets may differ in codec (a cache's
@@ -546,7 +550,12 @@ def paged_decode_sets(q: torch.Tensor, sets: list[tuple], sm_scale: float | None
     must not overlap, nor a row's positions repeat. buffers may also be the row table itself,
     [B, 3] int64 on q's device, (address, head stride, columns) of each row's buffer: a caller
     whose buffers may move between replays of a CUDA graph keeps it and rewrites it in place;
-    its addresses are taken as given."""
+    its addresses are taken as given.
+
+    spread: indices of sets whose rows fill a varying, often small, part of their table's width
+    (a K/V split's picks by coverage): their splits divide each row's own tokens, on the device,
+    rather than the width, so that every split has work (with the quantized codecs' tile; the
+    others split the width, as for any set)."""
     if not sets:
         raise KernelArgError("paged_decode_sets needs at least one set of pages")
     if mass_into is not None and (return_mass or not isinstance(mass_into, (list, tuple))
@@ -579,7 +588,7 @@ def paged_decode_sets(q: torch.Tensor, sets: list[tuple], sm_scale: float | None
     with_mass = return_mass or into is not None
     logits = []
     sp0 = 0
-    for p in plans:
+    for i, p in enumerate(plans):
         t = p.tile
         lg = torch.empty(b, hq, t.max_len, device=dev, dtype=torch.float32) if with_mass else lse
         logits.append(lg)
@@ -587,10 +596,12 @@ def paged_decode_sets(q: torch.Tensor, sets: list[tuple], sm_scale: float | None
         flags = dict(SPLIT=split, MASS=with_mass, FUSED=fused)
         if t.pdl:
             flags["PDL"] = pdl and p is plans[-1]
+        if t.kernel is _decode_kernel_t:
+            flags["SPREAD"] = i in spread
         launch(t.kernel, (b, t.h, p.ns),
                (q, *field_args(p.pages), p.block_table, p.seq_lens, p_out, p_lse, lg, out, lse, counters,
                 scale * LOG2E, p.block_table.stride(0), p.step, t.max_len, ns, sp0),
-               {**flags, **t.consts}, (t.key, *flags.values()))
+               {**flags, **t.consts}, (t.key, *flags.items()))
         sp0 += p.ns
     if split and not fused:
         merge_splits(p_out, p_lse, out, lse, ns, b * hq, d, dev, tiles[-1].cfg, pdl)

@@ -234,7 +234,9 @@ class ValueSplit:
         if self.hot is not None and self.hot.fits(b * k):  # every pick read from a device slot
             slots, chosen, moved = self.hot.take(layer, args[j][0], chosen, count)
             args[j], count = (self.hot.fields[layer], slots, count * s, k * s), moved
-        out, part = paged_decode_sets(q, args, sm_scale=scale)
+        # the picks fill a varying part of their table (by coverage, often a few % of it): the
+        # decode's splits divide each row's picks, not the table's width
+        out, part = paged_decode_sets(q, args, sm_scale=scale, spread=(j,))
         if self.rule.normalize == "all":  # the pages read were normalized among themselves: rescale to
             out = rescale(out, part, total)  # the whole softmax (the pages not read keep their weight)
         return out, chosen, count

@@ -149,7 +149,10 @@ def everything() -> None:
             pd.paged_decode_sets(q, [(pages, table, lens)])
             pd.paged_decode_sets(q, [(pages, table, lens), (_pages("fp16", b * n, h, d), table, lens)],
                                  return_mass=True)
-            if codec == "int8":  # the tuning's other decode kernels: a warp its own pages, and not transposed
+            if codec == "int8":  # a K/V split's picks (splits over each row's tokens); the tuning's
+                # other decode kernels: a warp its own pages, and not transposed
+                pd.paged_decode_sets(q, [(pages, table, lens), (_pages("fp16", b * n, h, d), table, lens)],
+                                     spread=(0,))
                 pd.paged_decode_sets(q, [(pages, table, lens)], config={"transposed": False, "warp_split": True,
                                                                         "num_warps": 2, "pages": 4})
                 pd.paged_decode_sets(q, [(pages, table, lens)], config={"transposed": False, "pages": 4})

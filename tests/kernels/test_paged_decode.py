@@ -312,6 +312,23 @@ def test_sets_attend_over_the_union_of_their_keys(codecs, dim):
     assert torch.equal(one, alone) and torch.equal(one_lse, alone_lse)
 
 
+@pytest.mark.parametrize("codec", ("int8", "16bit"))
+def test_a_spread_set_splits_each_rows_own_tokens(codec):
+    """A K/V split's picks by coverage: rows filling 3, 40, 1 and 0 of a 64-page table beside a
+    window's set. Spread, the quantized tile's splits divide each row's tokens (the others'
+    split the width); the same attention either way, and the reference's."""
+    q, pages, table, lens = _case(codec, torch.float16, 4, 64, [3 * 16, 40 * 16 - 5, 9, 0], max_pages=64)
+    wq, wpages, wtable, wlens = _case("16bit", torch.float16, 4, 64, [20, 16, 0, 0], max_pages=2, seed=3)
+    sets = [(pages, table, lens, 64 * 16), (wpages, wtable, wlens)]
+    spread, spread_lse = paged_decode_sets(q, sets, spread=(0,))
+    plain, plain_lse = paged_decode_sets(q, sets)
+    r_out, r_lse = paged_decode_sets_ref(q, sets)
+    live = torch.tensor([True, True, True, False], device=DEVICE)
+    assert rel_ok(spread[live], plain[live], 1e-3) and rel_ok(spread[live], r_out[live], TOL[torch.float16, True])
+    assert torch.allclose(spread_lse[live], r_lse[live], rtol=2e-3, atol=1e-2)
+    assert torch.isneginf(spread_lse[~live]).all() and torch.isneginf(plain_lse[~live]).all()
+
+
 def test_sets_errors():
     q, sets = _sets_case(("16bit", "int8"), 64, [[20, 3], [40, 0]])
     with pytest.raises(KernelArgError, match="at least one"):
