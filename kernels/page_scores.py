@@ -32,7 +32,6 @@ from ._pages import load_keys_f16
 from .paged_decode import _on_gpu, _signature, num_splits
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 @triton.jit
@@ -181,8 +180,9 @@ def _plan(q, pages, block_table, seq_lens, config, shared) -> tuple:
         if cfg["pages"] % cfg["num_warps"]:
             raise KernelArgError(f"transposed needs pages ({cfg['pages']}) divisible by num_warps ({cfg['num_warps']})")
         bn = cfg["pages"] * s
-        ns, step = num_splits(b, h, block_table.shape[1] * s, dev, bn, cfg.get("programs_per_sm", 16),
-                              min_split=cfg.get("min_steps", 2) * bn, fill=cfg.get("fill", "waves"))
+        if b and block_table.shape[1]:  # else nothing is launched
+            ns, step = num_splits(b, h, block_table.shape[1] * s, dev, bn, cfg.get("programs_per_sm", 16),
+                                  min_split=cfg.get("min_steps", 2) * bn, fill=cfg.get("fill", "waves"))
         consts = dict(common, GP=triton.next_power_of_2(g), W=cfg["num_warps"], PEEL=bool(cfg.get("peel")))
     else:
         rows = max(1, SHARED_COLUMNS // g) if shared else 1

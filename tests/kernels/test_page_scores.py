@@ -115,6 +115,11 @@ def test_page_lse_sets_scores_every_set_and_joins_the_normalizer(config):
     torch.testing.assert_close(scores[torch.isfinite(want)], want[torch.isfinite(want)], rtol=1e-3, atol=2e-3)
     torch.testing.assert_close(total[:2], torch.logsumexp(want[:2], dim=-1), rtol=1e-4, atol=2e-3)
     assert torch.isneginf(total[2]).all()
+    # a pool the rows hold no page of yet: no slices, so the normalizer is summed over the scores
+    empty = torch.zeros(3, 0, dtype=torch.int32, device=DEVICE)
+    scores, again = page_lse_sets(q, [(split, t1, l1), (window, empty, l2 * 0)], config=config)
+    assert scores.shape == (3, 8, 29)
+    torch.testing.assert_close(again[:2], torch.logsumexp(want[:2, :, :29], dim=-1), rtol=1e-4, atol=2e-3)
 
 
 def scores_of(b: int, hq: int, n: int, lens: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
