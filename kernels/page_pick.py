@@ -474,9 +474,10 @@ def join_totals(part: torch.Tensor, b: int, hq: int) -> torch.Tensor:
     """The normalizer [B, Hq] fp32 from partial sums part [B * Hq, P, 2] fp32 (each a (max, sum
     of exp(x - max)) over some of a row's logits, natural log; page_scores.page_lse's slices);
     -inf for a row whose every part is empty."""
+    if part.dim() != 3 or part.shape[0] != b * hq or part.shape[2] != 2 or not part.is_contiguous() \
+            or part.dtype != torch.float32:
+        raise KernelArgError(f"part must be a contiguous [{b * hq}, P, 2] fp32 buffer")
     rows, p = part.shape[0], part.shape[1]
-    if rows != b * hq or part.dim() != 3 or part.shape[2] != 2 or not part.is_contiguous():
-        raise KernelArgError(f"part must be a contiguous [{b * hq}, P, 2] buffer")
     total = torch.empty(b, hq, device=part.device, dtype=torch.float32)
     if rows:
         pp = max(2, triton.next_power_of_2(p))

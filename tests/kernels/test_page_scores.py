@@ -75,6 +75,15 @@ def test_page_lse_refuses_bad_input():
         page_lse(q, pages, table.float(), lens)
 
 
+def test_joined_totals_refuse_a_buffer_of_another_shape():
+    from kvguard.kernels.page_pick import join_totals
+
+    for bad in (torch.zeros(8), torch.zeros(6, 3, 2), torch.zeros(8, 3, 3), torch.zeros(8, 3, 2, dtype=torch.float64),
+                torch.zeros(8, 2, 3).transpose(1, 2)):
+        with pytest.raises(KernelArgError, match="part must be"):
+            join_totals(bad.to(DEVICE), 2, 4)
+
+
 def test_a_tuning_configuration_gives_the_same_scores():
     pages = pages_of("int8", 40, 2, 16, 64)
     q = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(2)).half().to(DEVICE)
