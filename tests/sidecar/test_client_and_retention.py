@@ -41,8 +41,10 @@ def test_unreachable_sidecar_refuses_new_sequences_and_loses_nothing(tmp_path, d
     client = SidecarClient(cache, socket=tmp_path / "data" / "ingest.sock", token=ingest_token, max_pending=3,
                            on_full="refuse", interval_s=0.02).start()
     try:
-        for i in range(5):
-            fill(cache, client.open(Subject("t", f"u{i}", f"s{i}")))
+        # opened before any event exists, so the sender's draining cannot refuse one of them
+        seqs = [client.open(Subject("t", f"u{i}", f"s{i}")) for i in range(5)]
+        for seq in seqs:
+            fill(cache, seq)  # more events than max_pending: kept, never dropped
         time.sleep(0.3)
         assert client.pending == 5 and not client.connected
         with pytest.raises(SidecarUnavailable, match="refusing new sequences"):
