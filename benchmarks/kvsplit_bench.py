@@ -481,8 +481,9 @@ def main() -> None:
         raise SystemExit("--check-only on the CPU runs the kernels under Triton's interpreter: set TRITON_INTERPRET=1")
     if args.check and (args.device.startswith("cuda") or args.check_only):
         cuda = args.device.startswith("cuda")  # on the CPU (interpreted): a short context, --smoke's window
-        ok, slots_ok = check(SHAPES[args.shape], args.device, 4096 + 300 if cuda else 512, 512 if cuda else 128,
-                             64 if cuda else 16)
+        # interpreted on the CPU: shorter rows, and picks of rows long enough to take the many-program path
+        ok, slots_ok = check(SHAPES[args.shape], args.device, 4096 + 300 if cuda else 320, 512 if cuda else 64,
+                             64 if cuda else 16, (15_031, 28_053) if cuda else (4_513, 7_019))
         if not ok:
             raise SystemExit(1)
         if not slots_ok and args.slots:

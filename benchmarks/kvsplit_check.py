@@ -6,7 +6,8 @@ there with the INT8 ones in host memory); with a fraction, against its reference
 fp32); a 64-query chunk both ways; steps replayed from a CUDA graph (StaticStep) against eager
 steps; with device slots against without (eager bit for bit); and the picks alone at the page
 counts the benchmark times, with heavy pages, against torch's. On a GPU before timing; on
-the CPU under Triton's interpreter (no CUDA graph there) in the tests, on a smaller shape.
+the CPU under Triton's interpreter (no CUDA graph there) in the tests, on a smaller shape, shorter
+rows and picks of fewer pages.
 
     python benchmarks/kvsplit_bench.py --check-only
 """
@@ -60,11 +61,11 @@ def picks_at_scale(hq: int, device: str, pages: tuple[int, ...] = (15_031, 28_05
 
 
 def check(shape: tuple[int, int, int, int], device: str, n: int = 4096 + 300, window: int = 512,
-          chunk_queries: int = 64) -> tuple[bool, bool]:
+          chunk_queries: int = 64, pick_pages: tuple[int, ...] = (15_031, 28_053)) -> tuple[bool, bool]:
     """Print the comparisons; returns (whether the split's passed, whether its slots' did).
     shape: (layers, KV heads, head dim, query heads), of which 2 layers are built; n: the
     longer row's tokens (the other has a quarter fewer); window: the split's; chunk_queries: a
-    chunk's queries.
+    chunk's queries; pick_pages: the rows' pages where the picks alone are compared.
 
     Two paths that score in different precisions can pick different pages where two pages'
     shares are within rounding of the cut (on random keys, many are): a step of a row is
@@ -207,7 +208,7 @@ def check(shape: tuple[int, int, int, int], device: str, n: int = 4096 + 300, wi
         print(f"check: the split with slots failed: {type(e).__name__}: {e}")
         kept = kept_graph = float("inf")
     slots_ok = kept == 0 and kept_graph == 0
-    wrong, rows = picks_at_scale(hq, device)
+    wrong, rows = picks_at_scale(hq, device, pick_pages)
     ok = (wrong == 0 and full < FULL_TOL and chunk_full < FULL_TOL and part < TOL and max(part_differ) <= 1 and chunks < TOL
           and chunk_beyond <= max(1, chunk_queries // 32) and graph < TOL and max(graph_differ, default=0) <= 1)
     print(f"check: every page read vs no split (INT8 keys on the device or in host memory) max|diff| {full:.2e}, "
@@ -216,7 +217,7 @@ def check(shape: tuple[int, int, int, int], device: str, n: int = 4096 + 300, wi
           f"{part_differ}), a chunk (also read and all, mass 1e-3) {chunks:.2e} ({chunk_beyond} query-layers of {2 * chunk_queries} "
           f"beyond {TOL:g}); replayed from a CUDA graph vs eager (also mass 1e-3) "
           + (f"{graph:.2e} (row-steps that read others: {graph_differ})" if graphs else "not run (no CUDA here)")
-          + f"; picks of 15,031 and 28,053 pages, 1 % heavy, by coverage 0.99 and a top 1 % vs torch's: {wrong} "
+          + f"; picks of {' and '.join(f'{p:,}' for p in pick_pages)} pages, 1 % heavy, by coverage 0.99 and a top 1 % vs torch's: {wrong} "
           f"rows of {rows} picked others: {'PASSED' if ok else 'FAILED'}; with slots vs without, eager {kept:.2e}, replayed {kept_graph:.2e}: "
           f"{'PASSED' if slots_ok else 'FAILED'}")
     return ok, slots_ok

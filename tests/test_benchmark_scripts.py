@@ -202,15 +202,17 @@ def test_kvsplit_benchmark_times_the_coverage_rule_with_heavy_hitters():
 def test_kvsplit_check_runs_on_the_cpu_under_the_interpreter():
     """The check a GPU run passes before it is timed (benchmarks/kvsplit_check.py), on a tiny
     shape with the kernels interpreted: every comparison but the CUDA graph's, the split's keys
-    INT8, INT4, and INT4 with INT8 in host memory, slots, and the picks alone at the page counts
-    a GPU run times (15,031 and 28,053), with heavy pages."""
+    INT8, INT4, and INT4 with INT8 in host memory, slots, and the picks alone with heavy pages
+    in rows long enough for the many-program path (a GPU run compares them at the page counts
+    it times, 15,031 and 28,053)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "benchmarks/kvsplit_bench.py", "--smoke", "--check-only"], cwd=ROOT,
                        capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     (line,) = [x for x in r.stdout.splitlines() if x.startswith("check:")]
     assert ": PASSED; with slots vs without, eager 0.00e+00" in line and line.endswith("PASSED")
-    assert "by coverage 0.99 and a top 1 % vs torch's: 0 rows of 8 picked others" in line  # at the timed lengths
+    assert "picks of 4,513 and 7,019 pages, 1 % heavy, by coverage 0.99 and a top 1 % vs torch's: 0 rows of 8 " \
+           "picked others" in line
     assert "row-steps of 6 that read others: [" in line and "not run (no CUDA here)" in line
     without = subprocess.run([sys.executable, "benchmarks/kvsplit_bench.py", "--smoke", "--check-only"], cwd=ROOT,
                              capture_output=True, text=True, timeout=120,

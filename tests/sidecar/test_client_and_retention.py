@@ -167,8 +167,8 @@ def live_processes(server) -> float:
 
 
 def test_a_client_that_closed_is_not_live_and_erasures_do_not_wait_for_it(tmp_path, db_url):
-    # a liveness window far longer than the test: only the goodbye can end the client's liveness
-    server = start_server(tmp_path, db_url, extra_env={"KVGUARD_INFERENCE_LIVE_S": "25"})
+    # a liveness window far longer than the client's 50 ms between polls: only the goodbye ends its liveness at once
+    server = start_server(tmp_path, db_url, extra_env={"KVGUARD_INFERENCE_LIVE_S": "10"})
     cache = small_cache()
     try:
         with SidecarClient(cache, socket=server.socket, token=server.tokens["ingest"], interval_s=0.05) as client:
@@ -181,7 +181,7 @@ def test_a_client_that_closed_is_not_live_and_erasures_do_not_wait_for_it(tmp_pa
                        json={"tenant": "bank", "user": "user-0", "legal_basis": "gdpr-art17"})
             assert r.status_code == 202, r.text
         deadline, body = time.monotonic() + 90, {}
-        while time.monotonic() < deadline:  # after the start's reconnect window of 25 s
+        while time.monotonic() < deadline:  # after the start's reconnect window of 10 s
             with server.client("erasure:read") as c:
                 body = c.get(f"/v1/erasure-requests/{r.json()['id']}").json()
             if body["state"] in ("completed", "failed"):
