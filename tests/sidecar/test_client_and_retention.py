@@ -45,7 +45,10 @@ def test_unreachable_sidecar_refuses_new_sequences_and_loses_nothing(tmp_path, d
         seqs = [client.open(Subject("t", f"u{i}", f"s{i}")) for i in range(5)]
         for seq in seqs:
             fill(cache, seq)  # more events than max_pending: kept, never dropped
-        time.sleep(0.3)
+        deadline = time.monotonic() + 20  # the sender takes them every 20 ms; a busy machine may delay it
+        while client.pending < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.1)  # and nothing more arrives
         assert client.pending == 5 and not client.connected
         with pytest.raises(SidecarUnavailable, match="refusing new sequences"):
             client.open(Subject("t", "late", "s"))
