@@ -49,7 +49,7 @@ import torch
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
 
-from benchmarks.kvsplit_check import check  # noqa: E402
+from benchmarks.kvsplit_check import TIMED_PAGES, check  # noqa: E402
 from kvguard.cache import CacheConfig, CacheManager  # noqa: E402
 from kvguard.cache import events as ev  # noqa: E402
 from kvguard.cache.config import KVSplit  # noqa: E402
@@ -483,7 +483,7 @@ def main() -> None:
         cuda = args.device.startswith("cuda")  # on the CPU (interpreted): a short context, --smoke's window
         # interpreted on the CPU: shorter rows, and picks of rows long enough to take the many-program path
         ok, slots_ok = check(SHAPES[args.shape], args.device, 4096 + 300 if cuda else 320, 512 if cuda else 64,
-                             64 if cuda else 16, (15_031, 28_053) if cuda else (4_513, 7_019))
+                             64 if cuda else 16, TIMED_PAGES if cuda else (4_513, 7_019))
         if not ok:
             raise SystemExit(1)
         if not slots_ok and args.slots:

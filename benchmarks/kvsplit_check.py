@@ -27,9 +27,10 @@ HOST_KEYS = {"keys": "int4", "host_keys": True}  # INT4 keys pick on the device,
 
 TOL = 2e-2  # the split's paths against each other (fp16 scores on one side, fp32 on the other)
 FULL_TOL = 2e-3  # every page read against the cache without the split
+TIMED_PAGES = (15_031, 28_053)  # a row's pages at the contexts the benchmark times (240K and 448K tokens)
 
 
-def picks_at_scale(hq: int, device: str, pages: tuple[int, ...] = (15_031, 28_053)) -> tuple[int, int]:
+def picks_at_scale(hq: int, device: str, pages: tuple[int, ...] = TIMED_PAGES) -> tuple[int, int]:
     """The device's picks at the lengths the benchmark times (240K and 448K tokens of 16), where the
     steps above never go: page scores of two rows of `hq` query heads with 1 % of the pages heavy
     (12 nats), so that a coverage rule keeps few of them (on random keys it keeps nearly all, and a
@@ -61,7 +62,7 @@ def picks_at_scale(hq: int, device: str, pages: tuple[int, ...] = (15_031, 28_05
 
 
 def check(shape: tuple[int, int, int, int], device: str, n: int = 4096 + 300, window: int = 512,
-          chunk_queries: int = 64, pick_pages: tuple[int, ...] = (15_031, 28_053)) -> tuple[bool, bool]:
+          chunk_queries: int = 64, pick_pages: tuple[int, ...] = TIMED_PAGES) -> tuple[bool, bool]:
     """Print the comparisons; returns (whether the split's passed, whether its slots' did).
     shape: (layers, KV heads, head dim, query heads), of which 2 layers are built; n: the
     longer row's tokens (the other has a quarter fewer); window: the split's; chunk_queries: a
