@@ -2,6 +2,7 @@
 
 from .config import CacheConfig
 from .events import EventQueue
+from .layered import LayeredManager, open_manager
 from .manager import CacheManager, CacheStats
 
-__all__ = ["CacheConfig", "CacheManager", "CacheStats", "EventQueue"]
+__all__ = ["CacheConfig", "CacheManager", "CacheStats", "EventQueue", "LayeredManager", "open_manager"]

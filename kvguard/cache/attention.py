@@ -18,7 +18,7 @@ import torch
 MAX_SCORES = 1 << 26
 
 
-def score_blocks(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None):
+def score_blocks(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None, window: int | None = None):
     """The softmax of q [T, Hq, D] over keys k [H, L, D] fp32 (the T queries being the last T of
     the L positions), a block of queries at a time so that no [H, g, T, L] matrix exists whole.
     Yields (lo, hi, probs [H, g, hi - lo, L] fp32) for queries lo..hi-1."""
@@ -27,22 +27,26 @@ def score_blocks(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | 
     block = max(1, MAX_SCORES // max(1, hq * length))
     for lo in range(0, t, block):
         hi = min(t, lo + block)
-        yield lo, hi, torch.softmax(block_scores(q, k, lo, hi, causal, scale), dim=-1)
+        yield lo, hi, torch.softmax(block_scores(q, k, lo, hi, causal, scale, window), dim=-1)
 
 
 def block_scores(q: torch.Tensor, k: torch.Tensor, lo: int, hi: int, causal: bool,
-                 scale: float | None) -> torch.Tensor:
+                 scale: float | None, window: int | None = None) -> torch.Tensor:
     """The scaled logits [H, g, hi - lo, L] fp32 of queries lo..hi-1 of q [T, Hq, D] (the last T
-    of the L positions) over keys k [H, L, D], -inf after a query's position when `causal`."""
+    of the L positions) over keys k [H, L, D], -inf after a query's position when `causal`, and
+    with a `window`, at or before its position - window (a sliding-window layer)."""
     t, hq, d = q.shape
     h, length, _ = k.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qf = q[lo:hi].float().reshape(hi - lo, h, hq // h, d).permute(1, 2, 0, 3)  # [H, g, hi - lo, D]
     scores = torch.einsum("hgtd,hld->hgtl", qf, k.float()) * scale
-    if causal and t > 1:
+    if (causal and t > 1) or window is not None:
         pos_q = torch.arange(length - t + lo, length - t + hi, device=q.device).unsqueeze(1)
         pos_k = torch.arange(length, device=q.device).unsqueeze(0)
-        scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
+        if causal and t > 1:
+            scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
+        if window is not None:
+            scores = scores.masked_fill(pos_k <= pos_q - window, float("-inf"))
     return scores
 
 
@@ -54,8 +58,9 @@ def add_mass(mass: torch.Tensor | None, probs: torch.Tensor, lo: int, hi: int, t
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                    mass_queries: int = 0, scale: float | None = None):
-    """q [T, Hq, D]; k, v [H, L, D] with the T queries being the last T of the L positions.
+                    mass_queries: int = 0, scale: float | None = None, window: int | None = None):
+    """q [T, Hq, D]; k, v [H, L, D] with the T queries being the last T of the L positions; with
+    a `window`, each query sees only the keys of its last `window` positions.
 
     Returns (out [T, Hq, D] in q's dtype, mass [H, L] fp32 or None)."""
     t, hq, d = q.shape
@@ -63,7 +68,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     vf = v.float()
     out = torch.empty(h, hq // h, t, d, device=q.device)
     mass = torch.zeros(h, length, device=q.device) if mass_queries > 0 else None
-    for lo, hi, probs in score_blocks(q, k.float(), causal, scale):
+    for lo, hi, probs in score_blocks(q, k.float(), causal, scale, window):
         out[:, :, lo:hi] = torch.einsum("hgtl,hld->hgtd", probs, vf)
         add_mass(mass, probs, lo, hi, t, mass_queries)
     return out.permute(2, 0, 1, 3).reshape(t, hq, d).to(q.dtype), mass

@@ -144,6 +144,13 @@ class CacheConfig:
     # The K/V split tier: cold pages' values in CPU memory, fetched by attention mass (KVSplit's
     # fields as a dict, or a KVSplit); None: off.
     kv_split: KVSplit | dict | None = None
+    # A sliding-window cache: every layer attends to its last `window` positions, and the pages
+    # every later query is past are freed as the sequence grows (window.py). No evictor, no K/V
+    # split, and the reference read path (no kernel masks a window).
+    window: int | None = None
+    # Per layer, its window (None: global) for a model that mixes sliding-window layers with global
+    # ones (Gemma 3); `open_manager` (layered.py) gives each kind of layer a cache of its own.
+    layer_windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str):
@@ -176,10 +183,32 @@ class CacheConfig:
             self.kv_split = KVSplit(**self.kv_split)
         elif self.kv_split is not None and not isinstance(self.kv_split, KVSplit):
             raise ConfigError(f"kv_split must be a mapping or a KVSplit, got {type(self.kv_split).__name__}")
+        self._check_windows()
         if self.use_kernels is None:
-            self.use_kernels = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
+            self.use_kernels = (self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
+                                and self.window is None)
         elif self.use_kernels and self.dtype == torch.float32:
             raise ConfigError("the Triton kernels take fp16 or bf16 K/V; use the reference path for float32")
         if self.use_kernels and self.kv_split is not None and self.kv_split.score != "exact":
             raise ConfigError("kv_split score bound has no kernel: it is measured on the reference path "
                               "(use_kernels=False) only")
+
+    def _check_windows(self) -> None:
+        w = self.window
+        if w is not None:
+            if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+                raise ConfigError(f"window must be a positive integer, got {w!r}")
+            if self.evictor or self.kv_split is not None:
+                raise ConfigError("a sliding-window cache frees what leaves its window itself: give it no evictor "
+                                  "and no kv_split (they apply to a model's global layers)")
+            if self.use_kernels:
+                raise ConfigError("no kernel masks a sliding window: a sliding-window cache reads on the "
+                                  "reference path (use_kernels=False)")
+        if self.layer_windows is not None:
+            lw = tuple(self.layer_windows)
+            if len(lw) != self.num_layers or any(
+                    x is not None and (not isinstance(x, int) or isinstance(x, bool) or x < 1) for x in lw):
+                raise ConfigError(f"layer_windows takes one window (a positive integer) or None per layer, "
+                                  f"{self.num_layers} in all; got {self.layer_windows!r}")
+            self.layer_windows = None if all(x is None for x in lw) else lw
+

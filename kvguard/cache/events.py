@@ -67,11 +67,19 @@ class PagesQuantized(CacheEvent):
 class TokensEvicted(CacheEvent):
     """One compaction: `n_tokens` evicted, `pages` freed (overwritten; `bytes` theirs, pages
     other sequences still share are not freed), `kept` tokens left. The survivors written into
-    codec pages are reported by a `PagesQuantized` just before."""
+    codec pages are reported by a `PagesQuantized` just before. A sliding-window layer's pages
+    that fell out of its window (window.py) are an eviction with no evictor and `reason` "window"."""
 
     op = ops.EVICT
     evictor: str = ""
     kept: int = 0
+    reason: str = ""  # why, when no evictor chose: "window" (a sliding-window layer's pages it is past)
+
+    def details(self) -> dict:
+        d = CacheEvent.details(self)
+        if not self.reason:  # the records of an evictor's compactions stay as they were
+            d.pop("reason")
+        return d
 
 
 @dataclass(frozen=True, slots=True)

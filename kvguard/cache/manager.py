@@ -11,6 +11,7 @@ Each part owns one job and lives in its own module:
     compaction.py    the evictor's survivors moved into fewer pages (`Compactor`)
     residency.py     pages offloaded to lower tiers and fetched back (`Residency`)
     split.py         the K/V split: cold values in CPU memory, fetched by score (`ValueSplit`)
+    window.py        a sliding-window cache's pages out of its window, freed (`Window`)
     picks.py         which cold pages a query of the split reads, on the reference path
     erasure.py       free, erase a user or a session (`Eraser`)
 
@@ -49,6 +50,7 @@ from .residency import Residency
 from .sequence import HOT, MAIN, PageList, PageRef, Sequence, Sequences, page_name
 from .split import ValueSplit
 from .tiers import Tier
+from .window import Window
 from .writes import Writer
 
 __all__ = ["HOT", "MAIN", "CacheManager", "CacheStats", "PageList", "PageRef", "Sequence"]
@@ -90,6 +92,9 @@ class CacheManager:
     def __init__(self, config: CacheConfig, *, events: ev.EventQueue | None = None,
                  tiers: dict[str, Tier] | None = None):
         self.cfg = c = config
+        if c.layer_windows is not None:
+            raise ConfigError("a model whose layers have windows of their own takes kvguard.cache.open_manager, "
+                              "which gives its sliding-window and global layers a cache each")
         self.codec = make_codec(c.codec, **c.codec_options)
         try:
             self.codec.check(c.num_kv_heads, c.page_size, c.head_dim)
@@ -124,6 +129,7 @@ class CacheManager:
         self.rotation = Rotation(c.head_dim, c.device, c.dtype) if self.codec.rotate else None
         self.writer = Writer(c, self.store, self.block_tables, self.quantizer, self.compactor, self.rotation)
         self.writer.split = self.split
+        self.writer.window = Window(c, self.store, emit) if c.window is not None else None
         self.reader = Reader(c, self.evictor, self.store, self.block_tables, self.residency)
         self.eraser = Eraser(self.seqs, self.store, self.residency, emit)
 

@@ -81,7 +81,7 @@ class Reader:
         if c.use_kernels and causal:
             return self._prefill_paged(seq, layer, q.contiguous(), scale, mass_q)
         k, v = self.kv(seq, layer, torch.float32)
-        out, mass = dense_attention(q, k, v, causal=causal, mass_queries=mass_q, scale=scale)
+        out, mass = dense_attention(q, k, v, causal=causal, mass_queries=mass_q, scale=scale, window=c.window)
         if mass is not None:
             seq.mass_buf[layer, :, : mass.shape[-1]] += mass
         return out

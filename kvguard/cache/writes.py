@@ -1,6 +1,7 @@
 """The write path: new tokens' K/V into 16-bit pages, then the pages that left the window quantized.
 
-write → encode → page: a row past the evictor's budget is compacted first (on the first layer),
+write → encode → page: a row past the evictor's budget is compacted first, a sliding-window
+cache's pages out of its window freed (window.py; both on the first layer),
 the 16-bit pages the new tokens need are taken (all or none), the tokens are written in one
 index copy per layer, and once every layer holds them the full pages past the 16-bit sinks and
 window are re-encoded into the codec's pool (`quantize.py`).
@@ -29,6 +30,7 @@ class Writer:
         self.compactor = compactor
         self.rotation = rotation
         self.split = None  # the K/V split (split.ValueSplit) when the cache has one
+        self.window = None  # a sliding-window cache's Window (window.py)
 
     def append(self, seqs: list[Sequence], layer: int, k: torch.Tensor, v: torch.Tensor, counts: list[int]) -> bool:
         """counts[i] new tokens for seqs[i], their K/V [sum(counts), H, D] row after row: compact
@@ -37,6 +39,8 @@ class Writer:
         has too few free pages."""
         if layer == 0:  # a step's first layer: rows past the evictor's budget are compacted first,
             for seq in seqs:  # then the K/V split moves the values of pages that left its window
+                if self.window is not None:  # a sliding-window cache frees the pages it is past
+                    self.window.slide(seq)
                 self.compactor.auto_compact(seq, layer)
                 if self.split is not None:
                     self.split.settle(seq)
