@@ -83,7 +83,7 @@ def store_size(store: AuditStore, origins: Iterable[str] | None = None) -> int:
 
 def _check_log(store: AuditStore, origin: str, trusted: list[PublicKey],
                shredded: dict[str, tuple[str, int]], progress) -> tuple[int, int, int, int]:
-    rows = _key_rows(store, origin)
+    rows = key_rows(store, origin)
     first = [r for r in rows if r.valid_from_seq == 0]
     if not first:
         raise _fail("keys", "no key row is valid from #0", origin, 0)
@@ -104,7 +104,7 @@ def _check_log(store: AuditStore, origin: str, trusted: list[PublicKey],
                     rotations.append(record)
                 elif record.op in ERASE_OPS:
                     erases += 1
-                    for tag in _tags(record):
+                    for tag in shred_tags(record):
                         shredded.setdefault(tag, (origin, record.seq))
                 yield record
                 done += 1
@@ -115,15 +115,15 @@ def _check_log(store: AuditStore, origin: str, trusted: list[PublicKey],
 
     summary = verify_records(records(), trusted or [first_key], origin=origin,
                              checkpoints=[c.note for c in checkpoints])
-    schedule = _schedule(first_key, rotations)
+    schedule = key_schedule(first_key, rotations)
     for cp in checkpoints:  # (2)
-        _check_checkpoint_row(cp, schedule)
-    rows = _key_rows(store, origin)  # again: a live writer may have rotated during the pass
-    _check_keys(store, origin, rows, first_key, rotations, summary.size)  # (3)
+        check_checkpoint_row(cp, schedule)
+    rows = key_rows(store, origin)  # again: a live writer may have rotated during the pass
+    check_keys(store, origin, rows, first_key.key_id, rotations, summary.size)  # (3)
     return summary.size, len(checkpoints), len(rows), erases
 
 
-def _schedule(first: PublicKey, rotations: list[Record]) -> list[tuple[int, PublicKey]]:
+def key_schedule(first: PublicKey, rotations: list[Record]) -> list[tuple[int, PublicKey]]:
     """(first seq, key) of each key in force, from the verified rotation records."""
     out = [(0, first)]
     for r in rotations:
@@ -131,18 +131,18 @@ def _schedule(first: PublicKey, rotations: list[Record]) -> list[tuple[int, Publ
     return out
 
 
-def _key_at(schedule: list[tuple[int, PublicKey]], size: int) -> PublicKey:
+def key_at(schedule: list[tuple[int, PublicKey]], size: int) -> PublicKey:
     """The key in force at tree size `size`: the one that signs record `size`."""
     return [key for start, key in schedule if start <= size][-1]
 
 
-def _check_checkpoint_row(cp: CheckpointEntry, schedule) -> None:
+def check_checkpoint_row(cp: CheckpointEntry, schedule) -> None:
     seq = max(cp.size - 1, 0)
     try:
         note = Checkpoint.parse_text(split_note(cp.note)[0])
     except VerificationError as exc:
         raise _fail("checkpoint_columns", f"checkpoint {cp.origin}@{cp.size}: {exc.message}", cp.origin, seq) from None
-    key = _key_at(schedule, cp.size)
+    key = key_at(schedule, cp.size)
     if (note.origin, note.size, note.root, cp.key_id) != (cp.origin, cp.size, cp.root, key.key_id):
         raise _fail("checkpoint_columns", f"the columns of checkpoint {cp.origin}@{cp.size} (tree size, root "
                     "hash, key id) disagree with its signed note", cp.origin, seq)
@@ -152,7 +152,7 @@ def _check_checkpoint_row(cp: CheckpointEntry, schedule) -> None:
         raise _fail(exc.check, f"checkpoint {cp.origin}@{cp.size}: {exc.message}", cp.origin, seq) from None
 
 
-def _key_rows(store: AuditStore, origin: str) -> list:
+def key_rows(store: AuditStore, origin: str) -> list:
     with store.read() as conn:
         return list(conn.execute(
             select(LogKey.key_id, LogKey.public_key, LogKey.valid_from_seq, LogKey.rotation_seq)
@@ -175,12 +175,12 @@ def _row_seq(row) -> int:
     return row.rotation_seq if row.rotation_seq is not None else row.valid_from_seq
 
 
-def _check_keys(store: AuditStore, origin: str, rows: list, first: PublicKey, rotations: list[Record],
-                size: int) -> None:
+def check_keys(store: AuditStore, origin: str, rows: list, first_key_id: str, rotations: list[Record],
+               size: int) -> None:
     """The keys table is the first key plus one row per rotation record, nothing else.
     A row for a rotation past the records checked (written meanwhile by a live writer) must
     name a stored key_rotation record for its key; the next run verifies that record."""
-    expected = [(first.key_id, 0, None)] + [(r.details["new_key_id"], r.seq + 1, r.seq) for r in rotations]
+    expected = [(first_key_id, 0, None)] + [(r.details["new_key_id"], r.seq + 1, r.seq) for r in rotations]
     actual = []
     for row in rows:
         _public(row, origin)
@@ -212,7 +212,7 @@ def _check_later_row(store: AuditStore, origin: str, row) -> None:
         raise _fail("keys", f"key row {row.key_id[:16]}... has no key_rotation record", origin, row.rotation_seq)
 
 
-def _tags(record: Record) -> list[str]:
+def shred_tags(record: Record) -> list[str]:
     tags = record.details.get("shredded")
     return [t for t in tags if isinstance(t, str)] if isinstance(tags, list) else []
 

@@ -36,12 +36,15 @@ from .checkpointer import Checkpointer
 from .errors import AuditError, ChainConflictError, StoreError, TamperedLogError
 from .keys import SigningKey, rotation_details
 from .pending import STOP, Item, Waiter, refuse_all, resolve_all, take_batch
+from .pseudonym import ShreddedTags
 from .record import Record, encode_parts
 from .signproc import SignerProcess, sign_chain
+from .state import LogState, OpenCheckpoints
 from .store import AuditStore, CheckpointEntry
 from .tree import HashTree
 
 _log = logging.getLogger("kvguard.audit.log")
+_OBSERVED = ops.ERASE_OPS | {ops.KEY_ROTATION}  # what audit.state keeps of the records written
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,12 +115,19 @@ class AuditLog:
         def new_tree() -> HashTree:
             return HashTree(config.cache_level, lambda a, b: store.leaf_hashes(origin, a, b))
 
-        self.tree, self._tail = open_tail(store, origin, key.public_key, new_tree)
+        # the whole state it relies on, checked before anything is signed (audit.state)
+        self._state = LogState(origin)
+        try:
+            self.tree, self._tail, checks = open_tail(store, origin, key.public_key, new_tree, self._state)
+        except TamperedLogError as exc:
+            self._halt(exc)
+            raise
         self._prev, self._active_key_id = self._tail.prev, ""
-        self._catch_up()
+        self._catch_up(checks)
         if self._active_key_id != key.key_id:
             raise StoreError(
                 f"log {origin} is signed by key {self._active_key_id} now; open it with that key")
+        self._check_state(self.tree.size, checkpoints=False)  # (2) ran as the tree grew
         # the latest checkpoint its own key signed, as verified on open: never a row it did not check
         self._checkpoints = Checkpointer(origin, config.checkpoint_every, config.checkpoint_interval_ms,
                                          self._tail.checkpoint, clock())
@@ -195,6 +205,35 @@ class AuditLog:
         item = Item("", {}, {}, Future(), sync=True)
         self._enqueue([item])
         return item.future.result(timeout)
+
+    def check_state(self, timeout: float | None = None) -> None:
+        """Verify what the writer relies on besides its chain (audit.state): the records stored
+        past its tail (as verify_tail), the checkpoint rows up to its size not checked yet, the
+        keys table, and every stored subject secret against the erase records' shred tags.
+        Raises TamperedLogError, halting the writer, naming the first failure."""
+        self.verify_tail(timeout)
+        self._check_state(self.tree.size)
+
+    @property
+    def shredded(self) -> ShreddedTags:
+        """The shred tags of the erase records this writer has read, kept up to date: what a
+        Pseudonymizer refuses (audit.pseudonym)."""
+        return self._state.shredded
+
+    def _check_state(self, size: int, *, checkpoints: bool = True) -> None:
+        state = self._state
+        try:
+            if self._halted is not None:
+                raise self._halted
+            state.check_keys(self.store, size)
+            if checkpoints:
+                state.check_checkpoints(self.store, self.tree, state.first_key(self.store, self._key.public_key), size)
+            state.read_other_logs(self.store)
+            state.check_secrets(self.store)
+        except TamperedLogError as exc:
+            if self._halted is None:
+                self._halt(exc)
+            raise
 
     def root(self, size: int | None = None) -> bytes:
         return self.tree.root(size)
@@ -414,6 +453,9 @@ class AuditLog:
             raise ChainConflictError(
                 f"log {self.origin}: gave up after {self.config.conflict_retries} conflicts")
         self.tree.extend([r.leaf_hash for r in records])
+        for r in records:
+            if r.op in _OBSERVED or r.seq == 0:
+                self._state.observe(r)
         self._prev = records[-1].digest
         self._tail.size, self._tail.prev = self.tree.size, self._prev  # ours: verified by making them
         if rotation is not None:
@@ -426,14 +468,14 @@ class AuditLog:
         if rotation is not None:
             self._checkpoint()
 
-    def _catch_up(self) -> None:
+    def _catch_up(self, checks: OpenCheckpoints | None = None) -> None:
         """Adopt what other writers appended since our tail (or the whole log on open), each
         record verified first (audit.adopt): leaf hashes into the tree, the last record's
         digest, the active key. A record that fails halts the writer for good."""
         if self._halted is not None:
             raise self._halted
         try:
-            adopt(self.store, self.origin, self._tail, self.tree)
+            adopt(self.store, self.origin, self._tail, self.tree, self._state, checks)
         except TamperedLogError as exc:
             self._halt(exc)
             raise

@@ -7,7 +7,7 @@ crypto-shredded (audit.pseudonym), and rotating the key-encryption key rewrites 
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, ForeignKey, Index, LargeBinary, String, Text
+from sqlalchemy import BigInteger, ForeignKey, Index, LargeBinary, String, Text, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -61,6 +61,9 @@ class RecordRow(Base):
         Index("ix_records_tenant", "tenant_pseudonym"),
         Index("ix_records_user", "user_pseudonym"),
         Index("ix_records_session", "session_pseudonym"),
+        # the erase records alone, whose shred tags the writer and kvguard_shredded() read
+        Index("ix_records_erase", "origin", "seq", postgresql_where=text("op IN ('erase', 'retention_erase')"),
+              sqlite_where=text("op IN ('erase', 'retention_erase')")),
     )
 
 

@@ -24,7 +24,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import threading
 import time
+from collections.abc import Callable
 
 from .errors import RecordFormatError
 from .fields import SUBJECT_KINDS
@@ -84,20 +86,53 @@ def reason_hmac_of(secret: bytes, reason: str) -> str:
     return hmac.new(secret, b"kvguard-erasure-reason\x00" + reason.encode("utf-8"), hashlib.sha256).hexdigest()
 
 
+class ShreddedTags:
+    """The shred tags that erase records list, each with the record (origin, seq) that lists
+    it: what the log writer found in the logs it verified, kept in memory and consulted on
+    every use of a secret, so that a destroyed secret put back in the table is never used."""
+
+    def __init__(self) -> None:
+        self._tags: dict[str, tuple[str, int]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, tags, origin: str, seq: int) -> None:
+        with self._lock:
+            for tag in tags:
+                self._tags.setdefault(tag, (origin, seq))
+
+    def get(self, tag: str) -> tuple[str, int] | None:
+        return self._tags.get(tag)
+
+    def __len__(self) -> int:
+        return len(self._tags)
+
+
+class ShreddedSecretError(RecordFormatError):
+    """A stored subject secret is one that an erase record lists as destroyed."""
+
+
 class Pseudonymizer:
     """Turns raw subject ids into record pseudonyms, backed by a store's subject_keys table.
 
     With a `keyring` (audit.keyring), secrets are stored wrapped under its current
     key-encryption key; without one, in the clear (tests, embedded use). Nothing is cached:
     after `shred` in any process, no process can produce the old pseudonym again. Callers
-    compute a request's pseudonyms once and reuse them."""
+    compute a request's pseudonyms once and reuse them.
 
-    def __init__(self, store, index_key: bytes, keyring=None) -> None:
+    With `shredded` (the log writer's ShreddedTags), every secret read is first matched
+    against the tags of the erase records: one that matches was put back after its
+    erasure, and is never used. `on_shredded(origin, seq)` is told, the row is deleted,
+    and the subject gets a fresh secret as on its first use, so nothing new links to the
+    records that named it before the erasure."""
+
+    def __init__(self, store, index_key: bytes, keyring=None, *, shredded: ShreddedTags | None = None,
+                 on_shredded: Callable[[str, int], None] | None = None) -> None:
         if len(index_key) != INDEX_KEY_BYTES:
             raise RecordFormatError(f"the index key must be {INDEX_KEY_BYTES} bytes")
         self._store = store
         self._index_key = index_key
         self.keyring = keyring
+        self.shredded, self._on_shredded = shredded, on_shredded
 
     def __repr__(self) -> str:
         return "Pseudonymizer(<index key hidden>)"
@@ -107,12 +142,19 @@ class Pseudonymizer:
 
     def _secret(self, kind: str, data: bytes, *, create: bool) -> bytes | None:
         idx = self.index(data)
-        found = self._store.find_subject_secret(idx)
-        if found is None and create:
+        found = self._refuse_shredded(idx, self._store.find_subject_secret(idx))
+        for _ in range(3 if found is None and create else 0):
             # wrapped before the write transaction: the KEK may have to be read, or made, first
             fresh = os.urandom(32)
             candidate = (None, fresh) if self.keyring is None else self.keyring.wrap(idx, fresh)
-            found = self._store.subject_secret(idx, kind, candidate, int(time.time() * 1000))
+            found = self._refuse_shredded(
+                idx, self._store.subject_secret(idx, kind, candidate, int(time.time() * 1000)))
+            if found is not None:
+                break  # else a destroyed secret was put back meanwhile, and is deleted now: again
+        else:
+            if create and found is None:
+                raise ShreddedSecretError("destroyed subject secrets keep being put back under this index: "
+                                          "see the erase records reported")
         if found is None:
             return None
         kek_id, blob = found
@@ -126,6 +168,20 @@ class Pseudonymizer:
             raise RecordFormatError("this subject's secret is wrapped under a key-encryption key: "
                                     "give the Pseudonymizer the keyring")
         return self.keyring.unwrap(idx, kek_id, blob)
+
+    def _refuse_shredded(self, idx: bytes, found: tuple[str | None, bytes] | None
+                         ) -> tuple[str | None, bytes] | None:
+        """`found`, or None if its secret is one an erase record destroyed: that row is
+        deleted (if it is still the same bytes) and reported, never unwrapped."""
+        if found is None or self.shredded is None:
+            return found
+        erased = self.shredded.get(shred_tag(found[1]))
+        if erased is None:
+            return found
+        self._store.delete_subject_secret_if(idx, found[1])
+        if self._on_shredded is not None:
+            self._on_shredded(*erased)
+        return None
 
     def pseudonym(self, kind: str, raw_id: str, *, tenant: str | None = None) -> str:
         """The subject's pseudonym, creating its secret on first use."""
@@ -144,6 +200,15 @@ class Pseudonymizer:
         shreds it, after which a guessed reason cannot be confirmed."""
         data = subject_data(kind, raw_id, tenant)
         return reason_hmac_of(self._secret(kind, data, create=True), reason)
+
+    def cache_salt(self, kind: str, raw_id: str, *, tenant: str | None = None) -> str:
+        """The prefix-cache salt of a subject (vLLM's `cache_salt`): HMAC-SHA256 under its secret
+        (created on first use) of a domain-separated string, in hex. Requests with the same salt
+        share prefix blocks; once the secret is shredded no later salt equals it, so no later
+        request reaches the blocks computed under it."""
+        data = subject_data(kind, raw_id, tenant)
+        return hmac.new(self._secret(kind, data, create=True), b"kvguard-cache-salt\x00" + data,
+                        hashlib.sha256).hexdigest()
 
     def subject(self, tenant: str | None = None, user: str | None = None,
                 session: str | None = None) -> dict[str, str]:

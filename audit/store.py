@@ -22,6 +22,7 @@ from .errors import ChainConflictError, StoreError
 from .fields import parse_time
 from .keys import PublicKey
 from .models import CheckpointRow, Kek, Log, LogKey, RecordRow, SubjectKey
+from .ops import ERASE_OPS
 from .pseudonym import shred_tag
 from .record import Record
 
@@ -47,6 +48,15 @@ class AuditStore:
     def __init__(self, url_or_engine: str | Engine) -> None:
         self.engine = make_engine(url_or_engine) if isinstance(url_or_engine, str) else url_or_engine
         self.dialect = self.engine.dialect.name
+        self._checked_inserts: bool | None = None
+
+    def checked_inserts(self, conn: Connection) -> bool:
+        """Whether key rows and secrets go through the owner's functions (PostgreSQL, schema
+        0124 on: the runtime role may not insert them itself)."""
+        if self._checked_inserts is None:
+            self._checked_inserts = self.dialect == "postgresql" and conn.scalar(text(
+                "SELECT to_regprocedure('kvguard_add_key(text, text, bytea, bigint, bigint, bigint)') IS NOT NULL"))
+        return self._checked_inserts
 
     def dispose(self) -> None:
         self.engine.dispose()
@@ -87,15 +97,16 @@ class AuditStore:
             )
             return [KeyEntry(PublicKey.from_raw(pk), start, rot) for pk, start, rot in rows]
 
-    @staticmethod
-    def _add_key(conn: Connection, origin: str, key: PublicKey, start: int, rot: int | None,
+    def _add_key(self, conn: Connection, origin: str, key: PublicKey, start: int, rot: int | None,
                  now: int) -> None:
-        conn.execute(
-            insert(LogKey).values(
-                origin=origin, key_id=key.key_id, public_key=key.raw,
-                valid_from_seq=start, rotation_seq=rot, created_ms=now,
-            )
-        )
+        values = {"origin": origin, "key_id": key.key_id, "public_key": key.raw,
+                  "valid_from_seq": start, "rotation_seq": rot, "created_ms": now}
+        if self.checked_inserts(conn):  # the runtime role may not insert: the owner's function checks the row
+            conn.execute(text("SELECT kvguard_add_key(CAST(:origin AS text), CAST(:key_id AS text), "
+                              "CAST(:public_key AS bytea), CAST(:valid_from_seq AS bigint), "
+                              "CAST(:rotation_seq AS bigint), CAST(:created_ms AS bigint))"), values)
+        else:
+            conn.execute(insert(LogKey).values(values))
 
     # -- records -------------------------------------------------------------------
 
@@ -255,6 +266,12 @@ class AuditStore:
                 if found is not None:
                     return found[0], bytes(found[1])
                 kek_id, blob = candidate
+                if self.checked_inserts(conn):  # through the owner's function
+                    if conn.scalar(text("SELECT kvguard_add_subject_key(CAST(:i AS bytea), CAST(:k AS text), "
+                                        "CAST(:s AS bytea), CAST(:kek AS text), CAST(:t AS bigint))"),
+                                   {"i": idx, "k": kind, "s": blob, "kek": kek_id, "t": now_ms}):
+                        return kek_id, blob
+                    continue  # another writer created it first; read theirs
                 try:
                     with conn.begin_nested():
                         conn.execute(insert(SubjectKey).values(idx=idx, kind=kind, secret=blob, kek_id=kek_id,
@@ -348,6 +365,21 @@ class AuditStore:
         if truncate_wal:
             self.truncate_wal()
         return None if stored is None else shred_tag(bytes(stored))
+
+    def delete_subject_secret_if(self, idx: bytes, stored: bytes) -> bool:
+        """Delete the secret under `idx` if it still holds the bytes `stored` (a destroyed
+        secret put back, found on use: audit.pseudonym); True if it did."""
+        with self.write() as conn:
+            gone = conn.execute(delete(SubjectKey).where(SubjectKey.idx == idx, SubjectKey.secret == stored)).rowcount
+        self.truncate_wal()
+        return bool(gone)
+
+    def other_erase_bodies(self, origin: str) -> list[tuple[str, int, str]]:
+        """(origin, seq, body) of the erase records of every log but `origin`, unverified:
+        where the shred tags of the other logs are read from (index ix_records_erase)."""
+        with self.read() as conn:
+            return [tuple(r) for r in conn.execute(select(RecordRow.origin, RecordRow.seq, RecordRow.body).where(
+                RecordRow.op.in_(sorted(ERASE_OPS)), RecordRow.origin != origin))]
 
     def iter_subject_secrets(self, batch: int = 5000) -> Iterator[bytes]:
         """Every stored subject secret (as stored), streamed: the erasure-consistency check."""

@@ -22,11 +22,13 @@ from ..errors import ConfigError
 GRANTS: dict[str, tuple[str, ...]] = {
     "alembic_version": ("SELECT",),  # readiness: is the schema current
     "logs": ("SELECT", "INSERT", "UPDATE (created_ms)"),
-    "keys": ("SELECT", "INSERT"),
+    "keys": ("SELECT",),  # a rotated-in key through kvguard_add_key, which checks its rotation record
     "records": ("SELECT", "INSERT"),
     "checkpoints": ("SELECT", "INSERT"),
-    "subject_keys": ("SELECT", "INSERT", "UPDATE", "DELETE"),  # re-wrapped on KEK rotation; shredded
-    "keks": ("SELECT", "INSERT", "UPDATE"),  # which key-encryption key wraps; when one was destroyed
+    # new secrets through kvguard_add_subject_key; re-wrapped on KEK rotation (a trigger refuses a
+    # secret an erase record destroyed); shredded
+    "subject_keys": ("SELECT", "UPDATE (kek_id, secret)", "DELETE"),
+    "keks": ("SELECT", "INSERT", "UPDATE (destroyed_ms)"),  # which key-encryption key wraps; when one was destroyed
     "api_tokens": ("SELECT", "INSERT", "UPDATE"),  # revocation
     "erasure_requests": ("SELECT", "INSERT", "UPDATE"),  # state, progress, receipt
     "subject_links": ("SELECT", "INSERT", "DELETE"),  # a user's sessions, forgotten with the user
@@ -35,6 +37,9 @@ GRANTS: dict[str, tuple[str, ...]] = {
     "fleet_sidecars": ("SELECT", "INSERT", "UPDATE"),  # registration, heartbeats, leaving
     "erasure_parts": ("SELECT", "INSERT", "UPDATE"),  # each sidecar's part of a request
 }
+# The owner's functions that insert checked rows where the role may not insert (migration 0124)
+FUNCTIONS = ("kvguard_add_key(text, text, bytea, bigint, bigint, bigint)",
+             "kvguard_add_subject_key(bytea, text, bytea, text, bigint)")
 APPEND_ONLY = ("logs", "keys", "records", "checkpoints")
 _ROLE = re.compile(r"[a-z_][a-z0-9_$]{0,62}")
 
@@ -47,10 +52,13 @@ def check_role_name(role: str) -> str:
 
 
 def grant_sql(role: str) -> str:
-    """The statements that give `role` what the sidecar needs, and nothing more."""
+    """The statements that give `role` what the sidecar needs, and nothing more: what an
+    earlier version granted beyond that is revoked first."""
     role = check_role_name(role)
-    lines = [f"GRANT USAGE ON SCHEMA public TO {role};"]
+    lines = [f"GRANT USAGE ON SCHEMA public TO {role};",
+             f"REVOKE ALL ON TABLE {', '.join(GRANTS)} FROM {role};"]
     lines += [f"GRANT {', '.join(privs)} ON TABLE {table} TO {role};" for table, privs in GRANTS.items()]
+    lines += [f"GRANT EXECUTE ON FUNCTION {function} TO {role};" for function in FUNCTIONS]
     return "\n".join(lines) + "\n"
 
 
