@@ -1,5 +1,6 @@
 """kvguard inside Hugging Face transformers (>= 5.0): a KV cache and an attention
-implementation that put a Llama-family model's K/V in kvguard's pages.
+implementation that put a model's K/V in kvguard's pages (Llama-family models, and Gemma 3,
+whose sliding-window layers keep only their window: `load_gemma3`).
 
     from kvguard.hf import KVGuardCache, load_smollm2
     model, tok = load_smollm2()                      # attn_implementation="kvguard"
@@ -16,13 +17,14 @@ Importing this module registers the "kvguard" attention implementation.
 """
 
 from .attention import kvguard_attention, kvguard_mask, register
-from .cache import ATTN_IMPLEMENTATION, CacheFullError, KVGuardCache, KVGuardLayer, cache_kwarg
+from .cache import ATTN_IMPLEMENTATION, CacheFullError, KVGuardCache, KVGuardLayer, cache_kwarg, layer_windows
 from .default import DEFAULT_SUBJECT, DefaultCache, use_default_cache
 from .graph import DecodeGraph, greedy
-from .model import load_smollm2, smollm2_gguf
+from .model import gemma3_gguf, load_gemma3, load_smollm2, smollm2_gguf
 
 register()
 
 __all__ = ["ATTN_IMPLEMENTATION", "DEFAULT_SUBJECT", "CacheFullError", "DecodeGraph", "DefaultCache",
-           "KVGuardCache", "KVGuardLayer", "cache_kwarg", "greedy", "kvguard_attention", "kvguard_mask",
-           "load_smollm2", "register", "smollm2_gguf", "use_default_cache"]
+           "KVGuardCache", "KVGuardLayer", "cache_kwarg", "gemma3_gguf", "greedy", "kvguard_attention",
+           "kvguard_mask", "layer_windows", "load_gemma3", "load_smollm2", "register", "smollm2_gguf",
+           "use_default_cache"]

@@ -34,6 +34,14 @@ def kvguard_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                           "generate, or call kvguard.hf.use_default_cache(model, subject) once so that "
                           "generate makes one for every call that passes none")
     cache, layer = pending
+    if kwargs.get("softcap") is not None:
+        raise ConfigError("this model soft-caps its attention logits (softcap), which kvguard's attention does not "
+                          "apply: its outputs would differ from the model's")
+    window = kwargs.get("sliding_window")
+    if window != cache.window(layer):
+        raise ConfigError(f"layer {layer} attends with sliding window {window}, but the cache keeps "
+                          f"{cache.window(layer)}: make the cache after setting the model's windows "
+                          "(kvguard.hf.layer_windows(model.config) is what it reads)")
     padding = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
     return cache.attend(layer, query, key, value, padding, scaling), None
 

@@ -12,6 +12,11 @@ to what the model reads.
 Positions are the model's business: `get_seq_length` counts every token fed
 (as `DynamicCache` does), not the tokens held, so RoPE positions keep counting
 after an evictor has dropped tokens. Keys are stored after RoPE.
+
+A model whose config mixes sliding-window layers with global ones (`layer_types`, Gemma 3)
+gets a cache that knows each layer's window (kvguard/cache/layered.py): the window layers'
+pages are freed as they fall out of the window, and the attention function checks that the
+model attends with the windows the cache keeps.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..cache import CacheConfig, CacheManager, CacheStats, EventQueue
+from ..cache import CacheConfig, CacheManager, CacheStats, EventQueue, LayeredManager, open_manager
 from ..errors import ConfigError, InputError, KVGuardError
 from ..types import SeqId, Subject
 
@@ -43,6 +48,17 @@ def shape_fields(config) -> dict:
     return {"num_layers": config.num_hidden_layers,
             "num_kv_heads": getattr(config, "num_key_value_heads", None) or heads,
             "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads, "num_query_heads": heads}
+
+
+def layer_windows(config) -> tuple[int | None, ...] | None:
+    """Each layer's sliding window (None: global) as transformers applies it, from `layer_types`
+    and `sliding_window` (Gemma 3: five "sliding_attention" layers to one "full_attention");
+    None when no layer slides."""
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if not types or not window or "sliding_attention" not in types:
+        return None
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 class CacheFullError(KVGuardError, MemoryError):
@@ -119,6 +135,7 @@ class KVGuardCache(Cache):
     def __init__(self, config, subject: Subject | Sequence[Subject], *, manager: CacheManager | None = None,
                  events: EventQueue | None = None, **options):
         self.shape = shape_fields(config)
+        self.windows = layer_windows(config)
         super().__init__(layers=[KVGuardLayer(self, i) for i in range(self.shape["num_layers"])])
         self.model_config = config
         self.subjects = [subject] if isinstance(subject, Subject) else list(subject)
@@ -130,7 +147,7 @@ class KVGuardCache(Cache):
             self._check_manager(manager)
             self.events = manager.events
         else:
-            CacheConfig(**self.shape, **options)  # validate now, build at the first forward
+            CacheConfig(**self.shape, layer_windows=self.windows, **options)  # validate now, build at the first forward
             self.events = events if events is not None else EventQueue()
         self._manager = manager
         self._options = options
@@ -148,17 +165,28 @@ class KVGuardCache(Cache):
     # --- the manager and its sequences ---------------------------------------------------------
 
     @property
-    def manager(self) -> CacheManager:
+    def manager(self) -> CacheManager | LayeredManager:
         if self._manager is None:
             raise InputError("the cache makes its manager at the first forward; run the model first "
                              "or pass manager= to share one")
         return self._manager
 
-    def _check_manager(self, manager: CacheManager) -> None:
+    def _check_manager(self, manager: CacheManager | LayeredManager) -> None:
         got = {k: getattr(manager.cfg, k) for k in self.shape}
         want = self.shape
         if got != want:
             raise ConfigError(f"the manager's shape is {got}; the model's is {want}")
+        windows = manager.cfg.layer_windows
+        if windows is None and manager.cfg.window is not None:
+            windows = (manager.cfg.window,) * manager.cfg.num_layers
+        if windows != self.windows:
+            raise ConfigError(f"the manager's layer windows are {windows}; the model's are {self.windows}: "
+                              "make it with kvguard.cache.open_manager and layer_windows=kvguard.hf.layer_windows"
+                              "(model.config)")
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window the cache keeps for a layer (None: global)."""
+        return None if self.windows is None else self.windows[layer]
 
     def _prepare(self, layer_idx: int, key_states: torch.Tensor) -> None:
         """Checks and lazy set-up before a layer's first write of a forward pass."""
@@ -170,7 +198,8 @@ class KVGuardCache(Cache):
                               f"model.set_attn_implementation({self.attn_implementation!r})")
         if self._manager is None:
             opts = {"device": key_states.device, "dtype": key_states.dtype} | self._options
-            self._manager = CacheManager(CacheConfig(**self.shape, **opts), events=self.events)
+            self._manager = open_manager(CacheConfig(**self.shape, layer_windows=self.windows, **opts),
+                                         events=self.events)
         batch = key_states.shape[0]
         if not self.seqs:
             subjects = self.subjects * batch if len(self.subjects) == 1 else self.subjects

