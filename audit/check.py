@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import select
 
-from .checkpoint import Checkpoint, open_checkpoint, split_note
+from .checkpoint import open_checkpoint
 from .errors import KeyFileError, StoreError, VerificationError
 from .keys import PublicKey
 from .models import LogKey
@@ -137,19 +137,18 @@ def key_at(schedule: list[tuple[int, PublicKey]], size: int) -> PublicKey:
 
 
 def check_checkpoint_row(cp: CheckpointEntry, schedule) -> None:
+    """The note verifies under the key in force at the row's size (`checkpoint_signature`),
+    then the row's columns are the note's (`checkpoint_columns`): an edited note is named by
+    its signature, an edited column by the columns."""
     seq = max(cp.size - 1, 0)
-    try:
-        note = Checkpoint.parse_text(split_note(cp.note)[0])
-    except VerificationError as exc:
-        raise _fail("checkpoint_columns", f"checkpoint {cp.origin}@{cp.size}: {exc.message}", cp.origin, seq) from None
     key = key_at(schedule, cp.size)
+    try:
+        note = open_checkpoint(cp.note, [key], cp.origin)
+    except VerificationError as exc:
+        raise _fail(exc.check, f"checkpoint {cp.origin}@{cp.size}: {exc.message}", cp.origin, seq) from None
     if (note.origin, note.size, note.root, cp.key_id) != (cp.origin, cp.size, cp.root, key.key_id):
         raise _fail("checkpoint_columns", f"the columns of checkpoint {cp.origin}@{cp.size} (tree size, root "
                     "hash, key id) disagree with its signed note", cp.origin, seq)
-    try:
-        open_checkpoint(cp.note, [key], cp.origin)
-    except VerificationError as exc:
-        raise _fail(exc.check, f"checkpoint {cp.origin}@{cp.size}: {exc.message}", cp.origin, seq) from None
 
 
 def key_rows(store: AuditStore, origin: str) -> list:

@@ -57,6 +57,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     e.add_argument("--witnessed", action="store_true",
                    help="cover the range with the log's latest checkpoint that witnesses cosigned, whose fresh "
                    "cosignatures 'verify --witness-key' requires")
+    e.add_argument("--warn-tail", action="store_true",
+                   help="export even if a record past the last checkpoint (in no bundle yet) fails verification, "
+                   "naming it on stderr; without it the export is refused")
     e.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     v = sub.add_parser("verify", help="verify a bundle offline with the log's first public key",
@@ -166,7 +169,8 @@ def _export(args: argparse.Namespace, prog: str) -> int:
     try:
         summary = export_bundle(store, args.origin, args.output, key, from_seq=args.from_seq,
                                 to_seq=args.to_seq, since_ms=since, until_ms=until,
-                                progress=not args.no_progress, witnessed=args.witnessed)
+                                progress=not args.no_progress, witnessed=args.witnessed,
+                                warn_tail=args.warn_tail)
     except AuditError as exc:
         print(f"{prog}: export refused: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -175,6 +179,8 @@ def _export(args: argparse.Namespace, prog: str) -> int:
         return EXIT_FAILED
     finally:
         store.dispose()
+    if summary.tail_failure is not None:
+        print(f"{prog}: warning: {summary.tail_failure}; run `kvguard audit check`", file=sys.stderr)
     print(f"wrote {summary.path}: {summary.origin} records #{summary.from_seq}..#{summary.to_seq} "
           f"({summary.records}), tree size {summary.tree_size}, {summary.receipts} erasure receipts "
           f"in {summary.seconds:.1f}s")

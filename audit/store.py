@@ -374,6 +374,12 @@ class AuditStore:
         self.truncate_wal()
         return bool(gone)
 
+    def bodies_of(self, origin: str, op: str) -> list[str]:
+        """Bodies of the log's records of one op, in seq order, unverified (index ix_records_origin_op)."""
+        with self.read() as conn:
+            return list(conn.scalars(select(RecordRow.body).where(RecordRow.origin == origin, RecordRow.op == op)
+                                     .order_by(RecordRow.seq)))
+
     def other_erase_bodies(self, origin: str) -> list[tuple[str, int, str]]:
         """(origin, seq, body) of the erase records of every log but `origin`, unverified:
         where the shred tags of the other logs are read from (index ix_records_erase)."""

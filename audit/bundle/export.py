@@ -23,7 +23,7 @@ from typing import Any
 from ..canonical import canonical
 from ..checkpoint import open_checkpoint
 from ..cosignature import with_cosignatures
-from ..errors import BundleError, VerificationError
+from ..errors import BundleError, RecordFormatError, StoreError, VerificationError
 from ..fields import ZERO_HASH, format_time
 from ..keys import SigningKey
 from ..receipt import ERASE_OPS, build_receipt, receipt_parts
@@ -58,21 +58,26 @@ class ExportSummary:
     records: int
     receipts: int
     seconds: float
+    tail_failure: VerificationError | None = None  # a record past the last checkpoint that fails, with warn_tail
 
 
 def export_bundle(store: AuditStore, origin: str, out_path: str, key: SigningKey, *,
                   from_seq: int | None = None, to_seq: int | None = None,
                   since_ms: int | None = None, until_ms: int | None = None,
-                  progress: bool = True, witnessed: bool = False) -> ExportSummary:
+                  progress: bool = True, witnessed: bool = False, warn_tail: bool = False) -> ExportSummary:
     """Write the bundle of records [from_seq, to_seq] (or since <= time < until; default
     everything a checkpoint covers) to `out_path`, its manifest signed by `key`, the log's key
     at the bundle's tree size. Checkpoints carry their stored witness cosignatures; with
     `witnessed`, the bundle is covered by the log's latest cosigned checkpoint, whose fresh
-    cosignatures `verify --witness-key` requires."""
+    cosignatures `verify --witness-key` requires. The records stored past the log's last
+    checkpoint, which no bundle can prove yet, are verified too: one that fails refuses the
+    export, or with `warn_tail` is returned in the summary's `tail_failure`."""
     from ..cosigstore import cosignature_lines
 
     started = time.perf_counter()
     first, last, cp = _resolve_range(store, origin, from_seq, to_seq, since_ms, until_ms)
+    _check_key_table(store, origin)  # before the manifest key is matched against it
+    tail_failure = _check_tail(store, origin, warn_tail)
     if witnessed:
         cp = _latest_cosigned(store, origin, last)
     cp = _cover_signed_by(store, origin, last, cp, key)
@@ -132,7 +137,56 @@ def export_bundle(store: AuditStore, origin: str, out_path: str, key: SigningKey
         os.unlink(tmp)
         raise
     return ExportSummary(out_path, origin, first, last, size, end - first, len(receipts),
-                         time.perf_counter() - started)
+                         time.perf_counter() - started, tail_failure)
+
+
+def _check_key_table(store: AuditStore, origin: str) -> None:
+    """The keys table against the stored key_rotation records and the key id of #0 (audit.check
+    (3)), so that a replaced or added key row is named as such, not as a manifest key that
+    signs no checkpoint. The records themselves are verified as they are exported."""
+    from ..check import check_keys, key_rows
+    from ..ops import KEY_ROTATION
+
+    try:
+        first = store.record(origin, 0)
+    except StoreError:
+        return  # no #0: the pass over the records names it
+    try:
+        rotations = [Record.from_leaf_bytes(body.encode("utf-8")) for body in store.bodies_of(origin, KEY_ROTATION)]
+        check_keys(store, origin, key_rows(store, origin), first.key_id, rotations, store.size(origin))
+    except VerificationError as exc:
+        raise _refused(exc.check, exc.message, origin, exc.seq) from None
+    except RecordFormatError:
+        return  # a malformed rotation record: the pass over the records names it
+
+
+def _check_tail(store: AuditStore, origin: str, warn: bool) -> VerificationError | None:
+    """Verify the records past the last checkpoint as the writer does before chaining onto
+    them (audit.adopt): they are in no bundle yet, but one that fails shows the store was
+    written to by someone without the log's key."""
+    from ..adopt import Tail, _adopt_row
+    from ..errors import TamperedLogError
+
+    latest = store.latest_checkpoint(origin)
+    if latest is None or store.size(origin) <= latest.size:
+        return None
+    keys = store.keys(origin)
+    active = [k.key for k in keys if k.valid_from_seq <= latest.size][-1]
+    tail = Tail(latest.size, store.record(origin, latest.size - 1).digest if latest.size else ZERO_HASH,
+                KeySchedule([k.key for k in keys], active))
+    sink = HashTree()
+    try:
+        with closing(store.iter_rows(origin, latest.size)) as rows:
+            for row in rows:
+                _adopt_row(origin, tail, sink, row)
+    except TamperedLogError as exc:
+        f = exc.failure
+        failure = VerificationError(f.check, f"past the last checkpoint ({origin}@{latest.size}), which no bundle "
+                                    f"covers yet: {f.message}", origin=f.origin, seq=f.seq)
+        if not warn:
+            raise _refused(failure.check, failure.message, origin, failure.seq) from None
+        return failure
+    return None
 
 
 def _resolve_range(store: AuditStore, origin: str, from_seq, to_seq, since_ms, until_ms
