@@ -25,7 +25,7 @@ from .erasure import ErasureService
 from .limits import BodyLimit
 from .logs import log
 from .retention import retention_loop
-from .rotation import kek_rotation_loop
+from .rotation import audit_state_loop, kek_rotation_loop
 from .service import Sidecar
 
 AUTH = "Authenticate with 'Authorization: Bearer <token>' (kvguard token create)."
@@ -38,6 +38,7 @@ def create_app(sidecar: Sidecar) -> FastAPI:
         sidecar.registry.start(asyncio.get_running_loop())
         tasks = [asyncio.create_task(app.state.erasure.run_forever(), name="erasure"),
                  asyncio.create_task(kek_rotation_loop(sidecar), name="kek-rotation"),
+                 asyncio.create_task(audit_state_loop(sidecar), name="audit-state"),
                  asyncio.create_task(app.state.erasure.heartbeat_forever(), name="fleet-heartbeat")]
         if sidecar.settings.retention_max_age_s:
             tasks.append(asyncio.create_task(retention_loop(sidecar, app.state.erasure), name="retention"))

@@ -41,6 +41,9 @@ from .settings import Settings, check_secure
 from .signing import finish_rotation
 
 READY_VERIFY_S = 2.0  # how long /readyz waits for the writer to verify the log's tail
+NO_WITNESS = ("no witness is configured: a rollback of the log together with the checkpoints covering it "
+              "is consistent in itself, and only a witness (or an earlier bundle) shows it (KVGUARD_WITNESSES, "
+              "docs/sidecar.md \"Witnesses\")")
 
 
 def load_or_create_secret(path: Path) -> bytes:
@@ -125,7 +128,9 @@ class Sidecar:
             self.engine.dispose()
             raise
         self.metrics.audit_log = self.log
-        self.pseudonyms = Pseudonymizer(self.store, index_key, self.keyring)
+        # a secret an erase record destroyed, put back, is refused on every use (audit.pseudonym)
+        self.pseudonyms = Pseudonymizer(self.store, index_key, self.keyring, shredded=self.log.shredded,
+                                        on_shredded=self._shredded_secret_refused)
         self.key_lock = threading.Lock()  # one signing-key rotation at a time
         self.ingest = Ingestor(self.log, self.pseudonyms, self.sessions)
         # registered once its log opened: a sidecar refused at start is never counted in the fleet
@@ -133,6 +138,8 @@ class Sidecar:
                            deadline_s=s.fleet_deadline_s)
         self.fleet.register()
         self.witnessing = None
+        if not s.witnesses and not s.development:
+            log.warning("audit log without a witness", detail=NO_WITNESS)
         if s.witnesses:
             from kvguard.audit.cosignature import Witness
 
@@ -151,6 +158,15 @@ class Sidecar:
         log.critical("audit writer halted: a stored record it did not write fails verification; nothing "
                      "more is signed or acknowledged until the store is repaired and the sidecar restarted",
                      origin=f.origin, seq=f.seq, check=f.check, reason=f.message)
+
+    def _shredded_secret_refused(self, origin: str, seq: int) -> None:
+        log.critical("a subject secret that an erase record destroyed was put back in the database; it was "
+                     "deleted, not used, and the subject gets a fresh secret: find who wrote to subject_keys",
+                     erase_record=f"{origin}#{seq}")
+
+    def check_audit_state(self) -> None:
+        """The writer's periodic check of the store it relies on (audit.state); a failure halts it."""
+        self.log.check_state()
 
     def db(self) -> Session:
         return self.sessions()
@@ -257,6 +273,10 @@ class Sidecar:
         """Each witness's state, shown by /readyz without failing it: an unreachable witness
         delays cosignatures, never signing."""
         return {} if self.witnessing is None else self.witnessing.status()
+
+    def witness_warning(self) -> str | None:
+        """Why the log is weaker than it could be, shown by /readyz without failing it."""
+        return None if self.settings.witnesses else NO_WITNESS
 
     def missed_erasures(self) -> int:
         """Open requests received before this start whose processes here have not erased yet:

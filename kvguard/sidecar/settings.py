@@ -111,6 +111,9 @@ class Settings(BaseSettings):
     witness_timeout_s: float = Field(default=5.0, gt=0)
     witness_refresh_s: float = Field(default=60.0, gt=0)  # re-cosign an idle log's latest checkpoint
     witness_retry_max_s: float = Field(default=60.0, gt=0)  # longest back-off after a failure
+    # How often the audit writer re-checks the store it relies on (audit.state): new checkpoint
+    # rows, the keys table, every subject secret against the erase records' shred tags
+    audit_state_check_s: float = Field(default=60.0, gt=0)
     log_format: Literal["json", "console", "auto"] = "auto"
     log_level: str = "info"
 

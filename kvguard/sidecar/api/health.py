@@ -30,6 +30,8 @@ def healthz() -> dict[str, str]:
 def readyz(sidecar: SidecarDep, request: Request):
     checks = sidecar.readiness()
     detail = {"witnesses": w} if (w := sidecar.witness_status()) else {}  # informs, never fails readiness
+    if (warning := sidecar.witness_warning()) is not None:
+        detail["witness_warning"] = warning
     if all(v == "ok" for v in checks.values()):
         return JSONResponse({"status": "ready", "checks": checks, **detail})
     return problem_response(503, "Service Unavailable", "not ready", request, checks=checks, **detail)
