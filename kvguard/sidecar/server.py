@@ -4,7 +4,7 @@ listener on TCP when `metrics_port` is set, one process.
 One server per data directory: an exclusive lock on a file in it is taken before
 anything else, so a second `kvguard serve` on the same directory exits with an
 error instead of unlinking the live server's socket. Slow clients are cut: a
-request's headers and body must arrive within `request_read_timeout_s`.
+request's headers and body must arrive within `request_read_timeout_s` (kvguard/connections.py).
 """
 
 from __future__ import annotations
@@ -16,20 +16,15 @@ import os
 import signal
 from pathlib import Path
 
-import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..connections import MAX_HEADER_BYTES, protocol
 from ..errors import ConfigError
 from .app import create_app
 from .logs import configure, log
 from .service import Sidecar
 from .settings import Settings
-
-MAX_HEADER_BYTES = 16 * 1024
-_TIMEOUT_BODY = b'{"type":"about:blank","title":"Request Timeout","status":408,"detail":"the request was too slow"}'
-_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/problem+json\r\nconnection: close\r\n"
-            b"content-length: %d\r\n\r\n%s" % (len(_TIMEOUT_BODY), _TIMEOUT_BODY))
 
 
 class _Server(uvicorn.Server):
@@ -40,54 +35,8 @@ class _Server(uvicorn.Server):
         yield
 
 
-class _TimedProtocol(H11Protocol):
-    """h11 with a deadline on reading each request: uvicorn times out idle keep-alive
-    connections only, so a client sending its headers or body a byte at a time would hold
-    a connection (and its buffers) for as long as it liked."""
-
-    read_timeout_s = 10.0
-    _read_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm()
-
-    def data_received(self, data: bytes) -> None:
-        if self._read_timer is None and self.conn.their_state is h11.IDLE:
-            self._arm()  # the first bytes of the next request on a kept-alive connection
-        super().data_received(data)
-        if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
-            self._disarm()  # the whole request is in (or the connection is done)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
-
-    def _arm(self) -> None:
-        self._disarm()
-        self._read_timer = self.loop.call_later(self.read_timeout_s, self._read_timed_out)
-
-    def _disarm(self) -> None:
-        if self._read_timer is not None:
-            self._read_timer.cancel()
-            self._read_timer = None
-
-    def _read_timed_out(self) -> None:
-        self._read_timer = None
-        if self.transport.is_closing():
-            return
-        if self.cycle is not None and self.cycle.response_started:
-            self.transport.close()  # answered without the rest of the body (401, 413): done
-            return
-        if self.cycle is not None:  # the app sees the client gone, and its answer goes nowhere
-            self.cycle.disconnected = True
-            self.cycle.message_event.set()
-        self.transport.write(_TIMEOUT)
-        self.transport.close()
-
-
 def _protocol(settings: Settings) -> type[H11Protocol]:
-    return type("TimedProtocol", (_TimedProtocol,), {"read_timeout_s": settings.request_read_timeout_s})
+    return protocol(settings.request_read_timeout_s)
 
 
 # Prometheus and the kubelet need a few connections; whoever else reaches the pod's IP gets 503 past this

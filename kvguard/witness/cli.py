@@ -64,14 +64,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     finally:
         os.umask(old)
     log.info("witness ready", vkey=config.witness.vkey(), logs=sorted(config.logs), host=args.host, port=args.port)
-    # the sidecar's h11 protocol: a request must arrive whole within the read timeout, so clients
+    # the servers' h11 protocol: a request must arrive whole within the read timeout, so clients
     # sending a byte at a time cannot hold the witness's connections
-    from kvguard.sidecar.server import MAX_HEADER_BYTES, _TimedProtocol
+    from kvguard.connections import MAX_HEADER_BYTES, protocol
 
-    protocol = type("TimedProtocol", (_TimedProtocol,), {"read_timeout_s": args.read_timeout_s})
     uvicorn.run(create_app(config, store), host=args.host, port=args.port, log_config=None, access_log=False,
-                server_header=False, http=protocol, timeout_keep_alive=5, limit_concurrency=args.max_connections,
-                h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+                server_header=False, http=protocol(args.read_timeout_s), timeout_keep_alive=5,
+                limit_concurrency=args.max_connections, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     store.dispose()
     return 0
 

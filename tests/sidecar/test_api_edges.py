@@ -93,6 +93,40 @@ def test_a_form_body_gets_415_saying_to_send_json(shared_server):
     assert r.status_code == 415
 
 
+def test_a_body_with_a_bom_repeated_names_or_no_content_type_is_refused(shared_server):
+    """Bytes that two JSON readers could read differently are refused, not read one way; a
+    trailing slash is a 404, never a redirect to a Location made from the Host header."""
+    body = json.dumps(ERASE).encode()
+    repeated = b'{"tenant": "acme", "user": "u-123", "user": "u-456", "legal_basis": "gdpr-art17"}'
+    nested = json.dumps({"client": "c", "instance": "0" * 16, "events": []})[:-1].encode() + \
+        b', "stats": {"tokens_held": 1, "tokens_held": 2}}'
+    with shared_server.client("erasure:write") as c:
+        def post(content: bytes, headers: dict | None = None) -> httpx.Response:
+            return c.post("/v1/erasure-requests", content=content,
+                          headers={"Idempotency-Key": f"strict-{uuid.uuid4().hex}",
+                                   "Content-Type": "application/json", **(headers or {})})
+
+        for bad in (b"\xef\xbb\xbf" + body, repeated, body.decode().encode("utf-16")):
+            r = post(bad)
+            assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json", r.text
+        r = c.post("/v1/erasure-requests", content=body, headers={"Idempotency-Key": f"bare-{uuid.uuid4().hex}"})
+        assert r.status_code == 415 and "Content-Type: application/json" in r.json()["detail"]
+        for path in ("/v1/erasure-requests/", "/healthz/"):
+            r = c.request("POST" if path.startswith("/v1") else "GET", path, content=body,
+                          headers={"Host": "evil.example", "Content-Type": "application/json",
+                                   "Idempotency-Key": f"slash-{uuid.uuid4().hex}"})
+            assert r.status_code == 404 and "location" not in r.headers, (path, r.status_code)
+        assert post(body).status_code == 202
+    transport = httpx.HTTPTransport(uds=str(shared_server.socket))
+    with httpx.Client(base_url="http://sidecar", transport=transport,
+                      headers={"Authorization": f"Bearer {shared_server.tokens['ingest']}"}) as c:
+        assert c.post("/internal/v1/events", content=nested, headers={"Content-Type": "application/json"}
+                      ).status_code == 422
+        assert c.post("/internal/v1/events", content=nested.replace(b', "tokens_held": 2', b"")).status_code == 415
+        assert c.post("/internal/v1/events", content=nested.replace(b', "tokens_held": 2', b""),
+                      headers={"Content-Type": "application/json"}).status_code == 200
+
+
 def readme_curl() -> str:
     """The erasure curl command of the README's "Running the sidecar", its continuation lines joined."""
     text = (ROOT / "README.md").read_text()

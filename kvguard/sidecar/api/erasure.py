@@ -12,10 +12,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..erasure import NewRequest
 from ..models import ErasureRequest
-from .deps import ErasureRead, ErasureWrite, JsonBody
+from .deps import ErasureRead, ErasureWrite, JsonBody, StrictJsonRoute
 from .problems import Problem, documented
 
-router = APIRouter(prefix="/v1/erasure-requests", tags=["erasure"], responses=documented(401, 403, 503))
+router = APIRouter(prefix="/v1/erasure-requests", tags=["erasure"], responses=documented(401, 403, 503),
+                   route_class=StrictJsonRoute)
 
 Id = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f]+$")]
 

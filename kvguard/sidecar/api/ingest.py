@@ -18,10 +18,11 @@ from kvguard.audit.canonical import MAX_SAFE_INTEGER
 
 from ..auth import authenticate, token_tenant
 from ..logs import log
-from .deps import Ingest, JsonBody, SidecarDep
+from .deps import Ingest, JsonBody, SidecarDep, StrictJsonRoute
 from .problems import Problem, documented
 
-router = APIRouter(prefix="/internal/v1", tags=["ingest"], responses=documented(401, 403, 503))
+router = APIRouter(prefix="/internal/v1", tags=["ingest"], responses=documented(401, 403, 503),
+                   route_class=StrictJsonRoute)
 
 ClientId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 # Drawn by the process at each start: its event numbers and commands are its own (registry.py).
