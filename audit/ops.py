@@ -15,6 +15,7 @@ from __future__ import annotations
 
 # What an inference process's cache does, one event each (kvguard.cache.events, kvguard.policy):
 OPEN = "open"  # a sequence opened for a subject (a served request began), under a policy
+STORE = "store"  # blocks written with a request's K/V by an engine that keeps its own pool (vLLM)
 QUANTIZE = "quantize"  # full 16-bit pages re-encoded into a codec
 EVICT = "evict"  # one compaction: tokens dropped, pages freed
 OFFLOAD = "offload"  # pages moved to a lower tier
@@ -30,6 +31,6 @@ INGEST_ERROR = "ingest_error"  # an event that could not be recorded as sent, in
 # pipl-art47); the name stays reserved, and receipts and bundles treat it as an erasure.
 RETENTION_ERASE = "retention_erase"
 
-EVENT_OPS = frozenset({OPEN, QUANTIZE, EVICT, OFFLOAD, FETCH, FREE, ERASE, POLICY})
+EVENT_OPS = frozenset({OPEN, STORE, QUANTIZE, EVICT, OFFLOAD, FETCH, FREE, ERASE, POLICY})
 ERASE_OPS = frozenset({ERASE, RETENTION_ERASE})
 OPS = EVENT_OPS | {KEY_ROTATION, INGEST_ERROR, RETENTION_ERASE}

@@ -49,6 +49,15 @@ class SequenceOpened(CacheEvent):
 
 
 @dataclass(frozen=True, slots=True)
+class BlocksStored(CacheEvent):
+    """Blocks of an engine that keeps its own pool (vLLM) allocated to a request, which writes its
+    K/V into them: `pages` the blocks, `n_tokens` the slots they hold. kvguard's own cache says
+    this with `open` and `quantize`; vLLM's pool is watched block by block (kvguard.vllm)."""
+
+    op = ops.STORE
+
+
+@dataclass(frozen=True, slots=True)
 class PagesQuantized(CacheEvent):
     """Full 16-bit pages re-encoded into the codec (bytes: after; bytes_before: before). With
     `fields` (["k"]) only that part of each page was: a K/V split's keys encoded again in its

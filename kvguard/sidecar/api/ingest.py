@@ -198,3 +198,23 @@ def check_key(body: KeyIn, sidecar: SidecarDep, principal: Ingest) -> KeyOut:
     if principal.tenants is not None and (tenant is None or sidecar.tenant_index(tenant) not in principal.tenants):
         raise Problem(404, "Not Found", "no usable token")
     return KeyOut(id=found.token_id, scopes=sorted(found.scopes), tenant=tenant)
+
+
+class SaltIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    subject: WireSubject
+    scope: Literal["tenant", "user", "session"]
+
+
+@router.post("/salt", summary="The prefix-cache salt of a request's subject at a sharing scope (vLLM's "
+             "cache_salt)", dependencies=[JsonBody], responses=documented(415))
+def salt(body: SaltIn, sidecar: SidecarDep, principal: Ingest) -> dict:
+    """A keyed hash under the secret of the subject at `scope` (its tenant, user or session):
+    requests of one scope share prefix blocks, others never do, and after an erasure shreds the
+    secret no request can reach the blocks cached under the old salt."""
+    s = body.subject
+    if principal.tenants is not None and sidecar.tenant_index(s.tenant) not in principal.tenants:
+        raise Problem(403, "Forbidden", "this ingest token serves other tenants")
+    raw = {"tenant": s.tenant, "user": s.user, "session": s.session}[body.scope]
+    tenant = None if body.scope == "tenant" else s.tenant
+    return {"salt": sidecar.pseudonyms.cache_salt(body.scope, raw, tenant=tenant)}

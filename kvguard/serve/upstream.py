@@ -1,0 +1,374 @@
+"""The OpenAI front before a vLLM server (`kvguard serve-llm --upstream URL`).
+
+The same front as kvguard's own engine (app.py): `infer` keys bound to a tenant, `user` as
+the subject, X-Session-ID, problem+json errors, bounded bodies, the same request schemas.
+What it sends vLLM it builds itself from the validated fields, never a client's body:
+
+- `cache_salt`: a keyed hash from the sidecar under the secret of the subject at the
+  sharing scope (tenant, user or session), so prefix blocks are shared within that scope
+  only, no client can choose or guess a salt, and an erasure that shreds the secret makes
+  the old blocks unreachable to every later request;
+- `kv_transfer_params.kvguard`: the raw subject, for kvguard's connector inside vLLM
+  (kvguard.vllm.connector), which accounts for the request's blocks under it.
+
+Streams pass through chunk by chunk with the served model's name and nothing of vLLM's
+transfer parameters. The front is an inference process of the sidecar: an erase command
+ends the subject's requests in flight (the stream ends with the erasure's error, and vLLM
+aborts the request when the front closes it) and forgets its salts; the connector erases
+the blocks inside vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+import uuid
+
+import httpx
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from ..cache import events as ev
+from ..request_ids import with_request_id
+from ..types import Subject
+from .app import SESSION, TITLES, Problem, _errors, _read_body, problem
+from .engine import ERASED
+from .keys import Key, KeyChecker, KeyError_
+from .protocol import ChatRequest, CompletionRequest
+
+log = structlog.get_logger("kvguard.serve.upstream")
+SCOPES = ("tenant", "user", "session")
+DROP = ("kv_transfer_params", "prompt_token_ids", "prompt_logprobs")  # vLLM's, never a client's
+
+
+class Inflight:
+    """Requests in flight by subject; an erasure (on the sidecar client's command thread) ends
+    those of its subject and waits until each has closed its connection to vLLM."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reqs: dict[str, tuple[Subject, asyncio.AbstractEventLoop, asyncio.Event, threading.Event]] = {}
+
+    @contextlib.contextmanager
+    def track(self, subject: Subject):
+        rid, ended, closed = uuid.uuid4().hex, asyncio.Event(), threading.Event()
+        with self._lock:
+            self._reqs[rid] = (subject, asyncio.get_running_loop(), ended, closed)
+        try:
+            yield ended
+        finally:
+            closed.set()
+            with self._lock:
+                self._reqs.pop(rid, None)
+
+    def end(self, match, timeout_s: float = 10.0) -> int:
+        with self._lock:
+            hit = [v for v in self._reqs.values() if match(v[0])]
+        for _, loop, ended, _ in hit:
+            loop.call_soon_threadsafe(ended.set)
+        for *_, closed in hit:
+            closed.wait(timeout_s)
+        return len(hit)
+
+
+class Salts:
+    """Cache salts from the sidecar, kept a short while per (scope, subject) and dropped at once
+    when the subject is erased."""
+
+    def __init__(self, http: httpx.AsyncClient, ttl_s: float = 30.0) -> None:
+        self._http, self.ttl_s = http, ttl_s
+        self._known: dict[tuple, tuple[float, str]] = {}
+        self._lock = threading.Lock()
+
+    async def salt(self, subject: Subject, scope: str) -> str:
+        key = (scope, subject.tenant, subject.user if scope == "user" else subject.session
+               if scope == "session" else "")
+        now = time.monotonic()
+        with self._lock:
+            hit = self._known.get(key)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        r = await self._http.post("/internal/v1/salt", json={
+            "subject": {"tenant": subject.tenant, "user": subject.user, "session": subject.session},
+            "scope": scope})
+        r.raise_for_status()
+        salt = r.json()["salt"]
+        with self._lock:
+            if len(self._known) > 10_000:
+                self._known.clear()
+            self._known[key] = (now + self.ttl_s, salt)
+        return salt
+
+    def forget(self, tenant: str, scope: str, target: str) -> None:
+        with self._lock:
+            # the erased subject's own salts; a tenant-scope salt stays (the tenant is not erased)
+            self._known = {k: v for k, v in self._known.items()
+                           if not (k[1] == tenant and k[0] in (scope, "session" if scope == "user" else scope)
+                                   and (k[0] != scope or k[2] == target))}
+
+
+class FrontProcess:
+    """The front as kvguard.client sees an inference process: no cache of its own; an erase
+    ends the subject's requests in flight and forgets its salts."""
+
+    codec = None
+
+    def __init__(self, inflight: Inflight, salts: Salts) -> None:
+        self.inflight, self.salts = inflight, salts
+        self.events = ev.EventQueue()
+        self.pages_used: dict = {}
+        self.pages_offloaded: dict = {}
+        self.tokens_held = 0
+
+    def sequences(self) -> list:
+        return []
+
+    def stats(self):
+        return self
+
+    def _erase(self, scope: str, tenant: str, target: str) -> ev.SubjectErased:
+        def match(s: Subject) -> bool:
+            return s.tenant == tenant and (s.user if scope == "user" else s.session) == target
+
+        self.salts.forget(tenant, scope, target)
+        ended = self.inflight.end(match)
+        subject = Subject(tenant, target if scope == "user" else "*", target if scope == "session" else "*")
+        event = ev.SubjectErased(None, subject, (), 0, 0, scope=scope, sequences=ended)
+        self.events.emit(event)
+        return event
+
+    def erase_user(self, tenant: str, user: str) -> ev.SubjectErased:
+        return self._erase("user", tenant, user)
+
+    def erase_session(self, tenant: str, session: str) -> ev.SubjectErased:
+        return self._erase("session", tenant, session)
+
+
+def create_upstream_app(upstream: str, keys: KeyChecker, salts: Salts, inflight: Inflight, *, model_name: str,
+                        upstream_model: str, scope: str = "tenant", default_user: str | None = None,
+                        max_body_bytes: int = 1 << 20, client=None, timeout_s: float = 600.0) -> FastAPI:
+    if scope not in SCOPES:
+        raise ValueError(f"the prefix-sharing scope is one of {SCOPES}")
+    http = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=httpx.Timeout(timeout_s, connect=5.0),
+                             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        yield
+        await http.aclose()
+        await keys.aclose()
+
+    app = FastAPI(title="kvguard serve-llm (vLLM upstream)", lifespan=lifespan, openapi_url=None, docs_url=None,
+                  redoc_url=None)
+
+    @app.exception_handler(Problem)
+    async def _problem(_, exc: Problem):
+        return problem(exc.status, exc.detail, exc.headers, **exc.extra)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_, exc: HTTPException):
+        return problem(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, exc: RequestValidationError):
+        return problem(422, "the request is invalid", errors=_errors(exc.errors()))
+
+    @app.exception_handler(Exception)
+    async def _bug(_, exc: Exception):
+        log.error("unhandled error", error=type(exc).__name__)
+        return problem(500, "the server failed; the error is logged")
+
+    @app.middleware("http")
+    async def _request_id(request: Request, call_next):
+        response, _ = await with_request_id(request, call_next)
+        if request.url.path not in ("/healthz", "/readyz"):
+            log.info("request", method=request.method, path=request.url.path, status=response.status_code)
+        return response
+
+    async def authenticate(request: Request) -> Key:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Problem(401, "send 'Authorization: Bearer <key>' with an infer key", {"WWW-Authenticate": "Bearer"})
+        try:
+            return await keys.check(token.strip())
+        except KeyError_ as e:
+            headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {"Retry-After": "5"} \
+                if e.status == 503 else None
+            raise Problem(e.status, e.detail, headers) from None
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz():
+        try:
+            up = (await http.get("/health", timeout=2.0)).status_code == 200
+        except httpx.HTTPError:
+            up = False
+        if not up or (client is not None and not client.connected):
+            return problem(503, "not ready: vLLM does not answer /health, or the audit sidecar has not "
+                                "confirmed events", {"Retry-After": "5"})
+        return {"status": "ready"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        await authenticate(request)
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "kvguard"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await complete(request, ChatRequest, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, CompletionRequest, "text")
+
+    async def complete(request: Request, schema, kind: str):
+        key = await authenticate(request)
+        body = await _read_body(request, max_body_bytes)
+        try:
+            data = schema.model_validate_json(body)
+        except ValidationError as e:
+            if any(err["type"] == "json_invalid" for err in e.errors()):
+                raise Problem(400, "the body is not valid JSON") from None
+            raise Problem(422, "the request is invalid", errors=_errors(e.errors())) from None
+        if data.model != model_name:
+            raise Problem(404, f"no model {data.model!r} here; GET /v1/models lists it")
+        user = data.user or default_user
+        if user is None:
+            raise Problem(400, "name the end user in the 'user' field: their cache blocks and audit records are "
+                               "kept under it, and an erasure finds them by it")
+        session = request.headers.get("x-session-id") or uuid.uuid4().hex
+        if not SESSION.match(session):
+            raise Problem(400, "X-Session-ID must be 1 to 128 letters, digits or . _ : -")
+        subject = Subject(key.tenant, user, session)
+        try:
+            salt = await salts.salt(subject, scope)
+        except (httpx.HTTPError, KeyError, ValueError):
+            raise Problem(503, "the audit sidecar cannot give this request its cache salt; no request runs "
+                               "unaudited, retry later", {"Retry-After": "5"}) from None
+        if client is not None and not client.connected:
+            raise Problem(503, "the audit sidecar has not recorded recent events; no request runs unaudited, "
+                               "retry later", {"Retry-After": "5"})
+        out = {"model": upstream_model, "temperature": data.temperature, "top_p": data.top_p,
+               "stream": data.stream, "cache_salt": salt,
+               "kv_transfer_params": {"kvguard": {"tenant": subject.tenant, "user": subject.user,
+                                                  "session": subject.session}}}
+        if kind == "chat":
+            out["messages"] = [{"role": m.role, "content": m.text()} for m in data.messages]
+        else:
+            out["prompt"] = data.prompt
+        for name, value in (("max_tokens", data.limit()), ("seed", data.seed), ("stop", data.stop)):
+            if value is not None:
+                out[name] = value
+        if data.stream and data.stream_options is not None:
+            out["stream_options"] = {"include_usage": data.stream_options.include_usage}
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        headers = {"X-Session-ID": session}
+        if data.stream:
+            return await _stream(path, out, subject, headers)
+        return await _once(path, out, subject, headers)
+
+    def _clean(obj: dict) -> dict:
+        for k in DROP:
+            obj.pop(k, None)
+        if "model" in obj:
+            obj["model"] = model_name
+        for c in obj.get("choices") or ():
+            if isinstance(c, dict):
+                for k in DROP:
+                    c.pop(k, None)
+        return obj
+
+    def _upstream_error(status: int, raw: bytes) -> Problem:
+        try:
+            body = json.loads(raw)
+            msg = body.get("error", {}).get("message") if isinstance(body.get("error"), dict) else body.get("message")
+        except (ValueError, AttributeError):
+            msg = None
+        if status >= 500:  # vLLM's own failure: no internals to the client
+            return Problem(502, "the model server failed on this request", {"Retry-After": "1"})
+        return Problem(status if status in TITLES else 400, str(msg or "the model server refused the request")[:500])
+
+    async def _once(path: str, out: dict, subject: Subject, headers: dict):
+        with inflight.track(subject) as ended:
+            call = asyncio.ensure_future(http.post(path, json=out))
+            stop = asyncio.ensure_future(ended.wait())
+            try:
+                await asyncio.wait({call, stop}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+            if not call.done():  # erased meanwhile: closing the connection makes vLLM abort the request
+                call.cancel()
+                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                    await call
+                raise Problem(410, ERASED)
+            try:
+                r = call.result()
+            except httpx.HTTPError:
+                raise Problem(502, "the model server is unreachable", {"Retry-After": "1"}) from None
+        if r.status_code != 200:
+            raise _upstream_error(r.status_code, r.content)
+        return JSONResponse(_clean(r.json()), headers=headers)
+
+    async def _stream(path: str, out: dict, subject: Subject, headers: dict):
+        cm = inflight.track(subject)
+        ended = cm.__enter__()
+        try:
+            resp = await http.send(http.build_request("POST", path, json=out), stream=True)
+        except httpx.HTTPError:
+            cm.__exit__(None, None, None)
+            raise Problem(502, "the model server is unreachable", {"Retry-After": "1"}) from None
+        if resp.status_code != 200:
+            raw = await resp.aread()
+            await resp.aclose()
+            cm.__exit__(None, None, None)
+            raise _upstream_error(resp.status_code, raw)
+
+        async def relay():
+            lines = resp.aiter_lines()
+            stop = asyncio.ensure_future(ended.wait())
+            try:
+                while True:
+                    nxt = asyncio.ensure_future(anext(lines))
+                    await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+                    if not nxt.done():
+                        nxt.cancel()
+                        yield "data: " + json.dumps({"error": {"message": ERASED, "type": TITLES[410],
+                                                               "code": 410}}) + "\n\n"
+                        return
+                    try:
+                        line = nxt.result()
+                    except StopAsyncIteration:
+                        return
+                    except httpx.HTTPError:
+                        yield "data: " + json.dumps({"error": {"message": "the model server failed mid-stream",
+                                                               "type": TITLES[500], "code": 502}}) + "\n\n"
+                        return
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        if line:
+                            yield line + "\n\n"
+                        continue
+                    try:
+                        chunk = json.loads(line[6:])
+                    except ValueError:
+                        continue
+                    yield "data: " + json.dumps(_clean(chunk)) + "\n\n"
+            finally:
+                stop.cancel()
+                await resp.aclose()  # vLLM aborts a request whose client went away
+                cm.__exit__(None, None, None)
+
+        return StreamingResponse(relay(), media_type="text/event-stream",
+                                 headers=headers | {"Cache-Control": "no-store"})
+
+    return app
