@@ -252,18 +252,23 @@ class LayeredManager:
 
     @_locked
     def stats(self) -> CacheStats:
-        """The parts' stats summed; a window part's pools named "window<W>-<pool>"."""
-        parts = [(("" if w is None else f"window{w}-"), p.stats()) for w, p in self.parts.items()]
+        """The parts' stats summed, pool by pool ("hot", "main", ...: a token's bytes per token
+        over every layer; what each part holds alone is `parts[w].stats()`)."""
+        parts = [p.stats() for p in self.parts.values()]
         main = self.main.stats()
 
         def pools(field):
-            return {pre + n: x for pre, st in parts for n, x in getattr(st, field).items()}
+            out: dict = {}
+            for st in parts:
+                for n, x in getattr(st, field).items():
+                    out[n] = out.get(n, 0) + x
+            return out
 
         return CacheStats(
             codec=main.codec, evictor=main.evictor, sequences=main.sequences,
-            tokens_held=max(st.tokens_held for _, st in parts), tokens_evicted=main.tokens_evicted,
+            tokens_held=max(st.tokens_held for st in parts), tokens_evicted=main.tokens_evicted,
             pages_used=pools("pages_used"), pages_free=pools("pages_free"), pages_offloaded=main.pages_offloaded,
-            bytes_per_token=pools("bytes_per_token"), bytes_held=sum(st.bytes_held for _, st in parts),
-            bytes_16bit_equivalent=sum(st.bytes_16bit_equivalent for _, st in parts),
-            waste_slots=sum(st.waste_slots for _, st in parts),
-            bytes_on_device=sum(st.bytes_on_device for _, st in parts))
+            bytes_per_token=pools("bytes_per_token"), bytes_held=sum(st.bytes_held for st in parts),
+            bytes_16bit_equivalent=sum(st.bytes_16bit_equivalent for st in parts),
+            waste_slots=sum(st.waste_slots for st in parts),
+            bytes_on_device=sum(st.bytes_on_device for st in parts))

@@ -38,10 +38,9 @@ def test_window_layers_read_their_window_and_hold_at_most_window_plus_a_page(cod
             m.append_step([seq], layer, k[i:i + 1], v[i:i + 1])
             assert (m.attend_step([seq], layer, q[i:i + 1]) - ref(i, i + 1, layer)).abs().max() < tol
         assert m.length(seq, 0) <= W + S and m.length(seq, 1) == i + 1
-    st = m.stats()
-    window_pages = sum(x for p, x in st.pages_used.items() if p.startswith("window"))
-    assert window_pages <= (W + S) // S + 1
-    assert sum(x for p, x in st.pages_used.items() if not p.startswith("window")) == n // S
+    window_pages, global_pages = (sum(m.parts[w].stats().pages_used.values()) for w in (W, None))
+    assert window_pages <= (W + S) // S + 1 and global_pages == n // S
+    assert sum(m.stats().pages_used.values()) == window_pages + global_pages  # summed pool by pool
     evicts = [e for e in m.events.take_events() if e.op == "evict"]
     assert evicts and all(e.reason == "window" and e.details()["reason"] == "window" for e in evicts)
     assert all(p.startswith("window10-") for e in evicts for p in e.pages)

@@ -48,7 +48,7 @@ class Record(StoppingCriteria):
     def __call__(self, input_ids, scores, **kwargs):
         m = self.cache.manager
         self.held.append(m.length(self.cache.seqs[0], 0))
-        self.pages.append(sum(n for p, n in m.stats().pages_used.items() if p.startswith("window")))
+        self.pages.append(sum(m.parts[W].stats().pages_used.values()))
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
