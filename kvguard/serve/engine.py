@@ -9,7 +9,9 @@ Each step, under the manager's lock (so an erasure from the sidecar lands betwee
   3. decode: every running request feeds its last token, all rows in one forward pass
      (the cache's `append_step`/`attend_step`), and samples its next.
 Requests join and leave between steps; the cache learns each step's rows (`set_rows`) and
-the model each row's position (position_ids).
+the model each row's position (position_ids). A row's parameters never fail the step of the
+others: sampling cannot make a NaN, and a row whose sampling or detokenization still fails
+ends alone with a 500.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from ..errors import ConfigError, InputError, OutOfPages
 from ..hf import CacheFullError, DecodeGraph, KVGuardCache, cache_kwarg
 from ..types import Subject
-from .scheduler import Request, Scheduler, pages_needed
+from .scheduler import Request, SamplingParams, Scheduler, pages_needed
 
 _log = logging.getLogger(__name__)
 ERASED = "the request was ended by an erasure of its user or session"
@@ -123,7 +125,7 @@ class Engine:
         except BaseException:
             self.scheduler.release(req)
             raise
-        if req.params.temperature > 0:
+        if not req.params.greedy:
             seed = req.params.seed if req.params.seed is not None else secrets.randbits(63)
             req.generator = torch.Generator().manual_seed(seed)
         self.scheduler.add(req)
@@ -215,7 +217,7 @@ class Engine:
             with self.scheduler.lock:
                 self.scheduler.waiting.remove(r)
                 self.scheduler.running.append(r)
-            self._accept(r, self._sample([r], logits[i:i + 1])[0])
+            self._next(r, logits[i])
 
     def _decode(self, rows: list[Request]) -> None:
         ids = torch.tensor([[r.output[-1]] for r in rows])
@@ -231,8 +233,8 @@ class Engine:
         self.decode_steps += 1
         for r in rows:
             r.fed += 1
-        for r, tok in zip(rows, self._sample(rows, logits)):
-            self._accept(r, tok)
+        for i, r in enumerate(rows):
+            self._next(r, logits[i])
 
     def _replay(self, rows: list[Request], ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """A decode step through the graph of its batch size, made at the first step of that size."""
@@ -245,21 +247,14 @@ class Engine:
             graph.rebind(seqs)
         return graph.step(ids[:, 0].to(self.device), pos[:, 0].to(self.device)).float()
 
-    def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[int]:
-        greedy = logits.argmax(-1).tolist()
-        out = []
-        for i, r in enumerate(rows):
-            p = r.params
-            if p.temperature <= 0:
-                out.append(greedy[i])
-                continue
-            probs = torch.softmax(logits[i].cpu() / p.temperature, -1)
-            if p.top_p < 1.0:
-                sorted_p, idx = probs.sort(descending=True)
-                keep = sorted_p.cumsum(0) - sorted_p < p.top_p
-                probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
-            out.append(int(torch.multinomial(probs, 1, generator=r.generator)))
-        return out
+    def _next(self, r: Request, logits: torch.Tensor) -> None:
+        """Sample a row's next token (logits: [V]) and hand it on; a failure ends this row only."""
+        try:
+            tok = int(logits.argmax()) if r.generator is None else sample(logits, r.params, r.generator)
+            self._accept(r, tok)
+        except Exception:  # noqa: BLE001 - one row's failure is that row's: the others run on
+            _log.exception("kvguard serve-llm: request %s failed while sampling; it alone ends", r.request_id)
+            self._finish(r, error=(500, "the server failed while running this request"))
 
     def _accept(self, r: Request, tok: int) -> None:
         if tok in self.eos:
@@ -309,3 +304,24 @@ class Engine:
         else:
             r.emit(("done", reason, {"prompt_tokens": len(r.prompt), "completion_tokens": len(r.output),
                                      "total_tokens": len(r.prompt) + len(r.output), "cached_tokens": r.cached}))
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """A token drawn from softmax(logits / temperature) within the top_p mass (logits: [V]),
+    by the Gumbel-max trick in float64: no probabilities are divided or normalized by a sum,
+    so no distribution of NaNs is ever drawn from; NaN logits count as impossible tokens, and
+    a row with no possible token falls back to the greedy one."""
+    greedy = int(logits.nan_to_num(nan=-math.inf).argmax())
+    if params.greedy:
+        return greedy
+    x = logits.detach().to("cpu", torch.float64) / params.temperature
+    x = torch.nan_to_num(x, nan=-math.inf, posinf=torch.finfo(torch.float64).max, neginf=-math.inf)
+    if not bool(torch.isfinite(x).any()):
+        return greedy
+    if params.top_p < 1.0:
+        probs = torch.softmax(x, -1)
+        sorted_p, idx = probs.sort(descending=True)
+        drop = sorted_p.cumsum(0) - sorted_p >= params.top_p  # the most likely token always stays
+        x[idx[drop]] = -math.inf
+    u = torch.rand(x.shape, dtype=torch.float64, generator=generator).clamp_(min=1e-300, max=1 - 1e-16)
+    return int((x - torch.log(-torch.log(u))).argmax())

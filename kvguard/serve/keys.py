@@ -2,7 +2,9 @@
 
 The sidecar holds the token store; the serving process asks it, over the ingest socket, who a
 key is, and keeps the answer for `ttl_s` (a revoked key stops working within that time). Only
-the key's SHA-256 is kept here, never the key.
+the key's SHA-256 is kept here, never the key. Operators' routes (`/metrics`) take the sidecar's
+own scopes instead: a token that the sidecar's `/metrics` takes (`audit:read`, or `admin`, which
+implies it), never an end user's `infer` key.
 """
 
 from __future__ import annotations
@@ -17,11 +19,17 @@ import httpx
 MAX_CACHED = 10_000
 
 
+OWN_SCOPES = ("ingest", "infer")  # scopes that "admin" does not imply, as in the sidecar's auth.py
+
+
 @dataclass(frozen=True)
 class Key:
     id: str
     scopes: frozenset[str]
     tenant: str | None
+
+    def allows(self, scope: str) -> bool:
+        return scope in self.scopes or "admin" in self.scopes and scope not in OWN_SCOPES
 
 
 class KeyError_(Exception):
@@ -40,9 +48,9 @@ class KeyChecker:
         self.ttl_s = ttl_s
         self._known: dict[str, tuple[float, Key | None]] = {}
 
-    async def check(self, token: str) -> Key:
-        """The key of an `infer` token, or KeyError_ (401 unknown, 403 another scope, 503 when
-        the sidecar cannot say)."""
+    async def check(self, token: str, scope: str = "infer") -> Key:
+        """The key of a token with `scope` (an `infer` token: bound to a tenant), or KeyError_
+        (401 unknown, 403 another scope, 503 when the sidecar cannot say)."""
         if not token.startswith("kvg_") or len(token) > 200:  # not a kvguard token: no need to ask
             raise KeyError_(401, "the API key is unknown, revoked or expired")
         digest = hashlib.sha256(token.encode()).hexdigest()
@@ -57,6 +65,10 @@ class KeyChecker:
             key = hit[1]
         if key is None:
             raise KeyError_(401, "the API key is unknown, revoked or expired")
+        if scope != "infer":
+            if not key.allows(scope):
+                raise KeyError_(403, f"this key lacks the '{scope}' scope (an operator's token, not an API key)")
+            return key
         if "infer" not in key.scopes or key.tenant is None:
             raise KeyError_(403, "this key lacks the 'infer' scope: create one with "
                                  "'kvguard token create --scope infer --tenant TENANT'")

@@ -1,7 +1,9 @@
 """The OpenAI request bodies this server takes, validated (422 for a field of the wrong kind).
 
-Fields the server does not implement are refused when they ask for something other than the
-default, rather than ignored: a client that asks for n=2 or logprobs gets a 400 that says so.
+Types are strict: a number sent as a string (`"max_tokens": "16"`), a boolean as a number or a
+number as a boolean (`"temperature": true`) is refused, never coerced; so are NaN and infinite
+numbers. Fields the server does not implement are refused when they ask for something other
+than the default, rather than ignored: a client that asks for n=2 gets a 422 that says so.
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ MAX_TEXT = 1_000_000  # characters of one message or prompt (the body limit bind
 Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\x00]+$")]
 
 
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["text"]
     text: Annotated[str, Field(max_length=MAX_TEXT)]
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: Annotated[str, Field(max_length=MAX_TEXT)] | Annotated[list[TextPart], Field(max_length=64)]
     name: Id | None = None
@@ -31,12 +36,12 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     model: Annotated[str, Field(min_length=1, max_length=256)]
     max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
@@ -47,9 +52,10 @@ class Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Id | None = None
-    n: Literal[1] = 1
-    presence_penalty: Literal[0] = 0
-    frequency_penalty: Literal[0] = 0
+    # not implemented beyond their defaults (ranges, not Literal: a Literal takes true for 1)
+    n: Annotated[int, Field(ge=1, le=1)] = 1
+    presence_penalty: Annotated[float, Field(ge=0, le=0)] = 0
+    frequency_penalty: Annotated[float, Field(ge=0, le=0)] = 0
 
     def stops(self) -> tuple[str, ...]:
         return () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -65,13 +71,20 @@ class ChatRequest(Common):
 
 class CompletionRequest(Common):
     prompt: Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
-    echo: Literal[False] = False
+    echo: bool = False
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, v):
         if isinstance(v, list):
             raise ValueError("give one prompt as a string; lists of prompts or of token ids are not served")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not served")
         return v
 
     def limit(self) -> int | None:

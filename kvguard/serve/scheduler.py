@@ -18,11 +18,15 @@ import torch
 
 from ..cache import CacheConfig
 from ..compress.evictors import EVICTORS
+from ..errors import InputError
 from ..types import SeqId, Subject
 
 
 class PoolFull(Exception):
     """No room for one more request now: the client should retry later."""
+
+
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy: dividing logits by it overflows them
 
 
 @dataclass
@@ -32,6 +36,16 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InputError("temperature must be a finite number of 0 or more")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise InputError("top_p must be a number over 0 and at most 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(eq=False)
@@ -50,6 +64,7 @@ class Request:
     pages: dict[str, int] = field(default_factory=dict)  # reserved per pool
     generator: torch.Generator | None = None
     cancel: str | None = None  # why the engine must stop it at its next step
+    request_id: str | None = None  # the HTTP request's id, named in the log lines about it
     finished: bool = False
 
     def emit(self, item: tuple) -> None:

@@ -56,14 +56,16 @@ def make_tokens(data: Path, db_url: str) -> dict[str, str]:
     return tokens
 
 
-def start_llm(sidecar: Server, model, tok, **options) -> Llm:
-    from kvguard.serve.cli import build
+def start_llm(sidecar: Server, model, tok, server_options: dict | None = None, **options) -> Llm:
+    """server_options: serve-llm's uvicorn settings (cli.server_config), as the command sets them."""
+    from kvguard.serve.cli import build, server_config
 
     app, engine, client = build(model, tok, model_name="smollm2", socket=sidecar.socket,
                                 ingest_token=sidecar.tokens["ingest"],
                                 client_options={"poll_wait_s": 1.0}, **options)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(server_config(app, host="127.0.0.1", port=port,
+                                          max_seqs=options.get("max_seqs", 64), **(server_options or {})))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import socket
 import sqlite3
+import threading
 import time
 import uuid
 import zipfile
@@ -36,12 +38,14 @@ PROMPTS = ["def add(a, b):", "The capital of France is", "Once upon a time there
 USERS = ("alice-7f3a", "bob-22c1")  # raw end-user ids: never in a log, metric or record
 SECRET = "Our refund policy is confidential"  # prompt text: never in a log or record
 N = 4
+DEADLINE_S = 1.5  # the read deadline of the 16-bit pages' server (the command's default: 10 s)
 
 
 @pytest.fixture(scope="module")
 def llms(sidecar, smollm2):
     model, tok = smollm2
-    fp16 = start_llm(sidecar, model, tok, num_pages=64, max_seqs=16)
+    fp16 = start_llm(sidecar, model, tok, num_pages=64, max_seqs=16,
+                     server_options={"read_timeout_s": DEADLINE_S, "max_idle_connections": 400})
     int8 = start_llm(sidecar, model, tok, policy=POLICY, num_pages=128, max_seqs=16)
     yield {"fp16": fp16, "int8": int8}
     int8.stop()
@@ -308,7 +312,7 @@ def test_erasure_mid_stream_audit_chain_and_no_raw_ids(llms, sidecar, smollm2, t
     assert all(set(r["subject"]) >= {"tenant", "user", "session"} for r in frees)
 
     # no raw id or prompt text in the database, the sidecar's log, this process's output or metrics
-    metrics = httpx.get(llm.url + "/metrics", headers={"Authorization": f"Bearer {sidecar.tokens['acme']}"}).text
+    metrics = httpx.get(llm.url + "/metrics", headers={"Authorization": f"Bearer {sidecar.tokens['audit:read']}"}).text
     assert "kvguard_llm_output_tokens" in metrics
     con = sqlite3.connect(sidecar.db_url.removeprefix("sqlite:///"))
     dump = "\n".join(con.iterdump())
@@ -352,3 +356,192 @@ def test_a_prompt_longer_than_the_codec_pool_is_served_through_the_k_v_split(sid
         recoded = [r for r in records if r["op"] == "quantize" and r["details"].get("fields") == ["k"]]
         assert recoded and all(r["details"]["codec"] == "int4" for r in recoded)
         assert all(p.startswith("split:") for r in recoded for p in r["details"]["pages"])
+
+
+def where(llm) -> tuple[str, int]:
+    host, port = llm.url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def status_of(s: socket.socket, wait_s: float) -> int:
+    """The status a connection is answered with (0: closed without one), read until it closes."""
+    s.settimeout(wait_s)
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except OSError:
+        pass
+    try:
+        return int(out.split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def raw_post(llm, path: str, body: bytes, key: str, wait_s: float = 30) -> int:
+    with socket.create_connection(where(llm)) as s:
+        s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (path.encode(), key.encode(), len(body), body))
+        return status_of(s, wait_s)
+
+
+def test_a_bad_temperature_never_fails_another_tenants_requests(llms, sidecar, monkeypatch):
+    """A tiny, NaN, infinite or negative temperature beside running requests of another tenant:
+    greedy or 422, and a row whose sampling still fails ends alone."""
+    llm = llms["fp16"]
+    import kvguard.serve.engine as engine_module
+
+    url = llm.url + "/v1/completions"
+    acme = {"Authorization": f"Bearer {sidecar.tokens['acme']}"}
+    globex = {"Authorization": f"Bearer {sidecar.tokens['globex']}"}
+    body = {"model": "smollm2", "prompt": "Once upon a time", "user": "u1"}
+    sample = engine_module.sample
+
+    def failing(logits, params, generator):  # a row whose sampling still fails, whatever the cause
+        if params.seed == 666:
+            raise RuntimeError("this row's sampling failed")
+        return sample(logits, params, generator)
+
+    monkeypatch.setattr(engine_module, "sample", failing)
+    started = threading.Barrier(4)
+
+    def stream(i: int) -> tuple[int, str | None]:
+        n, finish = 0, None
+        with httpx.stream("POST", url, json={**body, "max_tokens": 24, "stream": True, "temperature": 0.8, "seed": i},
+                          headers=acme, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                if chunk["choices"][0]["text"]:
+                    n += 1
+                    if n == 1:
+                        started.wait(30)
+                finish = chunk["choices"][0]["finish_reason"] or finish
+        return n, finish
+
+    with cf.ThreadPoolExecutor(3) as pool:
+        runs = [pool.submit(stream, i) for i in range(3)]
+        started.wait(30)  # the three of acme are decoding: globex's requests join their steps
+        greedy = httpx.post(url, json={**body, "max_tokens": 4, "temperature": 0}, headers=globex, timeout=60)
+        assert greedy.status_code == 200
+        for tiny in (1e-300, 5e-324, 1e-40, 1e-6):  # under the greedy bound: greedy, never a NaN
+            r = httpx.post(url, json={**body, "max_tokens": 4, "temperature": tiny}, headers=globex, timeout=60)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+        for bad in (b"NaN", b"Infinity", b"-Infinity", b"1e999", b"-1", b"-1e-300"):
+            raw = b'{"model": "smollm2", "prompt": "Hi", "user": "u1", "max_tokens": 4, "temperature": %s}' % bad
+            assert raw_post(llm, "/v1/completions", raw, sidecar.tokens["globex"]) == 422, bad
+        failed = httpx.post(url, json={**body, "max_tokens": 8, "temperature": 0.7, "seed": 666}, headers=globex,
+                            timeout=60)
+        assert failed.status_code == 500 and "failed" in failed.json()["detail"]
+        assert [f.result(60) for f in runs] == [(24, "length")] * 3  # acme's requests ran to their end
+    assert httpx.post(url, json={**body, "max_tokens": 2, "temperature": 0.7, "seed": 1}, headers=globex,
+                      timeout=60).status_code == 200
+    assert llm.engine._thread.is_alive() and llm.engine.manager.sequences() == []
+
+
+def test_idle_and_half_sent_connections_are_cut_while_others_are_served(llms, sidecar, capfd):
+    """300 connections that send nothing, half their headers, or less body than their
+    Content-Length: /healthz and a request are served meanwhile, and the deadline cuts them all
+    (408), with no traceback for the requests cut mid-body."""
+    llm = llms["fp16"]
+    key = sidecar.tokens["acme"].encode()
+    conns, kinds = [], []
+    t0 = time.monotonic()
+    for i in range(300):
+        s = socket.create_connection(where(llm))
+        kind = "idle" if i % 3 == 0 else "half headers" if i % 3 == 1 else "short body"
+        if kind == "half headers":
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthor")
+        elif kind == "short body" and i < 60:  # 20 requests in flight, below the bound of 16 * 4 + 16
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"" % key)
+        else:
+            kind = "idle"
+        conns.append(s)
+        kinds.append(kind)
+    health = httpx.get(llm.url + "/healthz", timeout=5)
+    ok = httpx.post(llm.url + "/v1/completions", json={"model": "smollm2", "prompt": "Hi", "user": "u1",
+                                                        "max_tokens": 2, "temperature": 0},
+                    headers={"Authorization": f"Bearer {sidecar.tokens['acme']}"}, timeout=30)
+    assert health.status_code == 200 and ok.status_code == 200
+    assert time.monotonic() - t0 < DEADLINE_S  # served while all 300 were held
+    answers, held = {}, []
+    for s, kind in zip(conns, kinds):
+        answers.setdefault(kind, []).append(status_of(s, DEADLINE_S + 5))
+        held.append(time.monotonic() - t0)
+        s.close()
+    assert max(held) < DEADLINE_S + 2, max(held)
+    assert {kind: set(codes) for kind, codes in answers.items()} == {
+        "idle": {408}, "half headers": {408}, "short body": {408}}
+    assert httpx.get(llm.url + "/healthz", timeout=5).status_code == 200
+    out = capfd.readouterr()
+    assert "Traceback" not in out.out + out.err and "ClientDisconnect" not in out.out + out.err
+
+
+def test_huge_prompts_never_hold_the_event_loop(llms, sidecar):
+    """Sixteen prompts of about 1 MB at once: those the context could never hold are refused
+    before tokenizing, the others are tokenized off the event loop; /healthz answers meanwhile."""
+    llm = llms["fp16"]
+    key = sidecar.tokens["acme"]
+    huge = json.dumps({"model": "smollm2", "prompt": "word " * 200_000, "user": "u1", "max_tokens": 4}).encode()
+    long_chat = json.dumps({"model": "smollm2", "user": "u1", "max_tokens": 4, "messages": [
+        {"role": "user", "content": "word " * 24_000}]}).encode()  # ~24k tokens: tokenized, then refused
+    assert len(huge) > 1_000_000
+    slowest, done = 0.0, threading.Event()
+
+    def poll():
+        nonlocal slowest
+        while not done.is_set():
+            t = time.perf_counter()
+            with socket.create_connection(where(llm)) as s:
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                assert status_of(s, 5) == 200
+            slowest = max(slowest, time.perf_counter() - t)
+            time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    with cf.ThreadPoolExecutor(16) as pool:
+        poller.start()
+        t0 = time.perf_counter()
+        codes = list(pool.map(lambda i: raw_post(llm, "/v1/completions" if i % 2 else "/v1/chat/completions",
+                                                 huge if i % 2 else long_chat, key), range(16)))
+        wall = time.perf_counter() - t0
+        done.set()
+        poller.join()
+    assert codes == [400] * 16
+    assert slowest < 0.1, f"/healthz took {slowest * 1e3:.0f} ms at worst ({wall:.1f} s for the 16 prompts)"
+
+
+def test_types_are_strict_and_the_edges_say_nothing(llms, sidecar, capfd):
+    llm = llms["fp16"]
+    url = llm.url + "/v1/completions"
+    acme = {"Authorization": f"Bearer {sidecar.tokens['acme']}"}
+    body = {"model": "smollm2", "prompt": "Hi", "user": "u1", "max_tokens": 2}
+    for field, value in [("max_tokens", "16"), ("temperature", True), ("stream", "yes"), ("seed", "123"),
+                         ("top_p", "1"), ("n", True), ("stream_options", {"include_usage": "yes"}), ("user", 5),
+                         ("stop", 1), ("temperature", "0.5"), ("max_tokens", 2.0), ("echo", 0)]:
+        r = httpx.post(url, json={**body, field: value}, headers=acme, timeout=30)
+        assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json", (field, r.text)
+        assert field in {e["loc"][0] for e in r.json()["errors"]}, (field, r.json())
+    chat = {"model": "smollm2", "user": "u1", "max_tokens": 2, "messages": [{"role": "user", "content": 5}]}
+    assert httpx.post(llm.url + "/v1/chat/completions", json=chat, headers=acme, timeout=30).status_code == 422
+
+    # a trailing slash is a 404, never a redirect to the Host header's name; no server header
+    for method, path in (("POST", "/v1/completions/"), ("GET", "/healthz/"), ("GET", "/v1/models/")):
+        r = httpx.request(method, llm.url + path, json=body, headers={**acme, "Host": "evil.example"}, timeout=30)
+        assert r.status_code == 404 and "location" not in r.headers, (path, r.status_code)
+    ok = httpx.post(url, json=body, headers={**acme, "X-Request-ID": "probe-7f3a"}, timeout=30)
+    assert ok.status_code == 200 and "server" not in ok.headers and ok.headers["x-request-id"] == "probe-7f3a"
+
+    # /metrics is the operators': a tenant's API key is refused
+    metrics = llm.url + "/metrics"
+    assert httpx.get(metrics, timeout=30).status_code == 401
+    for cred, status in (("acme", 403), ("ingest", 403), ("audit:read", 200), ("admin", 200)):
+        r = httpx.get(metrics, headers={"Authorization": f"Bearer {sidecar.tokens[cred]}"}, timeout=30)
+        assert r.status_code == status, (cred, r.text)
+    # each request's log line carries its request id
+    lines = [line for line in capfd.readouterr().out.splitlines() if "probe-7f3a" in line]
+    assert lines and all("request_id" in line for line in lines)
