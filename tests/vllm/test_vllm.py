@@ -23,9 +23,11 @@ from kvguard.audit.cli import main as audit_main
 from kvguard.audit.keys import PublicKey, SigningKey
 from kvguard.audit.receipt import verify_fleet_receipt
 
+from tests.sidecar.conftest import ROOT
 from tests.sidecar.test_erasure_e2e import database_dump
 from tests.vllm.conftest import MODEL
 
+pytestmark = pytest.mark.xdist_group("vllm")  # one worker starts vLLM once per store, not every worker
 SYSTEM = ("You are a careful assistant for a library. " * 12).strip()  # ~100 tokens: several full blocks
 
 
@@ -191,6 +193,18 @@ def test_no_request_runs_unaudited_when_the_sidecar_is_unreachable(stack, tmp_pa
             assert tc.get("/readyz").status_code == 503
     finally:
         front_client.close(flush_timeout_s=0.5)
+
+
+def test_the_overhead_benchmark_runs(stack):
+    import importlib.util
+
+    path = ROOT / "benchmarks" / "vllm_front_bench.py"
+    spec = importlib.util.spec_from_file_location("vllm_front_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = bench.main(["--direct", stack.vllm, "--front", stack.front, "--key", stack.key("acme"), "--small"])
+    assert out["median"]["front"]["tok_s"] > 0 and out["median"]["direct"]["tok_s"] > 0
+    assert out["rounds"]["front"][0]["tokens"] > 0
 
 
 def test_vllm_killed_mid_run_is_named_and_the_front_stops_taking_requests(stack):
