@@ -4,7 +4,10 @@
 Every error is problem+json (RFC 9457); nothing a client sends makes a 500. The API key
 names the tenant (no header can change it), the OpenAI `user` field the end user, the
 `X-Session-ID` header the session (else one per request). Bodies are bounded; a client that
-disconnects has its sequence freed at the next step.
+disconnects has its sequence freed at the next step, and is no error. The chat template and
+the tokenizer run on a few threads of their own, never on the event loop, and a prompt longer
+than the context could hold is refused before it is tokenized. /metrics is the operators':
+it takes a token that the sidecar's /metrics takes (audit:read or admin), not an API key.
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -24,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..client import SidecarUnavailable
 from ..errors import InputError
@@ -38,9 +44,13 @@ from .scheduler import Request as EngineRequest
 log = structlog.get_logger("kvguard.serve")
 SESSION = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 TITLES = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
-          410: "Gone", 413: "Content Too Large", 415: "Unsupported Media Type", 422: "Unprocessable Content",
+          408: "Request Timeout", 410: "Gone", 413: "Content Too Large", 415: "Unsupported Media Type", 422: "Unprocessable Content",
           429: "Too Many Requests", 499: "Client Closed Request", 500: "Internal Server Error",
           503: "Service Unavailable"}
+METRICS_SCOPE = "audit:read"  # what the sidecar's own /metrics asks for; admin implies it
+PROMPT_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))  # a CPU left to the event loop
+TOKENIZE_QUEUE = 16 * PROMPT_THREADS  # bodies and prompts waiting for a prompt thread; past it 503
+INLINE_PARSE_BYTES = 64 << 10  # bodies up to this are parsed on the event loop (a hop costs more)
 
 
 class Problem(Exception):
@@ -69,19 +79,41 @@ class Metrics:
         self.ttft = Histogram("kvguard_llm_ttft_seconds", "Time to first token", registry=r)
 
 
+def longest_token_chars(tokenizer) -> int | None:
+    """The most characters one token of the tokenizer can stand for (its longest vocabulary
+    entry: a byte-level or SentencePiece entry has a character per byte or character it
+    covers), or None when the tokenizer does not list its vocabulary."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, NotImplementedError):
+        return None
+    return max(map(len, vocab), default=0) or None
+
+
 def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name: str,
                default_user: str | None = None, max_body_bytes: int = 1 << 20, client=None,
                default_max_tokens: int = 1024) -> FastAPI:
+    # large bodies are parsed, and prompts templated and tokenized, on threads of their own
+    prompt_threads = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="kvguard-prompt")
+    queued = 0  # work handed to them and not done
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        yield
-        await keys.aclose()
+        try:
+            yield
+        finally:
+            prompt_threads.shutdown(wait=False, cancel_futures=True)
+            await keys.aclose()
 
+    # redirect_slashes off: a trailing slash is a 404, not a 307 to a Location built from the Host header
     app = FastAPI(title="kvguard serve-llm", lifespan=lifespan, description="OpenAI-compatible inference over kvguard's KV cache. "
                   "Authenticate with 'Authorization: Bearer <key>' (kvguard token create --scope infer).",
-                  openapi_url=None, docs_url=None, redoc_url=None)
+                  openapi_url=None, docs_url=None, redoc_url=None, redirect_slashes=False)
     metrics = Metrics()
     app.state.engine, app.state.metrics = engine, metrics
+    # no prompt of more characters than this fits the context, whatever its tokens
+    per_token = longest_token_chars(engine.tokenizer)
+    max_prompt_chars = None if per_token is None else engine.max_model_len * per_token
 
     @app.exception_handler(Problem)
     async def _problem(_, exc: Problem):
@@ -95,25 +127,33 @@ def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name
     async def _invalid(_, exc: RequestValidationError):
         return problem(422, "the request is invalid", errors=_errors(exc.errors()))
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_, exc: ClientDisconnect):  # a client going away is no error: the answer goes nowhere
+        return problem(499, "the client disconnected")
+
     @app.exception_handler(Exception)
-    async def _bug(_, exc: Exception):
-        log.error("unhandled error", error=type(exc).__name__)
+    async def _bug(request: Request, exc: Exception):
+        # this handler runs outside the request-id middleware: name the request here
+        log.error("unhandled error", error=type(exc).__name__,
+                  request_id=getattr(request.state, "request_id", None))
         return problem(500, "the server failed; the error is logged")
 
     @app.middleware("http")
     async def _request_id(request: Request, call_next):
         response, rid = await with_request_id(request, call_next)
         if request.url.path not in ("/healthz", "/readyz"):
-            log.info("request", method=request.method, path=request.url.path, status=response.status_code)
+            log.info("request", method=request.method, path=request.url.path, status=response.status_code,
+                     request_id=rid)
         return response
 
-    async def authenticate(request: Request) -> Key:
+    async def authenticate(request: Request, scope: str = "infer") -> Key:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise Problem(401, "send 'Authorization: Bearer <key>' with an infer key",
+            raise Problem(401, "send 'Authorization: Bearer <key>' with an infer key" if scope == "infer" else
+                          f"send 'Authorization: Bearer <token>' with a token of the '{scope}' scope",
                           {"WWW-Authenticate": "Bearer"})
         try:
-            return await keys.check(token.strip())
+            return await keys.check(token.strip(), scope)
         except KeyError_ as e:
             headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {"Retry-After": "5"} \
                 if e.status == 503 else None
@@ -133,7 +173,7 @@ def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name
 
     @app.get("/metrics")
     async def metrics_route(request: Request):
-        await authenticate(request)
+        await authenticate(request, METRICS_SCOPE)
         metrics.tokens.set(engine.tokens_out)
         metrics.prefill.set(engine.prefill_tokens)
         metrics.running.set(len(engine.scheduler.running))
@@ -169,13 +209,10 @@ def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name
     async def _complete(request: Request, schema, kind: str):
         key = await authenticate(request)
         body = await _read_body(request, max_body_bytes)
-        try:
-            data = schema.model_validate_json(body)
-        except ValidationError as e:
-            errors = e.errors()
-            if any(err["type"] == "json_invalid" for err in errors):
-                raise Problem(400, "the body is not valid JSON") from None
-            raise Problem(422, "the request is invalid", errors=_errors(errors)) from None
+        if len(body) > INLINE_PARSE_BYTES:  # parsing a large body takes milliseconds: not on the event loop
+            data = await off_loop(_parse, schema, body)
+        else:
+            data = _parse(schema, body)
         if data.model != model_name:
             raise Problem(404, f"no model {data.model!r} here; GET /v1/models lists it")
         user = data.user or default_user
@@ -185,28 +222,15 @@ def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name
         session = request.headers.get("x-session-id") or uuid.uuid4().hex
         if not SESSION.match(session):
             raise Problem(400, "X-Session-ID must be 1 to 128 letters, digits or . _ : -")
-        tok = engine.tokenizer
-        if kind == "chat":
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in data.messages]
-            if not getattr(tok, "chat_template", None):
-                raise Problem(400, "this model has no chat template (a base model, such as gemma3): send the "
-                                   "text to /v1/completions")
-            try:
-                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            except Exception:  # noqa: BLE001 - a template that refuses these messages (jinja raise_exception)
-                raise Problem(400, "the model's chat template refuses these messages (their roles or "
-                                   "order)") from None
-            prompt = tok(text, add_special_tokens=False).input_ids
-        else:
-            prompt = tok(data.prompt).input_ids
+        prompt = await tokenize(data, kind)
         max_tokens = data.limit()
         if max_tokens is None:  # what is left of the context, within the default
             max_tokens = max(1, min(default_max_tokens, engine.max_model_len - len(prompt)))
         params = SamplingParams(max_tokens=max_tokens, temperature=data.temperature, top_p=data.top_p,
                                 seed=data.seed, stop=data.stops())
         req = EngineRequest(uuid.uuid4().hex, Subject(key.tenant, user, session), prompt, params,
-                            asyncio.get_running_loop(), asyncio.Queue())
+                            asyncio.get_running_loop(), asyncio.Queue(),
+                            request_id=getattr(request.state, "request_id", None))
         t0 = time.perf_counter()
         try:
             await asyncio.to_thread(engine.submit, req)
@@ -226,6 +250,27 @@ def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name
             return StreamingResponse(_sse(req, rid, created, kind, usage, t0), media_type="text/event-stream",
                                      headers=headers | {"Cache-Control": "no-store"})
         return await _collect(request, req, rid, created, kind, headers, t0)
+
+    async def off_loop(fn, *args):
+        """fn(*args) on the prompt threads (a long prompt holds one of them, never the event loop);
+        503 when too many wait for them."""
+        nonlocal queued
+        if queued >= TOKENIZE_QUEUE:
+            raise Problem(503, "too many prompts are waiting to be read; retry later", {"Retry-After": "1"})
+        queued += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(prompt_threads, fn, *args)
+        finally:
+            queued -= 1
+
+    async def tokenize(data, kind: str) -> list[int]:
+        """The prompt's token ids, made off the event loop; 400 for a prompt the context could
+        never hold, found before tokenizing it where its length in characters tells."""
+        chars = sum(len(m.text()) for m in data.messages) if kind == "chat" else len(data.prompt)
+        if max_prompt_chars is not None and chars > max_prompt_chars:
+            raise Problem(400, f"the prompt is longer than the context limit of {engine.max_model_len} tokens "
+                               "could hold: shorten it")
+        return await off_loop(_prompt_ids, engine.tokenizer, data, kind)
 
     def _choice(kind: str, text: str | None, finish: str | None, *, chunk: bool) -> dict:
         if kind == "text":
@@ -309,6 +354,30 @@ def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name
     return app
 
 
+def _parse(schema, body: bytes):
+    try:
+        return schema.model_validate_json(body)
+    except ValidationError as e:
+        errors = e.errors()
+        if any(err["type"] == "json_invalid" for err in errors):
+            raise Problem(400, "the body is not valid JSON") from None
+        raise Problem(422, "the request is invalid", errors=_errors(errors)) from None
+
+
+def _prompt_ids(tok, data, kind: str) -> list[int]:
+    if kind == "text":
+        return tok(data.prompt).input_ids
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in data.messages]
+    if not getattr(tok, "chat_template", None):
+        raise Problem(400, "this model has no chat template (a base model, such as gemma3): send the text to "
+                           "/v1/completions")
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses these messages (jinja raise_exception)
+        raise Problem(400, "the model's chat template refuses these messages (their roles or order)") from None
+    return tok(text, add_special_tokens=False).input_ids
+
+
 async def _disconnected(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -324,10 +393,13 @@ async def _read_body(request: Request, limit: int) -> bytes:
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise Problem(413, f"the body is over {limit} bytes")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise Problem(413, f"the body is over {limit} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise Problem(413, f"the body is over {limit} bytes")
+    except ClientDisconnect:  # gone, or cut by the read deadline (408): no error of ours
+        raise Problem(499, "the client disconnected before its body arrived") from None
     return bytes(body)
 
 

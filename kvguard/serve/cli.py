@@ -49,6 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                "./.data/ingest.sock)")
     p.add_argument("--ingest-token-file", type=Path, help="file holding the ingest token (else KVGUARD_INGEST_TOKEN)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    p.add_argument("--read-timeout", type=float, default=10.0,
+                   help="seconds a request's headers and body have to arrive; a slower one gets 408 and its "
+                        "connection is closed (default 10)")
+    p.add_argument("--max-idle-connections", type=int, default=512,
+                   help="connections held without a request running (new, kept alive, or still sending one); "
+                        "past it the oldest of them is closed (default 512)")
 
 
 def load(model: str, device: str | None, dtype: str | None):
@@ -175,6 +181,26 @@ def build(model, tokenizer, *, model_name: str, socket, ingest_token: str, polic
     return app, engine, client
 
 
+def max_requests(max_seqs: int) -> int:
+    """Requests in flight (streams included) past which the answer is 503 with Retry-After:
+    room for every admitted request, those refused with 429, and the probes."""
+    return max_seqs * 4 + 16
+
+
+def server_config(app, *, host: str = "127.0.0.1", port: int = 8000, max_seqs: int = 64,
+                  read_timeout_s: float = 10.0, max_idle_connections: int = 512, **options):
+    """uvicorn's settings for serve-llm: a read deadline on every request (408), idle and
+    half-sent connections bounded apart from requests in flight (kvguard/connections.py), no
+    `server` header. uvicorn's own `limit_concurrency` is not used: it counts idle sockets."""
+    import uvicorn
+
+    from ..connections import MAX_HEADER_BYTES, protocol
+
+    http = protocol(read_timeout_s, max_waiting=max_idle_connections, max_requests=max_requests(max_seqs))
+    return uvicorn.Config(app, host=host, port=port, http=http, server_header=False, timeout_keep_alive=5,
+                          h11_max_incomplete_event_size=MAX_HEADER_BYTES, **{"log_level": "warning", **options})
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -188,9 +214,11 @@ def run(args: argparse.Namespace) -> int:
     socket = args.socket or Path(os.environ.get("KVGUARD_SOCKET", "./.data/ingest.sock"))
     if not socket.exists():
         raise ConfigError(f"no sidecar socket at {socket}: start 'kvguard serve' first, or pass --socket")
-    for name in ("num_pages", "max_seqs", "chunk", "max_body_bytes", "split_pages"):
+    for name in ("num_pages", "max_seqs", "chunk", "max_body_bytes", "split_pages", "max_idle_connections"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer")
+    if not 0 < args.read_timeout < float("inf"):
+        raise ConfigError("--read-timeout must be a positive number of seconds")
     print(f"kvguard serve-llm: loading {args.model} ...", file=sys.stderr)
     model, tok, model_name = load(args.model, args.device, args.dtype)
     model_name = args.served_model_name or model_name
@@ -200,8 +228,9 @@ def run(args: argparse.Namespace) -> int:
                                 default_user=args.default_user, max_body_bytes=args.max_body_bytes,
                                 split_pages=args.split_pages)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=5,
-                    limit_concurrency=args.max_seqs * 4 + 16)
+        uvicorn.Server(server_config(app, host=args.host, port=args.port, max_seqs=args.max_seqs,
+                                     read_timeout_s=args.read_timeout,
+                                     max_idle_connections=args.max_idle_connections)).run()
     finally:
         engine.stop()
         client.close()
