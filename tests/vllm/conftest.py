@@ -22,8 +22,6 @@ from tests.sidecar.conftest import ROOT, Server, free_port, pg_database, start_s
 VLLM_PY = Path(os.environ.get("KVGUARD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 MODEL = "smollm2"
 
-if not VLLM_PY.exists():  # `make test` builds it first; `make test-fast` need not
-    pytest.skip(f"no vLLM venv at {VLLM_PY} (make vllm-venv builds it)", allow_module_level=True)
 
 
 @pytest.fixture(scope="session")
@@ -105,6 +103,8 @@ def start_front(vllm_url: str, sidecar: Server, **options):
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def stack(request, tmp_path_factory, smollm2_dir):
+    if not VLLM_PY.exists():  # `make test` builds it first; `make test-fast` need not
+        pytest.skip(f"no vLLM venv at {VLLM_PY} (make vllm-venv builds it)")
     tmp = tmp_path_factory.mktemp("vllm")
     db_url = f"sqlite:///{tmp / 'audit.db'}" if request.param == "sqlite" else request.getfixturevalue("pg_database")
     sidecar = start_server(tmp, db_url, tokens=make_tokens(tmp / "data", db_url))
