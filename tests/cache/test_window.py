@@ -74,3 +74,19 @@ def test_a_window_cache_alone_and_what_it_refuses():
     # the global part keeps the evictor; the window part has none
     m = open_manager(_cfg(evictor="streamingllm", evictor_options={"budget": 32, "sink": 4, "window": 16}))
     assert m.parts[None].evictor is not None and m.parts[W].evictor is None
+
+
+def test_the_bytes_per_token_table_of_docs_models_is_the_script_s():
+    import runpy
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = runpy.run_path(str(root / "benchmarks" / "window_bytes.py"))
+    doc = (root / "docs" / "models.md").read_text()
+    for model in script["MODELS"]:
+        for tokens in (8192, 32768):
+            for codec in ("fp16", "int8"):
+                r = script["count"](model, tokens, codec)
+                row = (f"| {model} | {tokens} | {codec} | {r['bytes_per_token_whole']:,.0f} | "
+                       f"{r['bytes_per_token_windowed']:,.0f} | {r['saving']:.1%} |")
+                assert row in doc, row
