@@ -50,6 +50,7 @@ def manifests() -> tuple[dict, ...]:
 
 DEPLOYMENTS = {"chart": lambda: render(None), "chart-production": lambda: render("values-production.yaml"),
                "manifests": manifests}
+VLLM = {"chart-vllm": lambda: render("values-vllm.yaml")}  # vLLM behind kvguard's front (docs/vllm.md)
 
 
 def one(docs, kind: str) -> dict:
@@ -87,7 +88,7 @@ def test_the_manifests_are_the_chart_as_helm_renders_it():
         assert (ROOT / "deploy/k8s" / name).read_text() == text, f"{name} is stale: run python deploy/k8s/render.py"
 
 
-@pytest.mark.parametrize("values_file", [None, "values-production.yaml"])
+@pytest.mark.parametrize("values_file", [None, "values-production.yaml", "values-vllm.yaml"])
 def test_helm_lint_finds_nothing_to_warn_about(values_file):
     values = yaml.safe_load((CHART / values_file).read_text()) if values_file else None
     report = helm.lint(CHART, values, strict=True, kube_version="v1.29.0")
@@ -95,9 +96,9 @@ def test_helm_lint_finds_nothing_to_warn_about(values_file):
     assert [m for m in report["messages"] if m["severity"] >= 2] == []  # 1: info ("icon is recommended")
 
 
-@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+@pytest.mark.parametrize("deployment", DEPLOYMENTS | VLLM)
 def test_every_resource_validates_against_the_kubernetes_schemas(deployment):
-    docs = DEPLOYMENTS[deployment]()
+    docs = (DEPLOYMENTS | VLLM)[deployment]()
     kinds = sorted(d["kind"] for d in docs)
     assert {"Deployment", "Job", "Service"} <= set(kinds), kinds
     for doc in docs:
@@ -165,6 +166,28 @@ def test_kvguard_is_a_native_sidecar_sharing_the_socket(deployment):
               for c in (*pod["containers"], sidecar_of(pod))}
     assert mounts["inference"]["kvguard-sock"] == mounts["kvguard"]["kvguard-sock"] == "/run/kvguard"
     assert env_of(pod["containers"][0])["KVGUARD_SOCKET"] == env_of(sidecar_of(pod))["KVGUARD_INGEST_SOCKET"]
+
+
+def test_the_vllm_pod_is_kvguards_front_before_vllm_on_loopback_with_the_connector():
+    pod = pod_of(render("values-vllm.yaml"))
+    assert [c["name"] for c in pod["initContainers"]] == ["kvguard-secrets", "kvguard"]
+    front, vllm = pod["containers"]
+    assert (front["name"], vllm["name"]) == ("inference", "vllm")
+    assert front["image"] == DEFAULTS["kvguard"]["image"] and front["args"][:3] == ["serve-llm", "--upstream",
+                                                                                  "http://127.0.0.1:8001"]
+    args = vllm["args"]
+    assert args[args.index("--host") + 1] == "127.0.0.1"  # only the front reaches vLLM
+    connector = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert connector["kv_connector_module_path"] == "kvguard.vllm.connector"
+    assert connector["kv_connector_extra_config"] == {"socket": "/run/kvguard/ingest.sock",
+                                                      "api_url": "http://127.0.0.1:8001"}
+    assert "--kv-events-config" not in args  # vLLM's KV events carry token ids: off
+    socket = env_of(sidecar_of(pod))["KVGUARD_INGEST_SOCKET"]
+    for c in (front, vllm):  # both are inference processes of the sidecar, over its socket, with the token
+        assert env_of(c)["KVGUARD_SOCKET"] == socket
+        assert env_of(c)["KVGUARD_INGEST_TOKEN"]["secretKeyRef"]["key"] == "ingest"
+        assert any(m["name"] == "kvguard-sock" for m in c["volumeMounts"])
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1 and "nvidia.com/gpu" not in front["resources"]["limits"]
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
@@ -283,9 +306,9 @@ def test_without_pgpass_no_password_file_is_copied_or_named():
     assert "initContainers" not in one(docs, "Job")["spec"]["template"]["spec"]
 
 
-@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+@pytest.mark.parametrize("deployment", DEPLOYMENTS | VLLM)
 def test_every_container_is_locked_down_and_bounded(deployment):
-    for pod in all_pods(DEPLOYMENTS[deployment]()):
+    for pod in all_pods((DEPLOYMENTS | VLLM)[deployment]()):
         assert pod["automountServiceAccountToken"] is False
         # a Service named kvguard in the namespace would otherwise inject KVGUARD_PORT=tcp://... and
         # KVGUARD_SERVICE_HOST, which kvguard's strict settings refuse
@@ -294,8 +317,8 @@ def test_every_container_is_locked_down_and_bounded(deployment):
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         for c in (*pod.get("initContainers", []), *pod["containers"]):
             assert c["resources"]["requests"] and c["resources"]["limits"]["memory"], c["name"]
-            if c["name"] == "inference":
-                continue  # the inference image's own user; the pod forbids root
+            if c["name"] == "vllm" or c["name"] == "inference" and c["image"] != DEFAULTS["kvguard"]["image"]:
+                continue  # the inference image's own user; the pod forbids root (vLLM's front is kvguard's)
             sc = c["securityContext"]
             assert sc["runAsUser"] == sc["runAsGroup"] == UID and sc["runAsNonRoot"] is True, c["name"]
             assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, c["name"]

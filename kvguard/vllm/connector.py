@@ -238,6 +238,7 @@ class _SchedulerSide:
         self.lock = threading.Lock()
         self.subjects: dict[str, Subject | None] = {}  # request -> subject (None: a wake-up)
         self.pool = None
+        self.warned = False
         self.steps = 0
         self.pending: list[_Pending] = []
         self.zero_next: list[int] = []  # freed blocks to overwrite in the next step
@@ -269,9 +270,10 @@ class _SchedulerSide:
                 subject = Subject(params["tenant"], params["user"], params["session"])
             except (KeyError, ValueError, TypeError):
                 subject = DIRECT
-        if subject is DIRECT:
-            _log.warning("a request reached vLLM without kvguard's subject; its blocks are recorded under "
-                         "'vllm-direct'")
+        if subject is DIRECT and not self.warned:  # once: a log line per request would cost the engine
+            self.warned = True
+            _log.warning("a request reached vLLM without kvguard's subject; its blocks, and those of any "
+                         "such request after it, are recorded under 'vllm-direct'")
         with self.lock:
             self.subjects[request.request_id] = subject
 
