@@ -16,13 +16,24 @@ Callers send 'Authorization: Bearer <key>' with a key from
   kvguard token create --scope infer --tenant TENANT
 and name their end user in the OpenAI 'user' field; a session may be named in X-Session-ID.
 The process itself authenticates to the sidecar with an ingest token, read from the
-KVGUARD_INGEST_TOKEN variable or --ingest-token-file (never from the command line)."""
+KVGUARD_INGEST_TOKEN variable or --ingest-token-file (never from the command line).
+
+With --upstream URL instead of --model, the same front runs before a vLLM OpenAI server whose
+KV cache kvguard's connector audits and erases (docs/vllm.md)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
+    p.add_argument("--model",
                    help="a local model folder or a GGUF file; 'smollm2' and 'gemma3' are the GGUFs of their "
-                        "wheels (docs/models.md)")
+                        "wheels (docs/models.md; not with --upstream)")
+    p.add_argument("--upstream", metavar="URL",
+                   help="serve through a vLLM OpenAI server at URL instead of kvguard's engine: the same front, "
+                        "each request given a cache_salt and its subject for kvguard's connector inside vLLM "
+                        "(docs/vllm.md)")
+    p.add_argument("--upstream-model", help="the model's name at the upstream (default: --served-model-name)")
+    p.add_argument("--prefix-sharing", choices=["tenant", "user", "session"], default="tenant",
+                   help="with --upstream: who shares prefix blocks, by the salt vLLM keys them under "
+                        "(default tenant)")
     p.add_argument("--served-model-name", help="the model's name in the API (default: 'smollm2' or 'gemma3', or the "
                                                "model file's or folder's name)")
     p.add_argument("--policy", type=Path, help="a scenario policy (policies/*.yaml): codec, evictor, prefix "
@@ -181,6 +192,28 @@ def build(model, tokenizer, *, model_name: str, socket, ingest_token: str, polic
     return app, engine, client
 
 
+def build_upstream(upstream: str, *, model_name: str, socket, ingest_token: str, upstream_model: str | None = None,
+                   scope: str = "tenant", default_user: str | None = None, max_body_bytes: int = 1 << 20,
+                   client_options: dict | None = None):
+    """(app, client): the front before a vLLM server, its sidecar client started."""
+    import httpx
+
+    from ..client import SidecarClient
+    from .keys import KeyChecker
+    from .upstream import FrontProcess, Inflight, Salts, create_upstream_app
+
+    inflight = Inflight()
+    salts = Salts(httpx.AsyncClient(base_url="http://sidecar", transport=httpx.AsyncHTTPTransport(uds=str(socket)),
+                                    timeout=10.0, headers={"Authorization": f"Bearer {ingest_token}"}))
+    client = SidecarClient(FrontProcess(inflight, salts), token=ingest_token, socket=socket, on_full="refuse",
+                           client_id="front", **(client_options or {})).start()
+    keys = KeyChecker(token=ingest_token, socket=socket)
+    app = create_upstream_app(upstream, keys, salts, inflight, model_name=model_name,
+                              upstream_model=upstream_model or model_name, scope=scope, default_user=default_user,
+                              max_body_bytes=max_body_bytes, client=client)
+    return app, client
+
+
 def max_requests(max_seqs: int) -> int:
     """Requests in flight (streams included) past which the answer is 503 with Retry-After:
     room for every admitted request, those refused with 429, and the probes."""
@@ -219,6 +252,25 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer")
     if not 0 < args.read_timeout < float("inf"):
         raise ConfigError("--read-timeout must be a positive number of seconds")
+    if (args.model is None) == (args.upstream is None):
+        raise ConfigError("give --model (kvguard's engine) or --upstream URL (a vLLM server), one of them")
+    if args.upstream is not None:
+        if not args.upstream.startswith(("http://", "https://")):
+            raise ConfigError("--upstream is the vLLM server's http:// or https:// address")
+        name = args.served_model_name or args.upstream_model
+        if not name:
+            raise ConfigError("with --upstream, name the model: --served-model-name (and --upstream-model if "
+                              "vLLM serves it under another name)")
+        app, client = build_upstream(args.upstream, model_name=name, socket=socket, ingest_token=token,
+                                     upstream_model=args.upstream_model, scope=args.prefix_sharing,
+                                     default_user=args.default_user, max_body_bytes=args.max_body_bytes)
+        try:  # the same deadlines and connection bounds as before kvguard's engine
+            uvicorn.Server(server_config(app, host=args.host, port=args.port, max_seqs=args.max_seqs,
+                                         read_timeout_s=args.read_timeout,
+                                         max_idle_connections=args.max_idle_connections)).run()
+        finally:
+            client.close()
+        return 0
     print(f"kvguard serve-llm: loading {args.model} ...", file=sys.stderr)
     model, tok, model_name = load(args.model, args.device, args.dtype)
     model_name = args.served_model_name or model_name
