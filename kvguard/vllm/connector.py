@@ -289,12 +289,13 @@ class _SchedulerSide:
                 hits = new.num_computed_tokens // self.ledger.block_size
                 zero.update(self.ledger.admit(new.req_id, subject, list(new.block_ids[0]), hits))
             cached = out.scheduled_cached_reqs
-            for req, blocks in zip(cached.req_ids, cached.new_block_ids):
-                if blocks is None or self.subjects.get(req) is None:
+            for i, (req, blocks) in enumerate(zip(cached.req_ids, cached.new_block_ids)):
+                subject = self.subjects.get(req)
+                if blocks is None or subject is None:
                     continue
-                if req in cached.resumed_req_ids:  # preempted, now scheduled again with all its blocks
-                    subject = self.ledger.running.pop(req).subject if req in self.ledger.running else DIRECT
-                    zero.update(self.ledger.admit(req, subject, list(blocks[0]), 0))
+                if req in cached.resumed_req_ids:  # preempted, scheduled again with all its blocks
+                    hits = cached.num_computed_tokens[i] // self.ledger.block_size
+                    zero.update(self.ledger.admit(req, subject, list(blocks[0]), hits))
                 else:
                     zero.update(self.ledger.grow(req, list(blocks[0])))
             for p in self.pending:

@@ -53,17 +53,20 @@ class BlockLedger:
         self.block_size, self.block_bytes = block_size, block_bytes
         self.owners: dict[int, set[Subject]] = {}  # block -> subjects whose tokens it holds
         self.running: dict[str, Running] = {}
+        self.held: dict[int, int] = {}  # block -> running requests holding it
         self.events: list[ev.CacheEvent] = []
 
     # --- what the scheduler did -------------------------------------------------------------------
 
     def admit(self, req: str, subject: Subject, block_ids: list[int], hits: int) -> list[int]:
-        """A request scheduled for the first time (or resumed after preemption) with its blocks, the
+        """A request scheduled for the first time (or again after preemption) with its blocks, the
         first `hits` found in the prefix cache. Returns blocks to overwrite before this step runs."""
+        self._release(req)  # resumed after preemption: the blocks it had were freed
         self.running[req] = Running(subject)
         shared = block_ids[:hits]
         for b in shared:
             self.owners.setdefault(b, set()).add(subject)
+            self.held[b] = self.held.get(b, 0) + 1
         self.running[req].blocks.extend(shared)
         self.events.append(ev.SequenceOpened(None, subject, pages(shared), hits * self.block_size,
                                              hits * self.block_bytes, policy="vllm"))
@@ -76,9 +79,13 @@ class BlockLedger:
             return []
         reused: dict[Subject, list[int]] = {}
         for b in block_ids:
-            for old in self.owners.get(b, ()):
-                reused.setdefault(old, []).append(b)
-            self.owners[b] = {run.subject}
+            if self.held.get(b):  # a running request holds it: shared, not reused (vLLM never reuses it)
+                self.owners.setdefault(b, set()).add(run.subject)
+            else:
+                for old in self.owners.get(b, ()):
+                    reused.setdefault(old, []).append(b)
+                self.owners[b] = {run.subject}
+            self.held[b] = self.held.get(b, 0) + 1
         run.blocks.extend(block_ids)
         for old, blocks in reused.items():
             self.events.append(ev.TokensEvicted(None, old, pages(blocks), len(blocks) * self.block_size,
@@ -87,14 +94,23 @@ class BlockLedger:
                                            len(block_ids) * self.block_bytes))
         return sorted({b for blocks in reused.values() for b in blocks})
 
+    def _release(self, req: str) -> Running | None:
+        run = self.running.pop(req, None)
+        for b in run.blocks if run else ():
+            n = self.held.get(b, 0) - 1
+            if n > 0:
+                self.held[b] = n
+            else:
+                self.held.pop(b, None)
+        return run
+
     def finish(self, req: str, cached: Callable[[int], bool]) -> list[int]:
         """A request ended (or was aborted). Its blocks that vLLM keeps in no prefix cache
-        (`cached(b)` false) and no one else holds are overwritten now: returned."""
-        run = self.running.pop(req, None)
+        (`cached(b)` false) and no other request holds are overwritten now: returned."""
+        run = self._release(req)
         if run is None:
             return []
-        still = {b for r in self.running.values() for b in r.blocks}
-        gone = [b for b in run.blocks if b not in still and not cached(b)]
+        gone = [b for b in run.blocks if not self.held.get(b) and not cached(b)]
         for b in gone:
             self.owners.pop(b, None)
         self.events.append(ev.SequenceFreed(None, run.subject, pages(gone), len(run.blocks) * self.block_size,

@@ -69,3 +69,15 @@ def test_only_the_tested_vllm_versions_load(version, ok):
     else:
         with pytest.raises(RuntimeError, match=r"tested with vLLM 0\.32\.x only; this is vLLM"):
             check_version(version)
+
+
+def test_a_block_a_running_request_holds_is_shared_never_reused():
+    led = BlockLedger(32, 1000)
+    led.admit("r1", A, [1, 2], 0)
+    # bob's request is given block 2 while alice's still holds it (vLLM shares a cached block): no
+    # eviction, nothing overwritten, both own it
+    assert led.grow("r1", []) == [] and led.admit("r2", B, [9], 0) == []
+    assert led.grow("r2", [2]) == [] and led.owners[2] == {A, B}
+    assert not [e for e in led.events if e.op == "evict"]
+    # alice's request is preempted and resumed with block 1 found again: nothing overwritten
+    assert led.admit("r1", A, [1, 5], hits=1) == [] and led.held == {1: 1, 5: 1, 9: 1, 2: 1}
