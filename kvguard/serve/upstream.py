@@ -79,39 +79,56 @@ class Inflight:
 
 
 class Salts:
-    """Cache salts from the sidecar, kept a short while per (scope, subject) and dropped at once
-    when the subject is erased."""
+    """Cache salts from the sidecar, kept `ttl_s` per (scope, tenant, target). An erasure drops
+    its subject's at once, and for `fresh_s` after it they are asked anew at every request: the
+    sidecar shreds the secret only after every process acknowledged, so a salt fetched between
+    the acknowledgement and the shredding must not outlive it here."""
 
-    def __init__(self, http: httpx.AsyncClient, ttl_s: float = 30.0) -> None:
-        self._http, self.ttl_s = http, ttl_s
-        self._known: dict[tuple, tuple[float, str]] = {}
+    def __init__(self, http: httpx.AsyncClient, ttl_s: float = 5.0, fresh_s: float = 120.0) -> None:
+        self._http, self.ttl_s, self.fresh_s = http, ttl_s, fresh_s
+        self._known: dict[tuple[str, str, str], tuple[float, str]] = {}
+        self._erased: dict[tuple[str, str], float] = {}  # (tenant, user or session) -> until
         self._lock = threading.Lock()
 
+    @staticmethod
+    def key(subject: Subject, scope: str) -> tuple[str, str, str]:
+        return scope, subject.tenant, {"tenant": "", "user": subject.user, "session": subject.session}[scope]
+
     async def salt(self, subject: Subject, scope: str) -> str:
-        key = (scope, subject.tenant, subject.user if scope == "user" else subject.session
-               if scope == "session" else "")
-        now = time.monotonic()
+        key, now = self.key(subject, scope), time.monotonic()
         with self._lock:
             hit = self._known.get(key)
-        if hit is not None and hit[0] > now:
+            recent = any(self._erased.get((subject.tenant, who), 0) > now for who in (subject.user, subject.session))
+        if hit is not None and hit[0] > now and not recent:
             return hit[1]
         r = await self._http.post("/internal/v1/salt", json={
             "subject": {"tenant": subject.tenant, "user": subject.user, "session": subject.session},
             "scope": scope})
         r.raise_for_status()
         salt = r.json()["salt"]
-        with self._lock:
-            if len(self._known) > 10_000:
-                self._known.clear()
-            self._known[key] = (now + self.ttl_s, salt)
+        if not recent:
+            with self._lock:
+                if len(self._known) > 10_000:
+                    self._known.clear()
+                self._known[key] = (now + self.ttl_s, salt)
         return salt
 
     def forget(self, tenant: str, scope: str, target: str) -> None:
+        """An erasure of a user (and so of her sessions) or of a session; the tenant's salt stays."""
+        def dropped(k: tuple[str, str, str]) -> bool:
+            kscope, ktenant, ktarget = k
+            if ktenant != tenant or kscope == "tenant":
+                return False
+            if scope == "user":  # her sessions' salts too: the session keys carry no user
+                return kscope == "session" or ktarget == target
+            return kscope == "session" and ktarget == target
+
         with self._lock:
-            # the erased subject's own salts; a tenant-scope salt stays (the tenant is not erased)
-            self._known = {k: v for k, v in self._known.items()
-                           if not (k[1] == tenant and k[0] in (scope, "session" if scope == "user" else scope)
-                                   and (k[0] != scope or k[2] == target))}
+            self._known = {k: v for k, v in self._known.items() if not dropped(k)}
+            self._erased[(tenant, target)] = time.monotonic() + self.fresh_s
+            if len(self._erased) > 10_000:
+                now = time.monotonic()
+                self._erased = {k: t for k, t in self._erased.items() if t > now}
 
 
 class FrontProcess:
