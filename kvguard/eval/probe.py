@@ -43,7 +43,8 @@ class ProbeCache(KVGuardCache):
             k, v = torch.cat([self.shadow[layer][0], k], 1), torch.cat([self.shadow[layer][1], v], 1)
         self.shadow[layer] = (k, v)
         if self.scoring:
-            ref, _ = dense_attention(query[0].transpose(0, 1), k, v, scale=scale)  # [T, Hq, D]
+            # the reference reads what the model attends to: a sliding-window layer, its window
+            ref, _ = dense_attention(query[0].transpose(0, 1), k, v, scale=scale, window=self.window(layer))
             self.err2[layer] += (out[0].double() - ref.double()).pow(2).sum()
             self.ref2[layer] += ref.double().pow(2).sum()
         return out

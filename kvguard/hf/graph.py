@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cache import CacheManager
 from ..cache.step import StaticStep
 from ..errors import ConfigError, InputError
 from .cache import KVGuardCache, cache_kwarg
@@ -52,6 +53,9 @@ class DecodeGraph:
         if not cache.seqs:
             raise InputError("the cache holds no rows yet: run the prompt through the model with it first")
         m = cache.manager
+        if not isinstance(m, CacheManager) or m.cfg.window is not None:
+            raise ConfigError("a decode graph runs the kernels, and no kernel reads a sliding window: a model "
+                              "with window layers (Gemma 3) decodes eagerly (kvguard.hf.greedy does)")
         self.static = StaticStep(m, cache.seqs, max_tokens)
         dev = m.cfg.device
         self.capture = dev.type == "cuda" if capture is None else bool(capture)

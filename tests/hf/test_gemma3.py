@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache, StoppingCriteria
 
 from kvguard.errors import ConfigError
-from kvguard.hf import KVGuardCache, layer_windows
+from kvguard.hf import DecodeGraph, KVGuardCache, layer_windows
 
 from .conftest import attn, kv
 
@@ -101,3 +101,12 @@ def test_a_cache_that_does_not_know_the_window_is_refused(gemma, alice):
     cache = KVGuardCache(model.config, alice, num_pages=8)  # made for the 512-token window
     with windowed(model, W), pytest.raises(ConfigError, match="sliding window 32"):
         greedy(model, ids[:, :4], cache)
+
+
+def test_no_decode_graph_over_window_layers(gemma, alice):
+    model, ids, _ = gemma
+    cache = KVGuardCache(model.config, alice, num_pages=8)
+    with torch.no_grad():
+        model(ids[:, :4], **kv(model, cache))
+    with pytest.raises(ConfigError, match="sliding window"):
+        DecodeGraph(model, cache, 16, capture=False)
