@@ -49,7 +49,7 @@ TITLES = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not F
           503: "Service Unavailable"}
 METRICS_SCOPE = "audit:read"  # what the sidecar's own /metrics asks for; admin implies it
 PROMPT_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))  # a CPU left to the event loop
-TOKENIZE_QUEUE = 16 * PROMPT_THREADS  # bodies and prompts waiting for a prompt thread; past it 503
+QUEUE_BODIES = 32  # bytes of bodies and prompts waiting for the prompt threads, in largest bodies; past it 503
 INLINE_PARSE_BYTES = 64 << 10  # bodies up to this are parsed on the event loop (a hop costs more)
 
 
@@ -95,7 +95,7 @@ def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name
                default_max_tokens: int = 1024) -> FastAPI:
     # large bodies are parsed, and prompts templated and tokenized, on threads of their own
     prompt_threads = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="kvguard-prompt")
-    queued = 0  # work handed to them and not done
+    queued, most_queued = 0, QUEUE_BODIES * max_body_bytes  # bytes (characters) handed to them, not done
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -210,7 +210,7 @@ def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name
         key = await authenticate(request)
         body = await _read_body(request, max_body_bytes)
         if len(body) > INLINE_PARSE_BYTES:  # parsing a large body takes milliseconds: not on the event loop
-            data = await off_loop(_parse, schema, body)
+            data = await off_loop(len(body), _parse, schema, body)
         else:
             data = _parse(schema, body)
         if data.model != model_name:
@@ -251,17 +251,18 @@ def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name
                                      headers=headers | {"Cache-Control": "no-store"})
         return await _collect(request, req, rid, created, kind, headers, t0)
 
-    async def off_loop(fn, *args):
+    async def off_loop(size: int, fn, *args):
         """fn(*args) on the prompt threads (a long prompt holds one of them, never the event loop);
-        503 when too many wait for them."""
+        503 when more than QUEUE_BODIES largest bodies' worth of work (`size`: bytes or
+        characters) waits for them."""
         nonlocal queued
-        if queued >= TOKENIZE_QUEUE:
+        if queued + size > most_queued:
             raise Problem(503, "too many prompts are waiting to be read; retry later", {"Retry-After": "1"})
-        queued += 1
+        queued += size
         try:
             return await asyncio.get_running_loop().run_in_executor(prompt_threads, fn, *args)
         finally:
-            queued -= 1
+            queued -= size
 
     async def tokenize(data, kind: str) -> list[int]:
         """The prompt's token ids, made off the event loop; 400 for a prompt the context could
@@ -270,7 +271,7 @@ def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name
         if max_prompt_chars is not None and chars > max_prompt_chars:
             raise Problem(400, f"the prompt is longer than the context limit of {engine.max_model_len} tokens "
                                "could hold: shorten it")
-        return await off_loop(_prompt_ids, engine.tokenizer, data, kind)
+        return await off_loop(chars, _prompt_ids, engine.tokenizer, data, kind)
 
     def _choice(kind: str, text: str | None, finish: str | None, *, chunk: bool) -> dict:
         if kind == "text":
@@ -368,9 +369,6 @@ def _prompt_ids(tok, data, kind: str) -> list[int]:
     if kind == "text":
         return tok(data.prompt).input_ids
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in data.messages]
-    if not getattr(tok, "chat_template", None):
-        raise Problem(400, "this model has no chat template (a base model, such as gemma3): send the text to "
-                           "/v1/completions")
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception:  # noqa: BLE001 - a template that refuses these messages (jinja raise_exception)

@@ -9,6 +9,7 @@ implies it), never an end user's `infer` key.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from dataclasses import dataclass
@@ -47,6 +48,9 @@ class KeyChecker:
                                        headers={"Authorization": f"Bearer {token}"})
         self.ttl_s = ttl_s
         self._known: dict[str, tuple[float, Key | None]] = {}
+        # one question to the sidecar per key at a time: a burst of requests with one key, as its
+        # answer expires, waits for one answer instead of sending the sidecar a question each
+        self._asking: dict[str, asyncio.Future] = {}
 
     async def check(self, token: str, scope: str = "infer") -> Key:
         """The key of a token with `scope` (an `infer` token: bound to a tenant), or KeyError_
@@ -57,7 +61,12 @@ class KeyChecker:
         now = time.monotonic()
         hit = self._known.get(digest)
         if hit is None or hit[0] < now:
-            key = await self._ask(token)
+            asking = self._asking.get(digest)
+            if asking is None:
+                asking = self._asking[digest] = asyncio.ensure_future(self._ask(token))
+                asking.add_done_callback(lambda f: (self._asking.pop(digest, None),
+                                                    f.cancelled() or f.exception()))  # retrieved: never "unhandled"
+            key = await asyncio.shield(asking)  # a waiter that leaves does not cancel the others' answer
             if len(self._known) >= MAX_CACHED:
                 self._known.clear()
             self._known[digest] = (now + self.ttl_s, key)
