@@ -31,9 +31,20 @@ UID = DEFAULTS["kvguard"]["uid"]
 METRICS_PORT = DEFAULTS["kvguard"]["metricsPort"]
 
 
+# what the chart's defaults lack: the verifier key of the witness it deploys by default
+WITNESS = {"witnesses": {"vkey": "witness.example/w1+fa029245+BIAMEqSNVtZbVcQ5h5+9TxIROxx5UgFf63FrfyNlvSVg"}}
+
+
+def witnessed(values: dict | None) -> dict:
+    """`values` over WITNESS: the witness's key where the values name none."""
+    values = dict(values or {})
+    values["witnesses"] = {**WITNESS["witnesses"], **values.get("witnesses", {})}
+    return values
+
+
 @functools.cache
 def render(values_file: str | None) -> tuple[dict, ...]:
-    values = yaml.safe_load((CHART / values_file).read_text()) if values_file else None
+    values = witnessed(yaml.safe_load((CHART / values_file).read_text()) if values_file else None)
     with helm.Chart.load(CHART) as chart:
         rendered = chart.render(values, name=RELEASE, namespace="ml", is_install=True)
     assert "port-forward" in rendered.pop("kvguard/templates/NOTES.txt")  # what `helm install` prints
@@ -54,7 +65,8 @@ VLLM = {"chart-vllm": lambda: render("values-vllm.yaml")}  # vLLM behind kvguard
 
 
 def one(docs, kind: str) -> dict:
-    found = [d for d in docs if d["kind"] == kind]
+    """The one resource of a kind of the inference pods (the chart's witness is apart)."""
+    found = [d for d in docs if d["kind"] == kind and "-witness" not in d["metadata"]["name"]]
     assert len(found) == 1, f"{len(found)} {kind}s"
     return found[0]
 
@@ -90,7 +102,7 @@ def test_the_manifests_are_the_chart_as_helm_renders_it():
 
 @pytest.mark.parametrize("values_file", [None, "values-production.yaml", "values-vllm.yaml"])
 def test_helm_lint_finds_nothing_to_warn_about(values_file):
-    values = yaml.safe_load((CHART / values_file).read_text()) if values_file else None
+    values = witnessed(yaml.safe_load((CHART / values_file).read_text()) if values_file else None)
     report = helm.lint(CHART, values, strict=True, kube_version="v1.29.0")
     assert report["errors"] == [] and report["total_charts_linted"] == 1
     assert [m for m in report["messages"] if m["severity"] >= 2] == []  # 1: info ("icon is recommended")
@@ -138,17 +150,43 @@ def test_the_production_example_pulls_both_images_with_its_credentials():
     ({"secrets": {"database": "Kvguard_DB"}}, "does not match pattern"),
     ({"kvguard": {"readinessProbe": {"timeoutSeconds": 0}}}, "minimum"),
     ({"kvguard": {"metricsPort": 8470}}, "must differ"),
+    ({"witnesses": {"vkey": None}}, "witnesses.vkey is required"),  # the defaults deploy a witness: name its key
+    ({"witnesses": {"vkey": "not a vkey"}}, "does not match pattern"),
 ])
 def test_values_that_helm_must_refuse(values, error):
     """values.schema.json: a misspelt key or a wrong type fails the install instead of being ignored."""
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError, match=error):
-        chart.render(values, name=RELEASE)
+        chart.render(witnessed(values), name=RELEASE)
+
+
+def test_the_chart_deploys_a_witness_by_default_and_the_sidecars_use_it():
+    docs = render(None)
+    witness = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-witness"))
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-witness"))
+    inference = next(d for d in docs if d["kind"] == "Deployment" and d is not witness)
+    # neither the inference Deployment nor the metrics Service selects the witness's pod
+    labels = witness["spec"]["template"]["metadata"]["labels"]
+    for d in docs:
+        sel = d["spec"].get("selector", {}) if d["kind"] in ("Deployment", "Service") and d is not witness \
+            and d is not service else None
+        sel = (sel or {}).get("matchLabels", sel) if sel else None
+        assert not sel or not all(labels.get(k) == v for k, v in sel.items()), d["metadata"]["name"]
+    [target] = json.loads(env_of(sidecar_of(inference["spec"]["template"]["spec"]))["KVGUARD_WITNESSES"])
+    assert target == {"url": f"http://{service['metadata']['name']}:8471", "vkey": WITNESS["witnesses"]["vkey"]}
+    args = witness["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:2] == ["witness", "serve"] and args[args.index("--name") + 1] == "witness.example/w1"
+    # without the chart's witness, none is configured: the choice is in the values, and the sidecars warn
+    with helm.Chart.load(CHART) as chart:
+        rendered = chart.render({"witnesses": {"deploy": False}}, name=RELEASE)
+    assert "witness" not in "".join(k for k, v in rendered.items() if v.strip() and "NOTES" not in k).replace(
+        "templates/witness.yaml", "")
+    assert "KVGUARD_WITNESSES" not in rendered["kvguard/templates/deployment.yaml"]
 
 
 def test_a_service_monitor_without_its_service_is_refused():
     values = {"metrics": {"service": False, "serviceMonitor": {"enabled": True}}}
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError, match="needs metrics.service"):
-        chart.render(values, name=RELEASE)
+        chart.render(witnessed(values), name=RELEASE)
 
 
 # --- the native sidecar and its probes ------------------------------------------------------------
@@ -300,7 +338,7 @@ def test_keys_and_passwords_reach_kvguard_readable_by_its_user_only(deployment):
 
 def test_without_pgpass_no_password_file_is_copied_or_named():
     with helm.Chart.load(CHART) as chart:
-        rendered = chart.render({"secrets": {"pgpass": False}}, name=RELEASE)
+        rendered = chart.render(witnessed({"secrets": {"pgpass": False}}), name=RELEASE)
     docs = [d for name, text in rendered.items() if name.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
     assert "pgpass" not in json.dumps(docs).lower()
     assert "initContainers" not in one(docs, "Job")["spec"]["template"]["spec"]
@@ -390,8 +428,8 @@ def test_the_image_runs_what_the_chart_passes():
     assert f"KVGUARD_METRICS_PORT={METRICS_PORT}" in final
     for pod in all_pods(render(None)):
         for c in (*pod.get("initContainers", []), *pod["containers"]):
-            if c["image"] == DEFAULTS["kvguard"]["image"] and c["name"] != "kvguard-secrets":
-                assert "command" not in c and c["args"][0] in ("serve", "db"), c["name"]  # through the ENTRYPOINT
+            if c["image"] == DEFAULTS["kvguard"]["image"] and c["name"] not in ("kvguard-secrets", "witness-key"):
+                assert "command" not in c and c["args"][0] in ("serve", "db", "witness"), c["name"]  # the ENTRYPOINT
 
 
 def test_image_data_volume_belongs_to_the_service_user():
