@@ -54,6 +54,7 @@ from ..cache import events as ev  # noqa: E402
 from ..client import SidecarClient  # noqa: E402
 from ..types import Subject  # noqa: E402
 from .ledger import BlockLedger, Erasure, pages  # noqa: E402
+from .overwrite import block_dims, overwrite  # noqa: E402
 
 _log = logging.getLogger("kvguard.vllm")
 DIRECT = Subject("vllm-direct", "vllm-direct", "vllm-direct")  # requests that did not come through the front
@@ -64,6 +65,7 @@ ERASE_TIMEOUT_S = 60.0
 class StepMeta(KVConnectorMetadata):
     step: int
     zero: list[int]
+    check: bool = False  # an erasure's blocks are among them: read them back
 
 
 @dataclass
@@ -116,7 +118,7 @@ class KVGuardConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, StepMeta) and meta.zero:
-            self._side.zero(meta.step, meta.zero)
+            self._side.zero(meta.step, meta.zero, meta.check)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -170,20 +172,10 @@ class _WorkerSide:
         self._report: ZeroReport | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        for name, t in kv_caches.items():
-            dims = [d for d, n in enumerate(t.shape) if n == self.num_blocks]
-            if not dims:
-                raise RuntimeError(f"layer {name}'s KV tensor {tuple(t.shape)} has no dimension of "
-                                   f"{self.num_blocks} blocks: this vLLM lays out its cache in a way kvguard "
-                                   "does not know")
-            self.layers.append((t, dims[0]))
+        self.layers = block_dims(kv_caches, self.num_blocks)
 
-    def zero(self, step: int, blocks: list[int]) -> None:
-        residue = 0.0
-        for t, dim in self.layers:
-            idx = torch.tensor(blocks, dtype=torch.long, device=t.device)
-            t.index_fill_(dim, idx, 0)
-            residue = max(residue, float(t.index_select(dim, idx).abs().amax()))
+    def zero(self, step: int, blocks: list[int], check: bool) -> None:
+        residue = overwrite(self.layers, blocks, read_back=check)
         r = self._report or ZeroReport()
         r.steps[step] = r.steps.get(step, 0) + len(blocks)
         r.residue = max(r.residue, residue)
@@ -298,17 +290,19 @@ class _SchedulerSide:
                     zero.update(self.ledger.admit(req, subject, list(blocks[0]), hits))
                 else:
                     zero.update(self.ledger.grow(req, list(blocks[0])))
+            check = False
             for p in self.pending:
                 if p.erasure is None:
-                    self._erase_now(p, zero)
+                    check |= self._erase_now(p, zero)
             self._emit()
-            return StepMeta(self.steps, sorted(zero))
+            return StepMeta(self.steps, sorted(zero), check)
 
-    def _erase_now(self, p: _Pending, zero: set[int]) -> None:
+    def _erase_now(self, p: _Pending, zero: set[int]) -> bool:
+        """True when the erasure's blocks go to the workers in this step."""
         in_use = (lambda b: self.pool.blocks[b].ref_cnt > 0) if self.pool is not None else (lambda b: False)
         erasure = self.ledger.erase(p.scope, p.tenant, p.target, in_use)
         if erasure is None:
-            return  # a request of the subject still runs (the front aborts it); again next step
+            return False  # a request of the subject still runs (the front aborts it); again next step
         if self.pool is not None and erasure.overwritten:
             cached = [b for b in erasure.overwritten if self.pool.blocks[b].block_hash is not None]
             self.pool.evict_blocks(set(cached))
@@ -317,6 +311,7 @@ class _SchedulerSide:
         p.erasure, p.step = erasure, self.steps
         if not erasure.overwritten:
             p.done.set()
+        return bool(erasure.overwritten)
 
     def reported(self, report: ZeroReport) -> None:
         with self.lock:

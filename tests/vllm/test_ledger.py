@@ -81,3 +81,25 @@ def test_a_block_a_running_request_holds_is_shared_never_reused():
     assert not [e for e in led.events if e.op == "evict"]
     # alice's request is preempted and resumed with block 1 found again: nothing overwritten
     assert led.admit("r1", A, [1, 5], hits=1) == [] and led.held == {1: 1, 5: 1, 9: 1, 2: 1}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("layout", ["cpu", "flash"])
+def test_blocks_are_overwritten_in_every_layer_whatever_the_layout(layout, device):
+    import torch
+
+    from kvguard.vllm.overwrite import block_dims, overwrite
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run on the GPU machine)")
+    blocks, shape = 10, ((10, 2, 32, 3, 8) if layout == "cpu" else (2, 10, 32, 3, 8))
+    caches = {f"layer.{i}": torch.randn(shape, dtype=torch.bfloat16, device=device) for i in range(3)}
+    before = {k: v.clone() for k, v in caches.items()}
+    layers = block_dims(caches, blocks)
+    assert overwrite(layers, [1, 7]) == 0.0
+    for (t, dim), old in zip(layers, before.values()):
+        kept = torch.tensor([b for b in range(blocks) if b not in (1, 7)], device=device)
+        assert torch.equal(t.index_select(dim, kept), old.index_select(dim, kept))
+        assert not t.index_select(dim, torch.tensor([1, 7], device=device)).any()
+    with pytest.raises(RuntimeError, match="no dimension of 11 blocks"):
+        block_dims(caches, 11)
