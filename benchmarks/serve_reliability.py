@@ -15,7 +15,8 @@ sidecar (`kvguard serve`, SQLite), every exchange bounded in count and time:
   huge-header, non-ASCII and trailing-slash requests: no 5xx, no traceback in the server's log;
 * idle and slow connections (nothing sent, half the headers, less body than the
   Content-Length): all cut by the read deadline while /healthz and a request are served;
-* bursts of valid requests at once (64 and 100 against --max-seqs 64; `--small`: 8 and 12 against 8):
+* bursts of valid requests at once (64 and 100 of 8 tokens against --max-seqs 64; `--small`: 4 and 6
+  of 2 tokens against 4):
   each answered 200 or 429 with Retry-After, none 5xx;
 * the server's peak RSS through it all, under a stated cap.
 
@@ -41,7 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.sidecar_reliability import Report, rss_mb, send_raw  # noqa: E402
-from tests.sidecar.conftest import ROOT, free_port, kvguard, start_server  # noqa: E402
+from tests.serve.conftest import make_tokens  # noqa: E402
+from tests.sidecar.conftest import ROOT, free_port, start_server  # noqa: E402
 
 READ_TIMEOUT_S = 2
 RSS_CAP_MB = 2500  # serve-llm's peak RSS (SmolLM2-135M in float32 on the CPU, its pages, torch) stays under
@@ -215,12 +217,12 @@ def slow_clients(llm: Llm, tokens: dict, report: Report, small: bool) -> None:
                cut == n and health == 200 and served == 200)
 
 
-def burst(llm: Llm, tokens: dict, report: Report, n: int) -> None:
+def burst(llm: Llm, tokens: dict, report: Report, n: int, max_tokens: int) -> None:
     why: dict[str, int] = {}
 
     def one(i: int) -> tuple[int, float, bool]:
         t = time.perf_counter()
-        r = httpx.post(llm.url + "/v1/completions", json=completion(i, max_tokens=8), timeout=300,
+        r = httpx.post(llm.url + "/v1/completions", json=completion(i, max_tokens=max_tokens), timeout=300,
                        headers={"Authorization": f"Bearer {tokens['acme' if i % 2 else 'globex']}"})
         well = (r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")) or (
             r.status_code == 429 and r.headers.get("retry-after") == "1"
@@ -249,20 +251,18 @@ def burst(llm: Llm, tokens: dict, report: Report, n: int) -> None:
 def run(report: Report, small: bool) -> None:
     with tempfile.TemporaryDirectory(prefix="kvguard-serve-reliability-") as tmp:
         tmp = Path(tmp)
-        sidecar = start_server(tmp, f"sqlite:///{tmp / 'audit.db'}")
+        db_url = f"sqlite:///{tmp / 'audit.db'}"
+        tokens = make_tokens(tmp / "data", db_url, extra_scopes=("erasure:write", "erasure:read"))
+        sidecar = start_server(tmp, db_url, tokens=tokens)
         llm = None
         try:
-            tokens = dict(sidecar.tokens)
-            for tenant in ("acme", "globex"):
-                tokens[tenant] = kvguard(["token", "create", "--scope", "infer", "--tenant", tenant, "--name",
-                                          f"infer-{tenant}"], sidecar.env)
-            llm = start_llm(sidecar, tmp, 8 if small else 64)
+            llm = start_llm(sidecar, tmp, 4 if small else 64)
             _, peak0 = rss_mb(llm.proc.pid)
             matrix(llm, tokens, report)
             corpus(llm, tokens, report, small)
             slow_clients(llm, tokens, report, small)
-            for n in ((8, 12) if small else (64, 100)):
-                burst(llm, tokens, report, n)
+            for n in ((4, 6) if small else (64, 100)):
+                burst(llm, tokens, report, n, 2 if small else 8)
             now, peak = rss_mb(llm.proc.pid)
             report.add("serve-llm memory", f"peak RSS {peak:.0f} MB (ready {peak0:.0f} MB, now {now:.0f} MB; "
                                            f"cap {RSS_CAP_MB} MB)", peak < RSS_CAP_MB)

@@ -33,8 +33,9 @@ class Llm:
         self.client.close()
 
 
-def make_tokens(data: Path, db_url: str) -> dict[str, str]:
-    """The sidecar's secrets and tokens, made in-process (faster than a CLI call each)."""
+def make_tokens(data: Path, db_url: str, extra_scopes: tuple[str, ...] = ()) -> dict[str, str]:
+    """The sidecar's secrets and tokens, made in-process (faster than a CLI call each); a token
+    of each of `extra_scopes` too."""
     from kvguard.audit.keys import write_private_file
     from kvguard.audit.store import make_engine, migrate
 
@@ -50,6 +51,8 @@ def make_tokens(data: Path, db_url: str) -> dict[str, str]:
     with Session(engine) as db:
         tokens = {"admin": create_token(db, "admin", ["admin"]), "ingest": create_token(db, "ingest", ["ingest"]),
                   "audit:read": create_token(db, "auditor", ["audit:read"])}
+        for scope in extra_scopes:
+            tokens[scope] = create_token(db, scope.replace(":", "-"), [scope])
         for tenant in ("acme", "globex"):
             tokens[tenant] = create_token(db, f"infer-{len(tokens)}", ["infer"], tenants=[tenant], index_key=index_key)
     engine.dispose()
