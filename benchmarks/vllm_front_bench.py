@@ -3,9 +3,13 @@ kvguard's front (with kvguard's connector inside that vLLM), alternating rounds 
 
 N streaming clients send M chat requests each (a ~250-token system prompt shared by all, a
 short question, --output tokens, greedy) to each URL. Printed: output tokens/s and TTFT
-p50/p99 per target, every round, and the ratio front ÷ direct of the medians. Start the
-stack first (docs/vllm.md: `kvguard serve`, vLLM with the connector, `kvguard serve-llm
---upstream`), then:
+p50/p99 per target, every round, and the ratio front ÷ direct of the medians. With --start
+MODEL_DIR the script starts the stack itself (a sidecar on SQLite in a scratch folder, vLLM
+from .venv-vllm with kvguard's connector, the front in this process):
+
+    python benchmarks/vllm_front_bench.py --start ~/.cache/kvguard/smollm2-hf-0.1.2 --rounds 3
+
+or measures a running one (docs/vllm.md):
 
     python benchmarks/vllm_front_bench.py --direct http://127.0.0.1:8001 \\
         --front http://127.0.0.1:8000 --key "$INFER_KEY" --model smollm2 --rounds 3
@@ -19,11 +23,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from pathlib import Path
 
 import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SYSTEM = ("You are the assistant of a public library. You answer questions about opening hours, loans, "
           "renewals, fines, rooms, events, the catalogue and accessibility. Answer briefly, in plain words, "
@@ -71,11 +84,73 @@ async def load(url: str, key: str | None, model: str, clients: int, requests: in
             "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], "tokens": tokens}
 
 
+@contextlib.contextmanager
+def stack(model_dir: Path, vllm_python: Path, model: str):
+    """A sidecar, vLLM with kvguard's connector and the front: yields (vLLM's URL, the front's, an infer key)."""
+    import uvicorn
+    from kvguard.audit.store import make_engine
+    from sqlalchemy.orm import Session
+
+    from kvguard.serve.cli import build_upstream
+    from kvguard.sidecar.auth import create_token
+    from kvguard.sidecar.service import load_or_create_secret
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from serve_bench import free_port, start_sidecar
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        sidecar, sock, ingest = start_sidecar(tmp)
+        engine = make_engine(f"sqlite:///{tmp / 'data' / 'audit.db'}")
+        with Session(engine) as db:
+            key = create_token(db, "bench-key", ["infer"], tenants=["bench"],
+                               index_key=load_or_create_secret(tmp / "data" / "index.key"))
+        engine.dispose()
+        port = free_port()
+        vllm_url = f"http://127.0.0.1:{port}"
+        cfg = {"kv_connector": "KVGuardConnector", "kv_connector_module_path": "kvguard.vllm.connector",
+               "kv_role": "kv_both", "kv_connector_extra_config": {"socket": str(sock), "api_url": vllm_url}}
+        env = {**os.environ, "KVGUARD_INGEST_TOKEN": ingest, "VLLM_CPU_KVCACHE_SPACE": "2"}
+        vllm = subprocess.Popen([str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                                 str(model_dir), "--served-model-name", model, "--host", "127.0.0.1", "--port",
+                                 str(port), "--enforce-eager", "--max-model-len", "2048", "--block-size", "32",
+                                 "--kv-transfer-config", json.dumps(cfg)], env=env, cwd=tmp,
+                                stdout=open(tmp / "vllm.log", "wb"), stderr=subprocess.STDOUT)
+        server = None
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                if vllm.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"vLLM did not start: {(tmp / 'vllm.log').read_text()[-3000:]}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(vllm_url + "/health", timeout=1).status_code == 200:
+                        break
+                time.sleep(0.5)
+            app, client = build_upstream(vllm_url, model_name=model, socket=sock, ingest_token=ingest)
+            front_port = free_port()
+            server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=front_port, log_level="warning"))
+            threading.Thread(target=server.run, daemon=True).start()
+            while not server.started:
+                time.sleep(0.05)
+            yield vllm_url, f"http://127.0.0.1:{front_port}", key
+        finally:
+            if server is not None:
+                server.should_exit = True
+                client.close()
+            vllm.terminate()
+            vllm.wait(60)
+            sidecar.terminate()
+            sidecar.wait(30)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--direct", required=True, help="vLLM's own OpenAI server")
-    p.add_argument("--front", required=True, help="kvguard serve-llm --upstream before that vLLM")
-    p.add_argument("--key", required=True, help="an infer key of the front")
+    p.add_argument("--start", type=Path, metavar="MODEL_DIR", help="start the stack with this model folder")
+    p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python",
+                   help="vLLM's interpreter, with --start (default .venv-vllm)")
+    p.add_argument("--direct", help="vLLM's own OpenAI server")
+    p.add_argument("--front", help="kvguard serve-llm --upstream before that vLLM")
+    p.add_argument("--key", help="an infer key of the front")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--requests", type=int, default=16, help="requests per client")
@@ -86,6 +161,15 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     if a.small:
         a.clients, a.requests, a.output, a.rounds = 2, 2, 8, 1
+    if a.start is not None:
+        with stack(a.start, a.vllm_python, a.model) as (a.direct, a.front, a.key):
+            return measure(a)
+    if not (a.direct and a.front and a.key):
+        p.error("give --start MODEL_DIR, or --direct, --front and --key of a running stack")
+    return measure(a)
+
+
+def measure(a) -> dict:
     rows: dict[str, list[dict]] = {"direct": [], "front": []}
     asyncio.run(load(a.direct, None, a.model, 2, 1, 4))  # warm: the shared system prompt's blocks exist
     for r in range(a.rounds):
@@ -103,7 +187,8 @@ def main(argv=None) -> dict:
         print(f"| {n} | {med[n]['tok_s']:.1f} | {med[n]['ttft_p50']:.3f} | {med[n]['ttft_p99']:.3f} |")
     print(f"\nfront / direct: {ratio['tok_s']:.3f}x the tokens/s, {ratio['ttft_p50']:.3f}x the TTFT p50 "
           f"(medians of {a.rounds} rounds)")
-    out = {"rounds": rows, "median": med, "ratio": ratio, "args": vars(a)}
+    out = {"rounds": rows, "median": med, "ratio": ratio,
+           "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items() if k != "key"}}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
