@@ -51,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-pages", type=int, default=None,
                    help="pages of the K/V split's pool, for a policy with kv_split: each holds its keys in device "
                         "memory (about half a page) and its values in pinned host memory (default: --num-pages)")
-    p.add_argument("--max-seqs", type=int, default=64, help="requests served at once; more get 429 (default 64)")
+    p.add_argument("--max-seqs", type=int, default=64, help="requests running at once; more wait (default 64)")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="requests waiting for a place; more get 429 with Retry-After (default: --max-seqs x 3)")
     p.add_argument("--chunk", type=int, default=256, help="prompt tokens per prefill chunk (default 256)")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     p.add_argument("--default-user", help="the end user of requests that send no 'user' (default: such "
@@ -172,7 +174,7 @@ def build(model, tokenizer, *, model_name: str, socket, ingest_token: str, polic
           codec: str | None = None, num_pages: int = 2048, max_seqs: int = 64, chunk: int = 256,
           max_model_len: int | None = None, default_user: str | None = None, max_body_bytes: int = 1 << 20,
           num_hot_pages: int | None = None, ignore_eos: bool = False, client_options: dict | None = None,
-          fidelity: Path | None = None, split_pages: int | None = None):
+          fidelity: Path | None = None, split_pages: int | None = None, max_waiting: int | None = None):
     """(app, engine, client): the engine started, the sidecar client started. num_hot_pages: the
     16-bit pool beside a codec's (default: as many pages as the codec's pool)."""
     from ..client import SidecarClient
@@ -185,7 +187,8 @@ def build(model, tokenizer, *, model_name: str, socket, ingest_token: str, polic
     client = SidecarClient(manager, token=ingest_token, socket=socket, on_full="refuse",
                            **(client_options or {})).start()
     engine = Engine(model, tokenizer, manager, client=client, chunk=chunk, max_seqs=max_seqs,
-                    max_model_len=max_model_len, ignore_eos=ignore_eos, policy_name=name).start()
+                    max_model_len=max_model_len, ignore_eos=ignore_eos, policy_name=name,
+                    max_waiting=max_waiting).start()
     keys = KeyChecker(token=ingest_token, socket=socket)
     app = create_app(engine, keys, model_name=model_name, policy_name=name, default_user=default_user,
                      max_body_bytes=max_body_bytes, client=client)
@@ -216,7 +219,8 @@ def build_upstream(upstream: str, *, model_name: str, socket, ingest_token: str,
 
 def max_requests(max_seqs: int) -> int:
     """Requests in flight (streams included) past which the answer is 503 with Retry-After:
-    room for every admitted request, those refused with 429, and the probes."""
+    room for every running and waiting request (--max-waiting's default), those refused with
+    429, and the probes."""
     return max_seqs * 4 + 16
 
 
@@ -247,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
     socket = args.socket or Path(os.environ.get("KVGUARD_SOCKET", "./.data/ingest.sock"))
     if not socket.exists():
         raise ConfigError(f"no sidecar socket at {socket}: start 'kvguard serve' first, or pass --socket")
-    for name in ("num_pages", "max_seqs", "chunk", "max_body_bytes", "split_pages", "max_idle_connections"):
+    for name in ("num_pages", "max_seqs", "chunk", "max_body_bytes", "split_pages", "max_idle_connections",
+                 "max_waiting"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer")
     if not 0 < args.read_timeout < float("inf"):
@@ -278,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
                                 policy=args.policy, codec=args.codec, num_pages=args.num_pages, fidelity=args.fidelity,
                                 max_seqs=args.max_seqs, chunk=args.chunk, max_model_len=args.max_model_len,
                                 default_user=args.default_user, max_body_bytes=args.max_body_bytes,
-                                split_pages=args.split_pages)
+                                split_pages=args.split_pages, max_waiting=args.max_waiting)
     try:
         uvicorn.Server(server_config(app, host=args.host, port=args.port, max_seqs=args.max_seqs,
                                      read_timeout_s=args.read_timeout,

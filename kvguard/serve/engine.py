@@ -3,10 +3,13 @@
 Each step, under the manager's lock (so an erasure from the sidecar lands between steps):
   1. reap: a request whose sequence an erasure removed ends with an error naming the
      erasure; a cancelled one (its client left) is freed at once;
-  2. prefill: the oldest waiting requests feed their next prompt tokens, `chunk` in all, in
-     one forward pass (rows padded on the left), so a long prompt holds the decodes back one
+  2. schedule (scheduler.py decides, over page counts): the waiting requests it names get a
+     sequence (sharing their tenant's cached prompt pages); the requests that gave way for
+     pages have theirs freed, to prefill again later;
+  3. prefill: the chosen requests feed their next prompt tokens, `chunk` in all, in one
+     forward pass (rows padded on the left), so a long prompt holds the decodes back one
      chunk at a time;
-  3. decode: every running request feeds its last token, all rows in one forward pass
+  4. decode: every running request feeds its last token, all rows in one forward pass
      (the cache's `append_step`/`attend_step`), and samples its next.
 Requests join and leave between steps; the cache learns each step's rows (`set_rows`) and
 the model each row's position (position_ids). A row's parameters never fail the step of the
@@ -24,10 +27,11 @@ import time
 
 import torch
 
+from ..client import SidecarUnavailable
 from ..errors import ConfigError, InputError, OutOfPages
 from ..hf import CacheFullError, DecodeGraph, KVGuardCache, cache_kwarg
 from ..types import Subject
-from .scheduler import Request, SamplingParams, Scheduler, pages_needed
+from .scheduler import Plan, Request, SamplingParams, Scheduler, pages_needed
 
 _log = logging.getLogger(__name__)
 ERASED = "the request was ended by an erasure of its user or session"
@@ -41,7 +45,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, manager, *, client=None, chunk: int = 256, max_seqs: int = 64,
                  max_model_len: int | None = None, ignore_eos: bool = False, policy_name: str = "none",
-                 use_graphs: bool = True):
+                 use_graphs: bool = True, max_waiting: int | None = None):
         self.model, self.tokenizer, self.manager, self.client = model, tokenizer, manager, client
         self.cache = KVGuardCache(model.config, _NOBODY, manager=manager)
         self.kwarg = cache_kwarg(model)
@@ -59,8 +63,8 @@ class Engine:
                                   f"tokens for up to {max_seqs} rows passes through {transient} 16-bit pages; "
                                   f"give at least {transient + 2 * max_seqs}")
             capacity["hot"] -= transient
-        self.scheduler = Scheduler(capacity, max_seqs)
         self.chunk = chunk
+        self.scheduler = Scheduler(capacity, max_seqs, need=self.pages_needed, chunk=chunk, max_waiting=max_waiting)
         self.policy_name = policy_name  # named in each request's `open` record
         # on the kernel path, decode steps replay from a CUDA graph per batch size (one bucket per
         # number of rows), rebound to each step's rows; capture=False runs them eagerly through
@@ -108,23 +112,13 @@ class Engine:
         return pages_needed(self.manager.cfg, self.quantized, tokens, self.chunk)
 
     def submit(self, req: Request) -> None:
-        """Admit a request (PoolFull when there is no room; SidecarUnavailable when the audit
-        log is behind) and open its sequence, sharing its tenant's cached prompt pages."""
-        n = len(req.prompt)
-        self.check_length(n, req.params.max_tokens)
-        self.scheduler.admit(req, self.pages_needed(n + req.params.max_tokens))
-        share = req.prompt[:-1] if self.manager.cfg.prefix_sharing else None  # the last token makes logits
-        open_ = self.client.open if self.client is not None else self.manager.open
-        try:
-            # under the lock, so that no erasure comes between the open and its record; an erasure
-            # after it finds the request in the loop's next step
-            with self.manager.lock:
-                req.seq = open_(req.subject, share)
-                req.cached = req.fed = self.manager.length(req.seq)
-                self.manager.announce_open(req.seq, self.policy_name)
-        except BaseException:
-            self.scheduler.release(req)
-            raise
+        """Queue a request (PoolFull when the queue is full; SidecarUnavailable when the audit
+        log is behind: no request starts unaudited); its sequence opens when its turn comes."""
+        self.check_length(len(req.prompt), req.params.max_tokens)
+        client = self.client
+        if client is not None and client.on_full == "refuse" and client.pending >= client.max_pending:
+            raise SidecarUnavailable(f"{client.pending} events await the sidecar; refusing new requests until "
+                                     "they are recorded")
         if not req.params.greedy:
             seed = req.params.seed if req.params.seed is not None else secrets.randbits(63)
             req.generator = torch.Generator().manual_seed(seed)
@@ -157,22 +151,48 @@ class Engine:
         t0 = time.perf_counter()
         with self.manager.lock, torch.no_grad():
             self._reap()
-            sched = self.scheduler
-            if sched.waiting:
-                self._prefill(list(sched.waiting))
-            running = [r for r in sched.running if not r.finished]
-            if running:
-                self._decode(running)
+            for r in self.scheduler.to_open():
+                self._open(r)
+            plan: Plan = self.scheduler.schedule()
+            for r in plan.preempted:
+                self._free(r)
+            if plan.prefill:
+                self._prefill(plan.prefill)
+            decode = [r for r in plan.decode if not r.finished]
+            if decode:
+                self._decode(decode)
         self.steps += 1
         self.step_seconds += time.perf_counter() - t0
 
     def _reap(self) -> None:
         live = set(self.manager.sequences())
         for r in self.scheduler.active:
-            if r.seq not in live:
+            if r.seq is not None and r.seq not in live:
                 self._finish(r, error=(410, ERASED), free=False)
             elif r.cancel:
                 self._finish(r, error=(499, r.cancel))
+
+    def _open(self, r: Request) -> None:
+        """Open a request's sequence, sharing its tenant's cached prompt pages; its `open` record
+        follows under the same lock, so no erasure comes between them."""
+        share = r.prompt[:-1] if self.manager.cfg.prefix_sharing else None  # the last token makes logits
+        try:
+            r.seq = (self.client.open if self.client is not None else self.manager.open)(r.subject, share)
+            r.fed = self.manager.length(r.seq)
+            if not r.preemptions:
+                r.cached = r.fed
+            self.manager.announce_open(r.seq, self.policy_name)
+        except SidecarUnavailable:
+            self._finish(r, error=(503, "the audit sidecar has not recorded recent events; no request runs "
+                                        "unaudited, retry later"))
+            return
+        self.scheduler.opened(r)
+
+    def _free(self, r: Request) -> None:
+        """Free a request's sequence (it gave way for pages: it prefills again when its turn comes)."""
+        if r.seq is not None and r.seq in set(self.manager.sequences()):
+            (self.client.free if self.client is not None else self.manager.free)(r.seq)
+        r.seq = None
 
     def _forward(self, rows: list[Request], ids: torch.Tensor, pos: torch.Tensor,
                  mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,41 +202,36 @@ class Engine:
                          attention_mask=None if mask is None else mask.to(dev), **{self.kwarg: self.cache})
         return out.logits[:, -1].float()
 
-    def _prefill(self, waiting: list[Request]) -> None:
-        """Feed the next prompt chunk of the oldest waiting requests, `chunk` tokens in all, as
-        one batch padded on the left; a request whose prompt is done samples its first token
-        and joins the decodes."""
-        rows, spans, budget = [], [], self.chunk
-        for r in waiting:
-            n = min(len(r.prompt) - r.fed, budget)
-            if n < 1:
-                break
-            rows.append(r)
-            spans.append((r.fed, r.fed + n))
-            budget -= n
+    def _prefill(self, chunks: list[tuple[Request, int]]) -> None:
+        """Feed the scheduled prompt chunks as one batch padded on the left; a request whose
+        prompt is done (after a preemption: its prompt and output) samples its next token and
+        joins the decodes."""
+        rows = [r for r, _ in chunks]
+        spans = [(r.fed, r.fed + n) for r, n in chunks]
         t = max(b - a for a, b in spans)
         ids = torch.zeros(len(rows), t, dtype=torch.long)
         pos = torch.zeros(len(rows), t, dtype=torch.long)
         mask = torch.zeros(len(rows), t, dtype=torch.long)
         for i, (r, (a, b)) in enumerate(zip(rows, spans)):
-            ids[i, t - (b - a):] = torch.tensor(r.prompt[a:b])
+            ids[i, t - (b - a):] = torch.tensor(r.tokens(a, b))
             pos[i, t - (b - a):] = torch.arange(a, b)
             mask[i, t - (b - a):] = 1
         try:
             logits = self._forward(rows, ids, pos, None if bool(mask.all()) else mask)
-        except CacheFullError:
-            self._finish(rows[-1], error=(503, "the KV page pool ran out; retry later"))
+        except CacheFullError:  # the page counts were off: these rows give way (row by row, some wrote)
+            _log.warning("kvguard serve-llm: no page for a prefill chunk; %d requests prefill again", len(rows))
+            for r in rows:
+                self.scheduler.preempt(r)
+                self._free(r)
             return
         for i, (r, (a, b)) in enumerate(zip(rows, spans)):
             self.prefill_tokens += b - a
             r.fed = b
-            if b < len(r.prompt):
+            if b < r.target:
                 continue
             if self.manager.cfg.prefix_sharing:
                 self.manager.publish_prefix(r.seq, r.prompt)
-            with self.scheduler.lock:
-                self.scheduler.waiting.remove(r)
-                self.scheduler.running.append(r)
+            self.scheduler.started(r)
             self._next(r, logits[i])
 
     def _decode(self, rows: list[Request]) -> None:
@@ -227,8 +242,11 @@ class Engine:
                 logits = self._forward(rows, ids, pos)
             else:
                 logits = self._replay(rows, ids, pos)
-        except (CacheFullError, OutOfPages):  # nothing of the step was written: the newest request gives way
-            self._finish(rows[-1], error=(503, "the KV page pool ran out; retry later"))
+        except (CacheFullError, OutOfPages):  # nothing of the step was written: the youngest row gives way
+            youngest = max(rows, key=lambda r: r.arrival)
+            _log.warning("kvguard serve-llm: no page for a decode step; request %s prefills again", youngest.request_id)
+            self.scheduler.preempt(youngest)
+            self._free(youngest)
             return
         self.decode_steps += 1
         for r in rows:
@@ -295,9 +313,8 @@ class Engine:
                 free: bool = True) -> None:
         if r.finished:
             return
-        r.finished = True
-        if free and r.seq is not None and r.seq in set(self.manager.sequences()):
-            (self.client.free if self.client is not None else self.manager.free)(r.seq)
+        if free:
+            self._free(r)
         self.scheduler.release(r)
         if error is not None:
             r.emit(("error", *error))

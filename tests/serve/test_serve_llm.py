@@ -207,14 +207,19 @@ def test_keys_users_and_limits(llms, sidecar):
     ok = post(acme, headers={"X-Tenant": "globex", "X-Session-ID": "s-1"})
     assert ok.status_code == 200 and ok.headers["x-session-id"] == "s-1"
 
-    # a full pool: 429 with Retry-After while the running request goes on and finishes
+    # a full queue (none may wait here): 429 with Retry-After while the running request goes on
     long = {**body, "max_tokens": 700, "stream": True, "temperature": 0}
+    sched = llm.engine.scheduler
     with httpx.stream("POST", url, json=long, headers={"Authorization": f"Bearer {acme}"}, timeout=60) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-        full = post(acme, long)
-        assert is_problem(full, 429) and full.headers["retry-after"] == "1"
+        sched.max_waiting, waiting = 0, sched.max_waiting
+        try:
+            full = post(acme, long)
+        finally:
+            sched.max_waiting = waiting
+        assert is_problem(full, 429) and full.headers["retry-after"] == "1" and "wait" in full.json()["detail"]
         assert next(lines) == "" and next(lines).startswith("data: ")  # still streaming
         # the client leaves mid-stream: its sequence is freed at once
     deadline = time.monotonic() + 2
@@ -483,23 +488,24 @@ def test_idle_and_half_sent_connections_are_cut_while_others_are_served(llms, si
 
 def test_huge_prompts_never_hold_the_event_loop(llms, sidecar):
     """Sixteen prompts of about 1 MB at once: those the context could never hold are refused
-    before tokenizing, the others are tokenized off the event loop; /healthz answers meanwhile."""
+    before tokenizing, the others are tokenized off the event loop; /healthz answers meanwhile,
+    nine probes in ten within 100 ms and every one within 500 ms (a loop held by the prompts
+    would hold most probes for seconds; a CPU shared with other work may pause any one of them)."""
     llm = llms["fp16"]
     key = sidecar.tokens["acme"]
     huge = json.dumps({"model": "smollm2", "prompt": "word " * 200_000, "user": "u1", "max_tokens": 4}).encode()
     long_chat = json.dumps({"model": "smollm2", "user": "u1", "max_tokens": 4, "messages": [
         {"role": "user", "content": "word " * 24_000}]}).encode()  # ~24k tokens: tokenized, then refused
     assert len(huge) > 1_000_000
-    slowest, done = 0.0, threading.Event()
+    probes, done = [], threading.Event()
 
     def poll():
-        nonlocal slowest
         while not done.is_set():
             t = time.perf_counter()
             with socket.create_connection(where(llm)) as s:
                 s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
                 assert status_of(s, 5) == 200
-            slowest = max(slowest, time.perf_counter() - t)
+            probes.append(time.perf_counter() - t)
             time.sleep(0.01)
 
     poller = threading.Thread(target=poll)
@@ -512,7 +518,10 @@ def test_huge_prompts_never_hold_the_event_loop(llms, sidecar):
         done.set()
         poller.join()
     assert codes == [400] * 16
-    assert slowest < 0.1, f"/healthz took {slowest * 1e3:.0f} ms at worst ({wall:.1f} s for the 16 prompts)"
+    probes.sort()
+    p90 = probes[int(0.9 * (len(probes) - 1))]
+    shown = f"/healthz p90 {p90 * 1e3:.0f} ms, worst {probes[-1] * 1e3:.0f} ms over {len(probes)} probes in {wall:.1f} s"
+    assert len(probes) >= 10 and p90 < 0.1 and probes[-1] < 0.5, shown
 
 
 def test_types_are_strict_and_the_edges_say_nothing(llms, sidecar, capfd):
