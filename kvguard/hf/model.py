@@ -51,7 +51,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, attn_implementatio
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
-    from . import register
+    from .attention import register
     from .cache import ATTN_IMPLEMENTATION
     from .default import use_default_cache
 
