@@ -109,6 +109,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default 1: the harness runs many small tensor operations, which "
                         "more threads slow down, by 5x on a busy 2-core machine; 0 = torch's default)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--compare", nargs="+", metavar="REPORT.json",
+                   help="measure nothing: lay out fidelity.json reports of several models side by side (each "
+                        "gated on its own model) and write side-by-side.md into --out")
     g = p.add_argument_group("retrieval probe (pass key in a haystack; docs/fidelity.md)")
     g.add_argument("--probe", action="store_true",
                    help="also run the retrieval probe for every configuration measured; with --from-json, only "
@@ -139,6 +142,15 @@ def run(args: argparse.Namespace) -> int:
     from .settings import Settings
     from .texts import load_texts
 
+    if args.compare:
+        from .compare import load_reports, side_by_side
+
+        text = side_by_side(load_reports(args.compare))
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "side-by-side.md").write_text(text, encoding="utf-8")
+        print(text, end="")
+        return 0
     bad = set(args.formats) - {"md", "csv", "json", "html"}
     if bad:
         raise ConfigError(f"unknown format(s) {sorted(bad)}; choose from md, csv, json, html")
