@@ -21,8 +21,9 @@ from .schema import Layers, Measurement, ModelShape, Policy
 
 
 def cache_config(policy: Policy, shape: ModelShape, **overrides) -> CacheConfig:
-    """A CacheConfig for a model of this shape (overrides: dtype, device, num_pages, ...)."""
-    return CacheConfig(**shape.as_config_fields(), **(policy.cache_options() | overrides))
+    """A CacheConfig for a model of this shape (overrides: dtype, device, num_pages, ...):
+    `Policy.cache_config`."""
+    return policy.cache_config(shape, **overrides)
 
 
 # what a decision says of the evictor of the configuration as written: none in it, measured (it

@@ -361,10 +361,10 @@ class Policy(Layers):
 
     def cache_config(self, shape: ModelShape, **overrides) -> CacheConfig:
         """A CacheConfig for a model of this shape (overrides: dtype, device, num_pages, ...).
-        Imports the cache (torch), as the schema itself never does."""
-        from .runtime import cache_config
+        Imports the cache's config (torch), as the rest of the schema never does."""
+        from ..cache.config import CacheConfig
 
-        return cache_config(self, shape, **overrides)
+        return CacheConfig(**shape.as_config_fields(), **(self.cache_options() | overrides))
 
 
 # --- loading ------------------------------------------------------------------------------------
