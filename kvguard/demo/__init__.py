@@ -11,7 +11,6 @@ The parts run in order, each in its own module:
 from __future__ import annotations
 
 import argparse
-import sys
 
 DESCRIPTION = """\
 Show what kvguard saves, what it costs and how it proves what it did, in three parts:
@@ -74,10 +73,3 @@ def run(args: argparse.Namespace) -> int:
     from .sidecar import main as sidecar_main
 
     return sidecar_main()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m kvguard.demo`: the same as `kvguard demo`."""
-    from ..cli import main as cli_main
-
-    return cli_main(["demo", *(sys.argv[1:] if argv is None else argv)])
