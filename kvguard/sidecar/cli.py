@@ -4,35 +4,16 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-
-def _settings(args: argparse.Namespace):
-    from .settings import load_settings
-
-    if getattr(args, "config", None):
-        os.environ["KVGUARD_CONFIG"] = str(args.config)
-    overrides = {k: v for k, v in {
-        "data_dir": args.data_dir, "database_url": args.database_url,
-        "environment": "development" if getattr(args, "dev", False) else None,
-        "host": getattr(args, "host", None), "port": getattr(args, "port", None),
-    }.items() if v is not None}
-    return load_settings(**overrides)
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, help="YAML settings file (also KVGUARD_CONFIG)")
-    p.add_argument("--data-dir", type=Path, help="keys, SQLite database, socket (KVGUARD_DATA_DIR; default ./.data)")
-    p.add_argument("--database-url", help="SQLAlchemy URL of the audit store (KVGUARD_DATABASE_URL; "
-                                          "default SQLite in the data directory)")
+from .options import add_common, settings_from
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from .server import serve
 
-    return serve(_settings(args))
+    return serve(settings_from(args))
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
@@ -59,7 +40,7 @@ def _token_db(args: argparse.Namespace, *, index_key: bool = False):
 
     from .service import load_or_create_secret, private_files, secure_data_dir, secure_sqlite_files
 
-    settings = _settings(args)
+    settings = settings_from(args)
     secure_data_dir(settings.data_dir)
     with private_files():
         # the index key first: a token bound to tenants keeps their indexes under it
@@ -139,7 +120,7 @@ def _fleet_db(args: argparse.Namespace):
 
     from kvguard.audit.store import check_current, make_engine
 
-    settings = _settings(args)
+    settings = settings_from(args)
     check_current(settings.db_url)
     engine = make_engine(settings.db_url)
     return engine, sessionmaker(engine), settings
@@ -222,7 +203,7 @@ def register(sub) -> None:
                                    "socket, the signed audit log in SQLite (default) or PostgreSQL. Settings come "
                                    "from KVGUARD_* variables and a YAML file; outside development, insecure "
                                    "settings are refused.")
-    _common(p)
+    add_common(p)
     p.add_argument("--host", help="admin API address (KVGUARD_HOST)")
     p.add_argument("--port", type=int, help="admin API port (KVGUARD_PORT)")
     p.add_argument("--dev", action="store_true", help="development mode: allows starting without admin tokens")
@@ -233,7 +214,7 @@ def register(sub) -> None:
     c = tsub.add_parser("create", help="create a token and print it once",
                         description="Create a bearer token for the admin API. It is printed once; only its "
                                     "SHA-256 is stored.")
-    _common(c)
+    add_common(c)
     c.add_argument("--scope", action="append", required=True, choices=SCOPES,
                    help="a scope to grant (repeat for several)")
     c.add_argument("--name", default="admin", help="a label for the token (default: admin)")
@@ -250,12 +231,12 @@ def register(sub) -> None:
                          description="List the tokens: id, name, scopes, how many tenants an ingest token is "
                                      "bound to, when it was created and expires, and whether it is active, "
                                      "expired or revoked. Tokens are stored as hashes; none can be shown again.")
-    _common(ls)
+    add_common(ls)
     ls.set_defaults(func=_cmd_token)
     rv = tsub.add_parser("revoke", help="revoke a token by its id",
                          description="Revoke a token by the id 'kvguard token list' shows: from the next "
                                      "request on it gets 401. A revoked token stays listed.")
-    _common(rv)
+    add_common(rv)
     rv.add_argument("id", help="the token's id (kvguard token list)")
     rv.set_defaults(func=_cmd_token)
 
@@ -267,7 +248,7 @@ def register(sub) -> None:
                                     "forever: exclude it, with a reason that every erase record of the request "
                                     "states. Refused once that origin's processes have erased, and for the last "
                                     "origin taking part.")
-    _common(x)
+    add_common(x)
     x.add_argument("request", help="the request's id")
     x.add_argument("origin", help="the origin (sidecar) to exclude, as the request's pending_origins name it")
     x.add_argument("--reason", required=True, help="why (at most 200 characters, stated in the signed records: "
@@ -280,14 +261,14 @@ def register(sub) -> None:
                          description="List the sidecars registered in the database: live (heartbeat within "
                                      "fleet_deadline_s), down (silent longer: erasures wait for it) or left "
                                      "(stopped cleanly), with the open erasure requests waiting for each.")
-    _common(st)
+    add_common(st)
     st.set_defaults(func=_cmd_fleet_status)
     rm = fsub.add_parser("remove", help="mark a sidecar gone for good as left",
                          description="Mark a sidecar that will not come back as left, as a clean stop would: "
                                      "new erasure requests no longer wait for it. Requests already waiting for "
                                      "it are closed one by one with 'kvguard erasure exclude'. A sidecar that "
                                      "starts again under this origin joins again.")
-    _common(rm)
+    add_common(rm)
     rm.add_argument("origin", help="the sidecar's origin, as 'kvguard fleet status' lists it")
     rm.set_defaults(func=_cmd_fleet_remove)
 
@@ -299,4 +280,4 @@ def register(sub) -> None:
     k.add_argument("--force", action="store_true", help="overwrite an existing file")
     k.add_argument("--secret", action="store_true", help="a 32-byte secret (index or seal key) instead")
     k.set_defaults(func=_cmd_keygen)
-    dbcli.register(sub, _common)
+    dbcli.register(sub)

@@ -16,12 +16,7 @@ import time
 from pathlib import Path
 
 from ..errors import ConfigError
-
-
-def _settings(args: argparse.Namespace):
-    from .cli import _settings as settings
-
-    return settings(args)
+from .options import add_common, settings_from
 
 
 def _cmd_upgrade(args: argparse.Namespace) -> int:
@@ -32,7 +27,7 @@ def _cmd_upgrade(args: argparse.Namespace) -> int:
 
     from .service import private_files, secure_data_dir, secure_sqlite_files
 
-    settings = _settings(args)
+    settings = settings_from(args)
     url = settings.db_url
     if not settings.postgres:
         secure_data_dir(settings.data_dir)
@@ -74,7 +69,7 @@ def _cmd_grant(args: argparse.Namespace) -> int:
     if args.print:
         sys.stdout.write(roles.grant_sql(args.role))
         return 0
-    return _run_grant(_settings(args), args.role)
+    return _run_grant(settings_from(args), args.role)
 
 
 def _run_grant(settings, role: str) -> int:
@@ -113,7 +108,7 @@ def _rotate_offline(args: argparse.Namespace) -> int:
     from .server import lock_data_dir
     from .signing import finish_rotation, rotate_signing_key
 
-    settings = _settings(args)
+    settings = settings_from(args)
     locks = lock_data_dir(settings)  # no sidecar may sign on this data directory meanwhile
     try:
         check_current(settings.db_url)
@@ -146,7 +141,7 @@ def _rotate_online(args: argparse.Namespace) -> int:
     token = _token(args)
     url = args.url
     if url is None:
-        settings = _settings(args)
+        settings = settings_from(args)
         url = f"http://{settings.host}:{settings.port}"
     try:
         r = httpx.post(url.rstrip("/") + "/v1/keys/signing/rotate", headers={"Authorization": f"Bearer {token}"},
@@ -183,7 +178,7 @@ def _print_rotated(origin: str, old: str, new: str, public_key: str, seq: int) -
     print("auditors keep trusting the log's first key: bundles carry the rotation record", file=sys.stderr)
 
 
-def register(sub, common) -> None:
+def register(sub) -> None:
     d = sub.add_parser("db", help="migrate the audit store and grant the sidecar's database role",
                        description="Database administration, run as the role that owns the tables (not the "
                                    "sidecar's).")
@@ -193,7 +188,7 @@ def register(sub, common) -> None:
                                     "Run it as the role that is to own the tables, once per release (e.g. a "
                                     "Kubernetes Job) before the sidecars start: in production on PostgreSQL "
                                     "'kvguard serve' does not migrate, and refuses to run as that owner.")
-    common(u)
+    add_common(u)
     u.add_argument("--grant", metavar="ROLE",
                    help="then grant ROLE what the sidecar needs, as 'kvguard db grant ROLE' does")
     u.set_defaults(func=_cmd_upgrade)
@@ -202,7 +197,7 @@ def register(sub, common) -> None:
                                     "INSERT, UPDATE and DELETE only where the schema changes rows "
                                     "(docs/operations-roles.md). Run as the owner after 'kvguard db upgrade'. "
                                     "With --print, only print the SQL.")
-    common(g)
+    add_common(g)
     g.add_argument("role", help="the role the sidecars connect as (create it first: CREATE ROLE ... LOGIN)")
     g.add_argument("--print", action="store_true", help="print the GRANT statements instead of running them")
     g.set_defaults(func=_cmd_grant)
@@ -217,7 +212,7 @@ def register(sub, common) -> None:
                                     "on its admin API, admin token from --token-file or KVGUARD_ADMIN_TOKEN); "
                                     "with --offline this command does it on a stopped sidecar's data directory "
                                     "and database.")
-    common(r)
+    add_common(r)
     r.add_argument("--url", help="the sidecar's admin API (default: http://HOST:PORT from the settings)")
     r.add_argument("--token-file", type=Path, help="a file (mode 0600) holding an admin token")
     r.add_argument("--offline", action="store_true",
