@@ -8,14 +8,25 @@ from __future__ import annotations
 
 import os
 
-import torch
+# Each test worker (pytest-xdist, `make test`: one per CPU) gets its share of the CPUs as torch
+# threads, and so do the Python processes its tests start (OMP_NUM_THREADS is inherited): with
+# torch's default of a thread per CPU in every worker, two workers on two CPUs run four threads,
+# whose parallel operators wait for a thread the other worker holds off its CPU.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
+import torch  # noqa: E402  (after OMP_NUM_THREADS is set)
+
+if _WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 
-from kvguard.types import Subject
+from kvguard.types import Subject  # noqa: E402
 
 
 def outlier_kv(t: int, heads: int, dim: int, *, seed: int = 0, dtype=torch.float16):
