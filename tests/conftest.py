@@ -38,6 +38,13 @@ def outlier_kv(t: int, heads: int, dim: int, *, seed: int = 0, dtype=torch.float
     return k.to(dtype), v.to(dtype)
 
 
+def pytest_collection_modifyitems(items):
+    """The slow tests first (`slow`: minutes of a model or a benchmark), in their order: each
+    worker starts on them while the short ones fill in around, instead of one of them running
+    alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture
 def alice() -> Subject:
     return Subject("acme", "alice", "s-1")

@@ -13,6 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_cache_benchmark_smoke():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "benchmarks/gpu_cache_bench.py", "--smoke"], cwd=ROOT, env=env,
@@ -33,6 +34,7 @@ def test_kernels_ab_refuses_a_copy_named_kernels(tmp_path):
     assert "under another name" in r.stderr
 
 
+@pytest.mark.slow
 def test_cache_host_benchmark_runs():
     r = subprocess.run([sys.executable, "benchmarks/cache_host_bench.py", "--shapes", "smollm2-int8+h2o-2",
                         "--steps", "1", "--context", "40"], cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -51,6 +53,7 @@ def test_cache_host_benchmark_runs():
     assert bad.returncode == 2 and "bad shape" in bad.stderr
 
 
+@pytest.mark.slow
 def test_sass_count_compiles_without_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "benchmarks/sass_count.py", "--codec", "int4", "--head-dim", "64"], cwd=ROOT,
@@ -122,6 +125,7 @@ def test_step_clock_times_each_step_between_ticks():
     assert len(steps) == 3 and all(ms >= 0 for ms in steps)
 
 
+@pytest.mark.slow
 def test_serve_bench_small_runs_both_servers():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "benchmarks/serve_bench.py", "--small"], cwd=ROOT, env=env,
@@ -143,6 +147,7 @@ def test_serve_bench_small_runs_both_servers():
                                                                             "kvguard engine int8"]
 
 
+@pytest.mark.slow
 def test_compaction_error_benchmark_runs():
     r = subprocess.run([sys.executable, "benchmarks/compaction_error.py", "--source", "synthetic", "--compactions", "2",
                         "--budget", "64", "--window", "16", "--fp-window", "16", "--layers", "0", "--codecs", "int8,int4"],
@@ -152,6 +157,9 @@ def test_compaction_error_benchmark_runs():
     assert [int(x[1]) for x in rows] == [0, 1, 2]
     assert all(float(x) == 1.0 for x in rows[0][2:6])  # before any compaction: the single encode itself
     assert all(float(x[3]) == 1.0 and float(x[5]) == 1.0 for x in rows)  # values: codes and scales unchanged
+
+
+@pytest.mark.slow
 def test_kvsplit_benchmark_smoke():
     r = subprocess.run([sys.executable, "benchmarks/kvsplit_bench.py", "--smoke"], cwd=ROOT, capture_output=True,
                        text=True, timeout=600)
@@ -178,6 +186,7 @@ def test_kvsplit_benchmark_smoke():
         assert float(host[11]) > 1.8 * float(four[11])  # the pages read: their values and their INT8 keys
 
 
+@pytest.mark.slow
 def test_kvsplit_benchmark_times_the_coverage_rule_with_heavy_hitters():
     """`--fractions c0.99` times the shipped policies' coverage rule; random keys spread attention
     so that it reads nearly every cold page, and `--hot` makes a share of the pages hold the
@@ -199,6 +208,7 @@ def test_kvsplit_benchmark_times_the_coverage_rule_with_heavy_hitters():
     assert r.returncode != 0 and "'c1.5' is not a rule" in r.stderr
 
 
+@pytest.mark.slow
 def test_kvsplit_check_runs_on_the_cpu_under_the_interpreter():
     """The check a GPU run passes before it is timed (benchmarks/kvsplit_check.py), on a tiny
     shape with the kernels interpreted: every comparison but the CUDA graph's, the split's keys
@@ -220,6 +230,7 @@ def test_kvsplit_check_runs_on_the_cpu_under_the_interpreter():
     assert without.returncode != 0 and "TRITON_INTERPRET=1" in without.stderr
 
 
+@pytest.mark.slow
 def test_kvsplit_benchmark_prefill_smoke():
     """--prefill on the CPU: the reference path only (the kernels need CUDA there), one row per
     configuration, the split's rows reading cold values and INT8's none."""

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from benchmarks import split_locality as loc
@@ -67,6 +68,7 @@ def test_shares_of_picks_that_repeat():
     assert r["slots"]["lru", 1] == r["slots"]["lru", 2] == r["slots"]["ring", 2] == 3 / 8
 
 
+@pytest.mark.slow
 def test_split_locality_runs_on_smollm2():
     r = subprocess.run([sys.executable, "benchmarks/split_locality.py", "--texts", "stdlib-code", "--tokens", "328",
                         "--queries", "8", "--window", "64", "--fractions", "0.1,1", "--slots", "2", "--threads", "1"],
@@ -80,6 +82,7 @@ def test_split_locality_runs_on_smollm2():
     assert 0 < float(rows["0.1"][3].split()[0]) < 1
 
 
+@pytest.mark.slow
 def test_split_slots_bytes_runs_through_the_cache():
     """benchmarks/split_slots_bytes.py on a short context and the model's first four layers (the
     kernels interpreted: all 30 take minutes): the slots read fewer bytes over the bus after the

@@ -75,6 +75,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opts", [
     {"codec": "fp16", "num_pages": 32},
     {"codec": "int8", "num_pages": 32, "fp_sink": 4, "evictor": "h2o",

@@ -12,10 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).parent
 KERNELS = HERE.parents[1] / "kernels"
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_hopper(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compiled here, not found in a cache

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
@@ -68,6 +70,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_decode_graphs_per_batch_size_give_the_eager_tokens():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -4,9 +4,12 @@ fix the table measures has its own test (test_reliability.py), on both stores wh
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.sidecar_reliability import main
 
 
+@pytest.mark.slow
 def test_the_small_reliability_run_has_every_figure_right(capsys):
     status = main(["--small", "--db", "postgresql"])
     out = capsys.readouterr()
