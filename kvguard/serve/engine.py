@@ -224,6 +224,7 @@ class Engine:
                 self.scheduler.preempt(r)
                 self._free(r)
             return
+        done = []
         for i, (r, (a, b)) in enumerate(zip(rows, spans)):
             self.prefill_tokens += b - a
             r.fed = b
@@ -232,7 +233,9 @@ class Engine:
             if self.manager.cfg.prefix_sharing:
                 self.manager.publish_prefix(r.seq, r.prompt)
             self.scheduler.started(r)
-            self._next(r, logits[i])
+            done.append(i)
+        if done:
+            self._sample([rows[i] for i in done], logits[done])
 
     def _decode(self, rows: list[Request]) -> None:
         ids = torch.tensor([[r.output[-1]] for r in rows])
@@ -251,8 +254,7 @@ class Engine:
         self.decode_steps += 1
         for r in rows:
             r.fed += 1
-        for i, r in enumerate(rows):
-            self._next(r, logits[i])
+        self._sample(rows, logits)
 
     def _replay(self, rows: list[Request], ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """A decode step through the graph of its batch size, made at the first step of that size."""
@@ -265,23 +267,27 @@ class Engine:
             graph.rebind(seqs)
         return graph.step(ids[:, 0].to(self.device), pos[:, 0].to(self.device)).float()
 
-    def _next(self, r: Request, logits: torch.Tensor) -> None:
-        """Sample a row's next token (logits: [V]) and hand it on; a failure ends this row only."""
-        try:
-            tok = int(logits.argmax()) if r.generator is None else sample(logits, r.params, r.generator)
-            self._accept(r, tok)
-        except Exception:  # noqa: BLE001 - one row's failure is that row's: the others run on
-            _log.exception("kvguard serve-llm: request %s failed while sampling; it alone ends", r.request_id)
-            self._finish(r, error=(500, "the server failed while running this request"))
+    def _sample(self, rows: list[Request], logits: torch.Tensor) -> None:
+        """Each row's next token (logits: [B, V] on the device) handed on: the greedy ones from
+        one argmax over the batch and one read of B ints, the others drawn by their own
+        generators; a failure ends its row only."""
+        greedy = logits.argmax(-1).tolist()
+        for i, r in enumerate(rows):
+            try:
+                tok = greedy[i] if r.generator is None else sample(logits[i], r.params, r.generator)
+                self._accept(r, tok)
+            except Exception:  # noqa: BLE001 - one row's failure is that row's: the others run on
+                _log.exception("kvguard serve-llm: request %s failed while sampling; it alone ends", r.request_id)
+                self._finish(r, error=(500, "the server failed while running this request"))
 
     def _accept(self, r: Request, tok: int) -> None:
         if tok in self.eos:
-            self._send(r, final=True)
+            self._send(r, self._text(r, final=True), final=True)
             self._finish(r, "stop")
             return
         r.output.append(tok)
         self.tokens_out += 1
-        text = self.tokenizer.decode(r.output, skip_special_tokens=True)
+        text = self._text(r)
         stops = r.params.stop
         if stops:
             start = max(0, len(r.text) - max(map(len, stops)))
@@ -291,16 +297,36 @@ class Engine:
                 self._finish(r, "stop")
                 return
         if len(r.output) >= r.params.max_tokens or r.fed + 1 >= self.max_model_len:
-            self._send(r, text, final=True)
+            self._send(r, self._text(r, final=True), final=True)
             self._finish(r, "length")
             return
         self._send(r, text)
 
-    def _send(self, r: Request, text: str | None = None, *, final: bool = False) -> None:
+    def _text(self, r: Request, *, final: bool = False) -> str:
+        """The request's output as text, decoded incrementally: only the tokens since the last
+        complete character are decoded again (twice: with and without the newest, whose
+        difference is what they add), never the whole output. Until `final`, tokens that end in
+        a partial character wait for the next. Decoding a window that starts at a token boundary
+        keeps what the tokenizer does at a word's start (a SentencePiece leading space)."""
+        d = r.detok
+        if d is None:
+            d = r.detok = Detok()
+        if d.read == len(r.output):
+            return d.text
+        before = self.tokenizer.decode(r.output[d.prefix:d.read], skip_special_tokens=True)
+        after = self.tokenizer.decode(r.output[d.prefix:], skip_special_tokens=True)
+        if not after.startswith(before):  # the tokenizer rewrote what came before: decode it all
+            d.text, d.prefix, d.read = self.tokenizer.decode(r.output, skip_special_tokens=True), 0, len(r.output)
+        elif len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            d.text += after[len(before):]
+            d.prefix, d.read = d.read, len(r.output)
+        elif final:
+            d.read = len(r.output)
+        return d.text
+
+    def _send(self, r: Request, text: str, *, final: bool = False) -> None:
         """Send the text not sent yet; unless final, hold back a partial character and what
         could be the start of a stop string."""
-        if text is None:
-            text = self.tokenizer.decode(r.output, skip_special_tokens=True)
         if not final:
             text = text.rstrip("\ufffd")
             if r.params.stop:
@@ -321,6 +347,16 @@ class Engine:
         else:
             r.emit(("done", reason, {"prompt_tokens": len(r.prompt), "completion_tokens": len(r.output),
                                      "total_tokens": len(r.prompt) + len(r.output), "cached_tokens": r.cached}))
+
+
+class Detok:
+    """Where a request's incremental detokenization stands: its text so far, the output tokens it
+    covers (`read`), and where the window decoded again starts (`prefix`)."""
+
+    __slots__ = ("text", "prefix", "read")
+
+    def __init__(self):
+        self.text, self.prefix, self.read = "", 0, 0
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
