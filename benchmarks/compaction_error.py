@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from kvguard.cache import CacheConfig, CacheManager
-from kvguard.cache.sequence import MAIN
+from kvguard.cache.pages import MAIN
 from kvguard.compress.codecs import make_codec
 from kvguard.types import Subject
 

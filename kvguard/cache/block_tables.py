@@ -13,27 +13,12 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import torch
 
 from .config import CacheConfig
 from .pool import PagePool, device_index
-from .sequence import Sequence
-
-
-@dataclass
-class Layout:
-    """Where a sequence's device pages are, per pool, as the decode kernels take them; derived
-    from `Sequence.pages` and rebuilt after it changes (a new page, a quantized one, a
-    compaction, a fetch), so a decode step costs no walk over the pages."""
-
-    version: int  # of the page list it was built from
-    idx: dict[str, list[int]]  # pool -> the sequence's page indices held there, ascending
-    host: dict[str, torch.Tensor]  # pool -> [len(idx)] int32 page ids, same order, on the host
-    tables: dict[str, torch.Tensor]  # pool -> the same as [1, len(idx)] on the device
-    away: int  # pages in a lower tier
-    positions: dict[str, torch.Tensor] = field(default_factory=dict)  # pool -> token positions, made on demand
+from .sequence import Layout, Sequence
 
 
 class BlockTables:

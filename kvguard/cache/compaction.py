@@ -32,10 +32,10 @@ from ..errors import InputError, OutOfPages
 from . import events as ev
 from . import paged
 from .config import CacheConfig
-from .pages import PageStore
+from .pages import HOT, MAIN, SPLIT, PageRef, PageStore
 from .quantize import Quantizer
 from .residency import Residency
-from .sequence import HOT, MAIN, SPLIT, PageRef, Sequence
+from .sequence import Sequence
 
 
 class Compactor:

@@ -43,11 +43,11 @@ from .checks import check_counts, check_kv, check_layer, check_same_shape, check
 from .compaction import Compactor
 from .config import CacheConfig
 from .erasure import Eraser
-from .pages import PageStore
+from .pages import HOT, MAIN, PageRef, PageStore, page_name
 from .quantize import Quantizer
 from .reads import Reader
 from .residency import Residency
-from .sequence import HOT, MAIN, PageList, PageRef, Sequence, Sequences, page_name
+from .sequence import PageList, Sequence, Sequences
 from .split import ValueSplit
 from .tiers import Tier
 from .window import Window

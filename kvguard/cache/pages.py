@@ -1,4 +1,5 @@
-"""The device pages of a cache: its pools, the prefix index over them, and their release.
+"""The device pages of a cache: its pools and their names, where a page of a sequence is
+(`PageRef`, `page_name`), the prefix index over them, and their release.
 
 Two pools: `hot` holds 16-bit pages (tails, sinks, windows), `main` the codec's (only when the
 codec quantizes); a cache with the K/V split has a third, `split`, of the codec's pages whose
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
@@ -19,7 +21,23 @@ from ..types import PageId, Subject
 from .config import CacheConfig
 from .pool import PagePool, device_index
 from .prefix import PrefixIndex
-from .sequence import HOT, MAIN, SPLIT, PageRef, page_name
+
+HOT, MAIN = "hot", "main"  # the 16-bit pool and the codec's
+SPLIT = "split"  # the K/V split's pool: the codec's, its values in host memory (split.py)
+
+
+def page_name(pool: str, page) -> str:
+    """A page as events name it: pools number their pages independently."""
+    return f"{pool}:{int(page)}"
+
+
+@dataclass
+class PageRef:
+    """Where one page of a sequence lives: a device pool (`hot`, `main`) or a tier."""
+
+    where: str
+    page: int | str  # page id in a pool, key in a tier
+    pool: str = HOT  # the pool it belongs to when on the device (for tiers: where it returns)
 
 
 def split_codec(home: Codec, c: CacheConfig) -> Codec:

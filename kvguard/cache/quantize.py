@@ -16,8 +16,8 @@ from . import events as ev
 from . import paged
 from .block_tables import BlockTables
 from .config import CacheConfig
-from .pages import PageStore
-from .sequence import HOT, MAIN, PageRef, Sequence, page_name
+from .pages import HOT, MAIN, PageRef, PageStore, page_name
+from .sequence import Sequence
 
 
 class Quantizer:

@@ -16,8 +16,8 @@ from ..types import PageId
 from . import events as ev
 from .block_tables import BlockTables
 from .config import CacheConfig
-from .pages import PageStore
-from .sequence import SPLIT, PageRef, Sequence, page_name
+from .pages import SPLIT, PageRef, PageStore, page_name
+from .sequence import Sequence
 from .split import VALUES
 from .tiers import Tier
 

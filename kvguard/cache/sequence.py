@@ -12,36 +12,14 @@ import itertools
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import ConfigError, InputError, UnknownSequence
 from ..types import PageId, SeqId, Subject
 from .config import CacheConfig
+from .pages import HOT, MAIN, SPLIT, PageRef, PageStore
 from .prefix import page_hashes, tenant_salt
-
-if TYPE_CHECKING:
-    from .block_tables import Layout
-    from .pages import PageStore
-
-HOT, MAIN = "hot", "main"  # the 16-bit pool and the codec's
-SPLIT = "split"  # the K/V split's pool: the codec's, its values in host memory (split.py)
-
-
-def page_name(pool: str, page) -> str:
-    """A page as events name it: pools number their pages independently."""
-    return f"{pool}:{int(page)}"
-
-
-@dataclass
-class PageRef:
-    """Where one page of a sequence lives: a device pool (`hot`, `main`) or a tier."""
-
-    where: str
-    page: int | str  # page id in a pool, key in a tier
-    pool: str = HOT  # the pool it belongs to when on the device (for tiers: where it returns)
-
 
 _VERSIONS = itertools.count(1)
 
@@ -68,6 +46,20 @@ def _versioned(name: str):
 for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "remove",
               "clear", "sort", "reverse"):
     setattr(PageList, _name, _versioned(_name))
+
+
+@dataclass
+class Layout:
+    """Where a sequence's device pages are, per pool, as the decode kernels take them; derived
+    from `Sequence.pages` (by block_tables.py) and rebuilt after it changes (a new page, a
+    quantized one, a compaction, a fetch), so a decode step costs no walk over the pages."""
+
+    version: int  # of the page list it was built from
+    idx: dict[str, list[int]]  # pool -> the sequence's page indices held there, ascending
+    host: dict[str, torch.Tensor]  # pool -> [len(idx)] int32 page ids, same order, on the host
+    tables: dict[str, torch.Tensor]  # pool -> the same as [1, len(idx)] on the device
+    away: int  # pages in a lower tier
+    positions: dict[str, torch.Tensor] = field(default_factory=dict)  # pool -> token positions, made on demand
 
 
 @dataclass

@@ -50,13 +50,14 @@ from collections import deque
 import torch
 
 from ..errors import OutOfPages
+from ..kernels.quantize import decode_pages
 from ..types import PageId, SeqId
 from . import split_dense
 from .block_tables import BlockTables
 from .config import CacheConfig
 from .hot import HotValues
-from .pages import PageStore
-from .sequence import SPLIT, PageRef, Sequence, page_name
+from .pages import SPLIT, PageRef, PageStore, page_name
+from .sequence import Sequence
 
 VALUES = "cpu-values"  # the split's pages as Residency.offloaded counts them
 STAGE_BYTES = 512 << 20  # device memory for a chunk's picked pages (a layer's); past it, read in place
@@ -362,4 +363,18 @@ class ValueSplit:
                mass_queries: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention of q [T, Hq, D] (the last T positions) over what the sequence holds, in
         fp32, the split pages' values read as the rule picks them: split_dense.attend."""
-        return split_dense.attend(self, seq, layer, q, causal, scale, mass_queries)
+        out, mass, self.last_read = split_dense.attend(self.store, self.rule, self.exact, self.read_values, seq, layer,
+                                                       q, causal, scale, mass_queries)
+        if layer == self.cfg.num_layers - 1:
+            self.flush(seq)
+        return out, mass
+
+    def read_values(self, seq: Sequence, layer: int, pages: list[PageId]) -> list[tuple]:
+        """The (exact keys or None, values) [H, S, D] fp32 of split pages of the sequence at one
+        layer, copied from host memory and decoded; counted into the step's `fetch` event."""
+        k, v = decode_pages(self.view(self.pool.read(layer, pages)), torch.float32)  # [n, H, S, D]
+        names, nbytes = self._moved.setdefault(seq.id, ({}, 0))
+        for p in pages:
+            names[page_name(SPLIT, p)] = None
+        self._moved[seq.id] = (names, nbytes + len(pages) * self.page_value_bytes)
+        return list(zip(k if self.exact else [None] * len(pages), v, strict=True))

@@ -10,30 +10,34 @@ The kernel path's equal within rounding (tests/cache/test_kv_split.py).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from ..kernels.quantize import decode_pages
 from ..types import PageId
 from . import picks
 from .attention import add_mass, block_scores, bound_shares, page_bounds, score_blocks
-from .sequence import SPLIT, PageRef, Sequence, page_name
+from .config import KVSplit
+from .pages import SPLIT, PageStore
+from .sequence import Sequence
 
-if TYPE_CHECKING:
-    from .split import ValueSplit
+# the (exact keys or None, values) [H, S, D] fp32 of split pages at one layer, read from host
+# memory: ValueSplit.read_values, which counts them into the step's `fetch` event
+ReadValues = Callable[[Sequence, int, list[PageId]], list[tuple]]
 
 
-def attend(split: ValueSplit, seq: Sequence, layer: int, q: torch.Tensor, causal: bool, scale: float | None,
-           mass_queries: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+def attend(store: PageStore, rule: KVSplit, exact: bool, read_values: ReadValues, seq: Sequence, layer: int,
+           q: torch.Tensor, causal: bool, scale: float | None,
+           mass_queries: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, float]:
     """Attention of q [T, Hq, D] (the last T positions) over what the sequence holds, in
-    fp32, the split pages' values read as the rule picks them. Returns (out [T, Hq, D] in
-    q's dtype, each key's mass [H, L] summed over the last `mass_queries` queries, or None);
+    fp32, the split pages' values read as the rule picks them (with `exact`, the cache's keys
+    read with them). Returns (out [T, Hq, D] in q's dtype, each key's mass [H, L] summed over
+    the last `mass_queries` queries, or None, the fraction of the keys whose values were read);
     the mass is the exact softmax's, whatever was read."""
-    s = split.cfg.page_size
+    s = store.cfg.page_size
     refs = list(seq.pages)
     n = seq.lengths[layer]
-    k, v = split.store.gather(refs, layer, torch.float32, values=False)  # split pages' values: zeros
+    k, v = store.gather(refs, layer, torch.float32, values=False)  # split pages' values: zeros
     k, v = k[:, :n], v[:, :n]
     t, hq, d = q.shape
     h = k.shape[0]
@@ -43,20 +47,21 @@ def attend(split: ValueSplit, seq: Sequence, layer: int, q: torch.Tensor, causal
     fetched: dict[int, tuple] = {}  # page index -> its (exact keys or None, values) [H, S, D], read once
     read = 0
     tok = (torch.tensor(cold, device=q.device)[:, None] * s + torch.arange(s, device=q.device)).flatten()
-    bounds = page_bounds(k[:, tok], s) if cold and split.rule.score == "bound" else None  # Quest's, per page
+    bounds = page_bounds(k[:, tok], s) if cold and rule.score == "bound" else None  # Quest's, per page
     for lo, hi, probs in score_blocks(q, k, causal, scale):
         add_mass(mass, probs, lo, hi, t, mass_queries)
         vb = v
         if cold:  # each cold page's share of each query head's attention (kvguard/cache/picks.py)
             bound = None if bounds is None else bound_shares(
                 q[lo:hi], *bounds, tok[::s], torch.arange(n - t + lo, n - t + hi, device=q.device), scale)
-            picked = picks.pick(split.rule, picks.shares(split.rule, probs[..., tok].unflatten(-1, (len(cold), s))
-                                                        .sum(-1), bound))  # [hi - lo, cold]
+            picked = picks.pick(rule, picks.shares(rule, probs[..., tok].unflatten(-1, (len(cold), s))
+                                                  .sum(-1), bound))  # [hi - lo, cold]
             union = [cold[j] for j in picked.any(dim=0).nonzero().flatten().tolist()]
             need = [i for i in union if i not in fetched]
             if need:
-                fetched.update(zip(need, _values(split, seq, layer, refs, need), strict=True))
-            kb = k.clone() if union and split.exact else k
+                pages = [PageId(int(refs[i].page)) for i in need]
+                fetched.update(zip(need, read_values(seq, layer, pages), strict=True))
+            kb = k.clone() if union and exact else k
             if union:
                 vb = v.clone()
                 for i in union:
@@ -71,25 +76,10 @@ def attend(split: ValueSplit, seq: Sequence, layer: int, q: torch.Tensor, causal
                                       dim=-1)
             else:
                 probs = probs * keep  # a page not read adds no value
-                if split.rule.normalize == "read" and not picked.all():  # ... nor weight: the softmax
+                if rule.normalize == "read" and not picked.all():  # ... nor weight: the softmax
                     probs = probs / probs.sum(dim=-1, keepdim=True).clamp_min(1e-30)  # of what was read
             read += int(keep.sum())
         else:
             read += (hi - lo) * n
         out[:, :, lo:hi] = torch.einsum("hgtl,hld->hgtd", probs, vb)
-    split.last_read = read / (t * n) if n else 1.0
-    if layer == split.cfg.num_layers - 1:
-        split.flush(seq)
-    return out.permute(2, 0, 1, 3).reshape(t, hq, d).to(q.dtype), mass
-
-
-def _values(split: ValueSplit, seq: Sequence, layer: int, refs: list[PageRef], idx: list[int]) -> list[tuple]:
-    """The (exact keys or None, values) [H, S, D] fp32 of split pages idx of the sequence at
-    one layer, copied from host memory and decoded; counted into the step's `fetch` event."""
-    pages = [PageId(int(refs[i].page)) for i in idx]
-    k, v = decode_pages(split.view(split.pool.read(layer, pages)), torch.float32)  # [n, H, S, D]
-    names, nbytes = split._moved.setdefault(seq.id, ({}, 0))
-    for p in pages:
-        names[page_name(SPLIT, p)] = None
-    split._moved[seq.id] = (names, nbytes + len(pages) * split.page_value_bytes)
-    return list(zip(k if split.exact else [None] * len(pages), v, strict=True))
+    return out.permute(2, 0, 1, 3).reshape(t, hq, d).to(q.dtype), mass, read / (t * n) if n else 1.0

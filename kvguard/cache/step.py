@@ -31,7 +31,8 @@ from ..errors import ConfigError, InputError, OutOfPages
 from ..types import SeqId
 from . import paged
 from .manager import CacheManager
-from .sequence import SPLIT, Sequence
+from .pages import SPLIT
+from .sequence import Sequence
 
 
 class StaticStep:

@@ -15,9 +15,9 @@ from ..compress.codecs.rotation import Rotation
 from .block_tables import BlockTables
 from .compaction import Compactor
 from .config import CacheConfig
-from .pages import PageStore
+from .pages import HOT, PageRef, PageStore
 from .quantize import Quantizer
-from .sequence import HOT, PageRef, Sequence
+from .sequence import Sequence
 
 
 class Writer:

@@ -12,7 +12,7 @@ import torch
 
 from kvguard.cache import CacheConfig, CacheManager, EventQueue
 from kvguard.cache import events as ev
-from kvguard.cache.sequence import HOT, MAIN, PageRef
+from kvguard.cache.pages import HOT, MAIN, PageRef
 from kvguard.cache.tiers import CpuTier
 from kvguard.errors import InputError
 
