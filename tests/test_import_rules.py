@@ -152,3 +152,106 @@ def test_from_the_checkout_hf_kernels_is_not_our_folder():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
+
+
+# --- no circles ---------------------------------------------------------------------------------
+# A circle of imports leaves no module that can be read, tested or moved without the others, and
+# makes the order of imports matter. Every import counts: at the top, inside a function (deferred
+# for weight, it still ties the two) and under TYPE_CHECKING (a type named is a dependency).
+
+PACKAGES = {"kvguard": "kvguard", "kvguard.kernels": "kernels", "kvguard.audit": "audit",
+            "kvguard.migrations": "migrations"}  # installed name -> folder (pyproject's package-dir)
+
+
+def module_files(root: Path = ROOT, packages: dict[str, str] = PACKAGES) -> dict[str, Path]:
+    """Every module by its installed dotted name (a package by its __init__.py)."""
+    out = {}
+    for name, folder in packages.items():
+        for path in (root / folder).rglob("*.py"):
+            parts = path.relative_to(root / folder).with_suffix("").parts
+            out[".".join((name, *parts[: -1 if parts[-1] == "__init__" else None]))] = path
+    return out
+
+
+def import_graph(root: Path = ROOT, packages: dict[str, str] = PACKAGES) -> dict[str, dict[str, int]]:
+    """Each module -> the modules of the same tree it imports, with the line of the first such
+    import. `from a.b import c` is an arrow to a.b.c when that is a module, else to a.b; the
+    packages above a module imported are not arrows (importing a.b.c runs a/b/__init__.py, but a
+    package's __init__ that hands on its submodules' names would otherwise be in a circle with
+    each of them)."""
+    files = module_files(root, packages)
+
+    def known(name: str) -> str | None:
+        while name not in files and "." in name:
+            name = name.rpartition(".")[0]
+        return name if name in files else None
+
+    graph = {}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        arrows: dict[str, int] = {}
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                names = [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                target = known(name)
+                if target is not None and target != mod:
+                    arrows.setdefault(target, node.lineno)
+        graph[mod] = arrows
+    return graph
+
+
+def circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The groups of modules that import each other (strongly connected), each sorted."""
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph.get(m, ()))
+        return seen
+
+    reached = {m: reach(m) for m in graph}
+    out, placed = [], set()
+    for m in sorted(graph):
+        if m in reached[m] and m not in placed:
+            group = sorted(n for n in reached[m] if m in reached[n])
+            placed.update(group)
+            out.append(group)
+    return out
+
+
+def test_no_module_imports_itself_through_others():
+    graph = import_graph()
+    found = circles(graph)
+    ties = [[f"{a} -> {b} (line {graph[a][b]})" for a in group for b in group if b in graph[a]] for group in found]
+    assert not found, ("modules that import each other: move what they share to the module it belongs to "
+                       "(a deferred import still ties them):\n" + "\n\n".join("\n".join(t) for t in ties))
+
+
+def test_the_circle_check_sees_imports_in_functions_and_for_types(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .a import A\n")  # a package handing on a name: no circle
+    (pkg / "a.py").write_text("from .b import B\nA = 1\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg import a\nB = 2\n")  # a -> b -> a, in a function
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import D\n")
+    (pkg / "sub" / "d.py").write_text("from .. import sub\nfrom ..sub import c\nD = 3\n")  # d -> c -> d
+    graph = import_graph(tmp_path, {"pkg": "pkg"})
+    assert graph["pkg.a"] == {"pkg.b": 1} and graph["pkg.sub.c"] == {"pkg.sub.d": 3}
+    assert circles(graph) == [["pkg.a", "pkg.b"], ["pkg.sub.c", "pkg.sub.d"]]
+    # the real tree: relative, absolute and installed-name imports all land on files
+    real = import_graph()
+    assert "kvguard.cache.sequence" in real["kvguard.cache.manager"]
+    assert "kvguard.audit.ops" in real["kvguard.cache.events"]
+    assert "kvguard.kernels.quantize" in real["kvguard.cache.compaction"]
