@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import subprocess
@@ -121,6 +122,30 @@ def kvguard(args: list[str], env: dict) -> str:
     return r.stdout.strip()
 
 
+# The commands one after another through kvguard's CLI entry point, in one Python: each
+# `python -m kvguard` spends a second or more importing before the command runs.
+_COMMANDS = """
+import contextlib, io, json, sys
+from kvguard.cli import main
+out = []
+for args in json.loads(sys.argv[1]):
+    with contextlib.redirect_stdout(io.StringIO()) as buf:
+        code = main(args)
+    if code:
+        sys.exit(f"kvguard {' '.join(args)}: exit status {code}")
+    out.append(buf.getvalue().strip())
+print(json.dumps(out))
+"""
+
+
+def kvguard_commands(commands: list[list[str]], env: dict) -> list[str]:
+    """Each command's output, as `kvguard(args, env)` would return it, from one process."""
+    r = subprocess.run([sys.executable, "-c", _COMMANDS, json.dumps(commands)], env=env, capture_output=True,
+                       text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
 def start_server(tmp: Path, db_url: str, *, tokens: dict | None = None, extra_env: dict | None = None) -> Server:
     data, owner_url = tmp / "data", db_url
     kek = {}
@@ -132,14 +157,17 @@ def start_server(tmp: Path, db_url: str, *, tokens: dict | None = None, extra_en
     env = {**os.environ, "KVGUARD_DATA_DIR": str(data), "KVGUARD_DATABASE_URL": db_url, **kek,
            "KVGUARD_ORIGIN": f"test.kvguard/{uuid.uuid4().hex[:8]}", "KVGUARD_LOG_FORMAT": "json",
            "KVGUARD_ERASURE_ACK_TIMEOUT_S": "20", "KVGUARD_INFERENCE_LIVE_S": "3", **(extra_env or {})}
+    commands = []
     for secret in ("index.key", "seal.key"):  # as an operator provisions them for a shared database
         if not (data / secret).exists():
             data.mkdir(parents=True, exist_ok=True, mode=0o700)
-            kvguard(["keygen", "--secret", str(data / secret)], env)
-    if tokens is None:
-        tokens = {}
-        for scope in ("admin", "ingest", "erasure:write", "erasure:read", "audit:read"):
-            tokens[scope] = kvguard(["token", "create", "--scope", scope, "--name", scope.replace(":", "-")], env)
+            commands.append(["keygen", "--secret", str(data / secret)])
+    scopes = ("admin", "ingest", "erasure:write", "erasure:read", "audit:read") if tokens is None else ()
+    commands += [["token", "create", "--scope", scope, "--name", scope.replace(":", "-")] for scope in scopes]
+    if commands:
+        out = kvguard_commands(commands, env)
+        if scopes:
+            tokens = dict(zip(scopes, out[-len(scopes):], strict=True))
     port = int((extra_env or {}).get("KVGUARD_PORT") or free_port())
     env["KVGUARD_PORT"] = str(port)
     log = open(tmp / "serve.log", "ab")
