@@ -64,7 +64,11 @@ def side_by_side(reports: list[dict]) -> str:
                  f"{d['outcome']} ({'—' if d['outcome'] == 'refuse' else '`' + str(d.get('config')) + '`'})"
                  for d in got]
         outcomes = {(d["outcome"], d.get("config")) for d in got if d is not None}
-        agree = "yes" if len(outcomes) == 1 and None not in got else "no: " + ", ".join(
-            f"{n} {d['outcome'] if d else 'not measured'}" for n, d in zip(names, got))
+        if len(outcomes) == 1 and None not in got:
+            agree = "yes"
+        elif len({o for o, _ in outcomes}) == 1 and None not in got:
+            agree = "no: another step in force"
+        else:
+            agree = "no: " + ", ".join(f"{n} {d['outcome'] if d else 'not measured'}" for n, d in zip(names, got))
         out.append(f"| {p} | " + " | ".join(cells) + f" | {agree} |")
     return "\n".join(out) + "\n"
