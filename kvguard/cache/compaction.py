@@ -258,9 +258,14 @@ class Compactor:
         seq.positional = False
         if got_main:  # the survivors written into codec pages were (re)quantized
             self.emit(self.quantizer.event(seq, got_main))
-        event = ev.TokensEvicted(
-            seq=seq.id, subject=seq.subject, pages=tuple(freed), n_tokens=length - new_len,
-            bytes=self.store.bytes_of(freed),
-            evictor=self.evictor.name, kept=new_len)
+        event = eviction(self.store, seq, freed, length - new_len, new_len, evictor=self.evictor.name)
         self.emit(event)
         return event
+
+
+def eviction(store: PageStore, seq: Sequence, freed: list[str], n: int, kept: int, *, evictor: str = "",
+             reason: str = "") -> ev.TokensEvicted:
+    """The `evict` event of n tokens dropped from a sequence, its pages `freed`: a compaction's
+    (the evictor's name) or a sliding window's (window.py: no evictor, the reason)."""
+    return ev.TokensEvicted(seq=seq.id, subject=seq.subject, pages=tuple(freed), n_tokens=n,
+                            bytes=store.bytes_of(freed), evictor=evictor, kept=kept, reason=reason)

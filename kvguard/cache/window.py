@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from . import events as ev
+from .compaction import eviction
 from .config import CacheConfig
 from .pages import PageStore
 from .sequence import Sequence
@@ -48,7 +49,6 @@ class Window:
         old.zero_()
         seq.evicted += n
         seq.positional = False
-        event = ev.TokensEvicted(seq=seq.id, subject=seq.subject, pages=tuple(freed), n_tokens=n,
-                                 bytes=self.store.bytes_of(freed), evictor="", kept=length - n, reason=REASON)
+        event = eviction(self.store, seq, freed, n, length - n, reason=REASON)
         self.emit(event)
         return event
