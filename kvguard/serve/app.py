@@ -369,6 +369,9 @@ def _prompt_ids(tok, data, kind: str) -> list[int]:
     if kind == "text":
         return tok(data.prompt).input_ids
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in data.messages]
+    if not getattr(tok, "chat_template", None):
+        raise Problem(400, "this model has no chat template (a base model, such as gemma3): send the text to "
+                           "/v1/completions")
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception:  # noqa: BLE001 - a template that refuses these messages (jinja raise_exception)
