@@ -12,6 +12,8 @@ the evictor scores by attention mass, each read adds its keys' mass into the seq
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..compress.evictors import Evictor
@@ -88,9 +90,12 @@ class Reader:
 
     def attend_step(self, seqs: list[Sequence], layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
         """Decode attention of a batch, q [B, Hq, D] (16-bit on the kernel path): [B, Hq, D]."""
-        if self._split(seqs) and self._split_kernels(q[:1], self.needs_mass):
+        split = self._split(seqs)
+        if split and self._split_kernels(q[:1], self.needs_mass):
             return self.split.attend_step(seqs, layer, q.contiguous(), scale)
-        if not self.cfg.use_kernels or self._split(seqs):
+        if not self.cfg.use_kernels and not split and not self.needs_mass and self.cfg.window is None:
+            return self._attend_step_dense(seqs, layer, q, scale)
+        if not self.cfg.use_kernels or split:
             return torch.cat([self.attend(seq, layer, q[i : i + 1], True, scale) for i, seq in enumerate(seqs)])
         return self.attend_paged(seqs, layer, q.contiguous(), scale, self.needs_mass)
 
@@ -109,6 +114,37 @@ class Reader:
         for seq in seqs:
             self.residency.fetch_all(seq)
         return self._prefill_batch(seqs, layer, q.contiguous(), counts, scale)
+
+    def _attend_step_dense(self, seqs: list[Sequence], layer: int, q: torch.Tensor,
+                           scale: float | None) -> torch.Tensor:
+        """Decode of q [B, Hq, D] off the kernel path (the CPU): every row's pages dequantized in
+        one gather, the rows padded to the longest and attended in one pass in fp32, instead of
+        a gather and an attention per row (which cost the CPU more than the model's weights)."""
+        if self.split is not None:
+            self.split.last_read = 1.0  # nothing of these sequences is away: every value read
+        for seq in seqs:
+            self.residency.fetch_all(seq)
+        c = self.cfg
+        k, v = self.store.gather([r for seq in seqs for r in seq.pages], layer, torch.float32)  # [H, N*S, D]
+        lengths = [seq.lengths[layer] for seq in seqs]
+        longest = max(lengths)
+        starts, at = [], 0
+        for seq in seqs:
+            starts.append(at)
+            at += len(seq.pages) * c.page_size
+        pos = torch.arange(longest)
+        idx = (torch.tensor(starts)[:, None] + pos).clamp(max=max(at - 1, 0))  # [B, L]
+        pad = pos[None, :] >= torch.tensor(lengths)[:, None]  # [B, L]
+        idx, pad = idx.to(k.device), pad.to(k.device)
+        b, hq, d = q.shape
+        h = k.shape[0]
+        kb, vb = k[:, idx], v[:, idx]  # [H, B, L, D]
+        qf = q.float().reshape(b, h, hq // h, d).transpose(0, 1)  # [H, B, g, D]
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        scores = torch.einsum("hbgd,hbld->hbgl", qf, kb) * scale
+        probs = torch.softmax(scores.masked_fill(pad[None, :, None, :], float("-inf")), dim=-1)
+        out = torch.einsum("hbgl,hbld->hbgd", probs, vb)  # [H, B, g, D]
+        return out.transpose(0, 1).reshape(b, hq, d).to(q.dtype)
 
     def attend_paged(self, seqs: list[Sequence], layer: int, q: torch.Tensor, scale: float | None,
                      with_mass: bool) -> torch.Tensor:
