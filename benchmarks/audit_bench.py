@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import tempfile
 import threading
 import time
 import uuid
+from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -40,7 +40,9 @@ from kvguard.audit.signproc import sign_chain  # noqa: E402
 from kvguard.audit.store import AuditStore, migrate  # noqa: E402
 from kvguard.audit.verify import verify_store  # noqa: E402
 
-PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+from benchmarks._lib.postgres import scratch_database  # noqa: E402
+from benchmarks._lib.report import machine_line  # noqa: E402
+
 SUBJECT = {"tenant": "0f" * 16, "user": "a1" * 16, "session": "5e" * 16}
 
 
@@ -143,45 +145,32 @@ def main() -> None:
     ap.add_argument("--no-postgres", action="store_true")
     args = ap.parse_args()
     n = args.records
-    print(f"# {platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-          f"load average {os.getloadavg()[0]:.2f}")
+    print(machine_line())
     sign, verify, size = raw_rates(20_000)
     rows = [("raw Ed25519 sign (1 thread)", sign, ""), ("raw Ed25519 verify (1 thread)", verify, "")]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as scratch:
         sqlite = f"sqlite:///{tmp}/bench.db"
         migrate(sqlite)
         targets = [("SQLite", sqlite)]
         if not args.no_postgres:
-            from sqlalchemy import create_engine, text
-
-            name = f"kvguard_bench_{uuid.uuid4().hex[:8]}"
-            admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-            with admin.connect() as c:
-                c.execute(text(f"CREATE DATABASE {name}"))
-            pg = PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+            pg = scratch.enter_context(scratch_database())
             migrate(pg)
             targets.append(("PostgreSQL", pg))
-        try:
-            for label, url in targets:
-                rate = store_only(url, min(n, 20_000), LogConfig().sign_slice)
-                rows.append((f"store only, {label}, {LogConfig().sign_slice}-record transactions", rate,
-                             f"{1e6 / rate:.1f} us/record = {sign / rate:.2f} x a raw signature"))
-                for where in ("thread", "process"):
-                    for mode in ("append_many", "4 callers", "submit"):
-                        before = raw_rates(5000, verify=False)[0]
-                        rate, cpu, child_cpu = end_to_end(url, n, mode, where == "process")
-                        around = (before + raw_rates(5000, verify=False)[0]) / 2
-                        split = f"{cpu:.0f} + {child_cpu:.0f} signer" if child_cpu else f"{cpu:.0f}"
-                        rows.append((f"end to end, {label}, {mode}, sign in {where}", rate,
-                                     f"{rate / around:.2f} x raw sign ({around:,.0f}/s around it); "
-                                     f"CPU us/record {split}"))
-            vrate, vn = verify_rate(sqlite)
-            rows.append((f"verify_store, SQLite ({vn} records)", vrate, f"{vrate / verify:.2f} x raw verify"))
-        finally:
-            if not args.no_postgres:
-                with admin.connect() as c:
-                    c.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-                admin.dispose()
+        for label, url in targets:
+            rate = store_only(url, min(n, 20_000), LogConfig().sign_slice)
+            rows.append((f"store only, {label}, {LogConfig().sign_slice}-record transactions", rate,
+                         f"{1e6 / rate:.1f} us/record = {sign / rate:.2f} x a raw signature"))
+            for where in ("thread", "process"):
+                for mode in ("append_many", "4 callers", "submit"):
+                    before = raw_rates(5000, verify=False)[0]
+                    rate, cpu, child_cpu = end_to_end(url, n, mode, where == "process")
+                    around = (before + raw_rates(5000, verify=False)[0]) / 2
+                    split = f"{cpu:.0f} + {child_cpu:.0f} signer" if child_cpu else f"{cpu:.0f}"
+                    rows.append((f"end to end, {label}, {mode}, sign in {where}", rate,
+                                 f"{rate / around:.2f} x raw sign ({around:,.0f}/s around it); "
+                                 f"CPU us/record {split}"))
+        vrate, vn = verify_rate(sqlite)
+        rows.append((f"verify_store, SQLite ({vn} records)", vrate, f"{vrate / verify:.2f} x raw verify"))
     print(f"# {n} records per end-to-end run, ~{size}-byte records; "
           f"load average at the end {os.getloadavg()[0]:.2f}\n")
     print(f"| {'measurement':<60} | {'records/s':>10} | ratio |")

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import resource
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
+from contextlib import ExitStack
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,7 +35,9 @@ from kvguard.audit.record import Record  # noqa: E402
 from kvguard.audit.store import AuditStore, CheckpointEntry, migrate  # noqa: E402
 from kvguard.audit.tree import HashTree  # noqa: E402
 
-PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+from benchmarks._lib.postgres import scratch_database  # noqa: E402
+from benchmarks._lib.report import machine_line  # noqa: E402
+
 ORIGIN = "bench.kvguard.example/million"
 SUBJECT = {"tenant": "0f" * 16, "user": "a1" * 16, "session": "5e" * 16}
 CHUNK = 10_000
@@ -86,60 +87,47 @@ def main() -> None:
     ap.add_argument("--no-postgres", action="store_true")
     args = ap.parse_args()
     n = args.records
-    print(f"# {platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-          f"load average {os.getloadavg()[0]:.2f}")
+    print(machine_line())
     key = SigningKey.generate()
     rows = []
-    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp, ExitStack() as scratch:
         urls = {"SQLite": f"sqlite:///{tmp}/million.db"}
         if not args.no_postgres:
-            from sqlalchemy import create_engine, text
-
-            name = f"kvguard_bench_{uuid.uuid4().hex[:8]}"
-            admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-            with admin.connect() as c:
-                c.execute(text(f"CREATE DATABASE {name}"))
-            urls["PostgreSQL"] = PG_ADMIN.rsplit("/", 1)[0] + "/" + name
-        try:
-            stores = {}
-            for label, url in urls.items():
-                migrate(url)
-                stores[label] = AuditStore(url)
-            seconds = generate(list(stores.values()), key, n)
-            rows.append((f"generate: sign + insert into {len(stores)} store(s)", n / seconds, seconds, ""))
-            bundle = f"{tmp}/million.zip"
-            key.save(f"{tmp}/log.key")
-            for label, url in urls.items():  # through the CLI, in a child process, to see its memory
-                t = time.perf_counter()
-                subprocess.run([sys.executable, "-m", "kvguard.audit", "export", "--database-url", url, "--origin",
-                                ORIGIN, "--key", f"{tmp}/log.key", "-o", bundle, "--no-progress"],
-                               check=True, cwd=REPO, stdout=subprocess.DEVNULL)
-                seconds = time.perf_counter() - t
-                peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-                rows.append((f"export whole log from {label} (CLI)", n / seconds, seconds,
-                             f"{os.path.getsize(bundle) / 2**20:.0f} MiB bundle, peak RSS {peak:.0f} MiB"))
-            for label, url in urls.items():  # the store check (kvguard audit check), also a child process
-                t = time.perf_counter()
-                subprocess.run([sys.executable, "-m", "kvguard.audit", "check", "--database-url", url,
-                                "--no-progress"], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
-                seconds = time.perf_counter() - t
-                rows.append((f"check whole store, {label} (CLI)", n / seconds, seconds, ""))
-            raw_before = raw_verify_rate(key)
+            urls["PostgreSQL"] = scratch.enter_context(scratch_database())
+        stores = {}
+        for label, url in urls.items():
+            migrate(url)
+            stores[label] = AuditStore(url)
+        seconds = generate(list(stores.values()), key, n)
+        rows.append((f"generate: sign + insert into {len(stores)} store(s)", n / seconds, seconds, ""))
+        bundle = f"{tmp}/million.zip"
+        key.save(f"{tmp}/log.key")
+        for label, url in urls.items():  # through the CLI, in a child process, to see its memory
             t = time.perf_counter()
-            result = verify_bundle(bundle, [key.public_key])
+            subprocess.run([sys.executable, "-m", "kvguard.audit", "export", "--database-url", url, "--origin",
+                            ORIGIN, "--key", f"{tmp}/log.key", "-o", bundle, "--no-progress"],
+                           check=True, cwd=REPO, stdout=subprocess.DEVNULL)
             seconds = time.perf_counter() - t
-            raw = (raw_before + raw_verify_rate(key)) / 2
-            assert result.records == n
-            rows.append(("raw Ed25519 verify (1 thread)", raw, None, ""))
-            rows.append(("verify bundle offline", n / seconds, seconds,
-                         f"{n / seconds / raw:.2f} x raw verify"))
-            for store in stores.values():
-                store.dispose()
-        finally:
-            if not args.no_postgres:
-                with admin.connect() as c:
-                    c.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-                admin.dispose()
+            peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+            rows.append((f"export whole log from {label} (CLI)", n / seconds, seconds,
+                         f"{os.path.getsize(bundle) / 2**20:.0f} MiB bundle, peak RSS {peak:.0f} MiB"))
+        for label, url in urls.items():  # the store check (kvguard audit check), also a child process
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "kvguard.audit", "check", "--database-url", url,
+                            "--no-progress"], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+            seconds = time.perf_counter() - t
+            rows.append((f"check whole store, {label} (CLI)", n / seconds, seconds, ""))
+        raw_before = raw_verify_rate(key)
+        t = time.perf_counter()
+        result = verify_bundle(bundle, [key.public_key])
+        seconds = time.perf_counter() - t
+        raw = (raw_before + raw_verify_rate(key)) / 2
+        assert result.records == n
+        rows.append(("raw Ed25519 verify (1 thread)", raw, None, ""))
+        rows.append(("verify bundle offline", n / seconds, seconds,
+                     f"{n / seconds / raw:.2f} x raw verify"))
+        for store in stores.values():
+            store.dispose()
     print(f"# {n:,} records\n")
     print(f"| {'measurement':<40} | {'records/s':>10} | {'seconds':>7} | note |")
     print(f"|{'-' * 42}|{'-' * 12}|{'-' * 9}|------|")

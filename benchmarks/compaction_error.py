@@ -26,15 +26,19 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from kvguard.cache import CacheConfig, CacheManager
-from kvguard.cache.pages import MAIN
-from kvguard.compress.codecs import make_codec
-from kvguard.types import Subject
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
+
+from benchmarks._lib.report import md_head, md_row  # noqa: E402
+from kvguard.cache import CacheConfig, CacheManager  # noqa: E402
+from kvguard.cache.pages import MAIN  # noqa: E402
+from kvguard.compress.codecs import make_codec  # noqa: E402
+from kvguard.types import Subject  # noqa: E402
 
 PAGE = 16
 
@@ -193,10 +197,9 @@ def main():
     print(f"# {a.source} K/V, layers {a.layers}, h2o per head ({a.granularity}s) budget {a.budget} sink {a.sink} "
           f"window {a.window}, "
           f"fp_sink {a.fp_sink} fp_window {a.fp_window}; error / single-encode error, K and V ({time.time() - t0:.0f} s)")
-    print("| compactions | " + " | ".join(f"{c} K | {c} V" for c in codecs) + " |")
-    print("|---|" + "---|---|" * len(codecs))
+    print(md_head("compactions", *(f"{c} {kv}" for c in codecs for kv in "KV")))
     for n in marks:
-        print(f"| {n} | " + " | ".join(f"{table[n, c][0]:.3f} | {table[n, c][1]:.3f}" for c in codecs) + " |")
+        print(md_row(n, *(f"{e:.3f}" for c in codecs for e in table[n, c])))
 
 
 if __name__ == "__main__":

@@ -23,20 +23,18 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported; kernels/ fixes the interpreter for NumPy >= 2.4
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
 
 import kvguard.kernels.paged_decode as paged_decode_module  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from kvguard.kernels import quantize as ref  # noqa: E402
 from kvguard.kernels._checks import KernelArgError  # noqa: E402
 from kvguard.kernels.compact import compact_pages, compact_pages_ref  # noqa: E402
@@ -44,6 +42,9 @@ from kvguard.kernels.paged_decode import paged_decode, paged_decode_ref  # noqa:
 from kvguard.kernels.paged_prefill import paged_prefill, paged_prefill_ref  # noqa: E402
 from kvguard.kernels.quantize_scatter import quantize_scatter, quantize_scatter_ref  # noqa: E402
 
+from benchmarks._lib.floors import ceilings  # noqa: E402
+from benchmarks._lib.report import write_json  # noqa: E402
+from benchmarks._lib.timing import time_calls  # noqa: E402
 from kvguard.compress.codecs.rotation import Rotation  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,42 +56,6 @@ GB = 1e9
 
 
 # --- timing -----------------------------------------------------------------------------------
-
-
-def time_calls(calls, min_total_s=0.04, max_reps=200) -> float:
-    """Seconds per call: calls[i] touch disjoint data; a CUDA graph of all of them is replayed."""
-    if not GPU:
-        t = time.perf_counter()
-        for c in calls:
-            c()
-        return (time.perf_counter() - t) / len(calls)
-    for c in calls:
-        c()  # compile, autotune-free warm up
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        calls[0]()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    g.replay()
-    torch.cuda.synchronize()
-    reps = max(5, min(max_reps, int(min_total_s / max(time.perf_counter() - t, 1e-6))))
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        g.replay()
-        b.record()
-    torch.cuda.synchronize()
-    ms = statistics.median(a.elapsed_time(b) for a, b in ev)
-    del g
-    return ms / 1e3 / len(calls)
 
 
 def time_unless_refused(row: dict, name: str, calls, what: str = "") -> bool:
@@ -121,31 +86,6 @@ def kernel_times(calls) -> dict:
         if e.self_device_time_total > 0:
             out[e.key] = e.self_device_time_total / 1e6 / len(calls)
     return out
-
-
-def ceilings() -> dict:
-    if not GPU:
-        return {"copy_GBps": 100.0, "read_GBps": 100.0, "bf16_TFLOPs": 1.0}
-    n = 2 * 1024**3 // 2  # 2 GiB each way
-    src = torch.randn(n, device=DEV, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    t = time_calls([lambda: dst.copy_(src)], min_total_s=0.2)
-    copy = 2 * n * 2 / t / GB
-    part = torch.empty(n // 8192, device=DEV, dtype=torch.float32)
-    t = time_calls([lambda: _read_kernel[(n // 8192,)](src, part, BLOCK=8192, num_warps=8)], min_total_s=0.2)
-    read = n * 2 / t / GB
-    del src, dst, part
-    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    t = time_calls([lambda: a @ b], min_total_s=0.2)
-    return {"copy_GBps": copy, "read_GBps": read, "bf16_TFLOPs": 2 * 8192**3 / t / 1e12}
-
-
-@triton.jit
-def _read_kernel(x, out, BLOCK: tl.constexpr):
-    # the read-only ceiling: each program sums BLOCK elements, 16-byte loads
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out + tl.program_id(0), tl.sum(tl.load(x + i).to(tl.float32), 0))
 
 
 # --- data ----------------------------------------------------------------------------------------
@@ -786,11 +726,10 @@ def main():
         print(prefill_table(prows[-1:])[-1], flush=True)
     plines = prefill_table(prows) if prows else []
     print("\n" + "\n".join(plines))
-    with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
-        json.dump({"info": info, "ceilings": ceil, "rows": rows, "prefill_rows": prows, "quantize": quant,
-                   "sweep": extra, "checks": checks,
-                   "decode_config": paged_decode_module.DEFAULT_CONFIG,
-                   "decode_config_small_head": paged_decode_module.SMALL_HEAD_CONFIG}, f, indent=1)
+    write_json(args.out, "gpu_bench.json", {"info": info, "ceilings": ceil, "rows": rows, "prefill_rows": prows,
+                                            "quantize": quant, "sweep": extra, "checks": checks,
+                                            "decode_config": paged_decode_module.DEFAULT_CONFIG,
+                                            "decode_config_small_head": paged_decode_module.SMALL_HEAD_CONFIG})
     with open(os.path.join(args.out, "gpu_bench_table.txt"), "w") as f:
         f.write("\n".join([json.dumps(info), f"ceilings {ceil}"] + checks[-1:] + quant + extra + lines + [""]
                           + plines) + "\n")

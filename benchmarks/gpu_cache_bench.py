@@ -20,33 +20,29 @@ replayed), so the host's share shows. In generation, decode steps are timed dire
 event at every step's boundary, the median over many steps with its notch; a ratio between two
 variants is printed only where their notches do not overlap. Needs torch, triton and (for
 --generate) transformers, and kvguard installed from this tree (`pip install --no-deps -e .`:
-kernels/ imports as kvguard.kernels only once installed); PYTHONPATH=. lets it import
-benchmarks.gpu_bench. Without CUDA, --help and --smoke (the reference path at tiny shapes) still run.
+kernels/ imports as kvguard.kernels only once installed). Without CUDA, --help and --smoke (the
+reference path at tiny shapes) still run.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
-import statistics
 import sys
 import time
 
 import torch
 
-from kvguard.cache import CacheConfig, CacheManager
-from kvguard.cache.attention import dense_attention
-from kvguard.types import Subject
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
+
+from benchmarks._lib.report import write_json  # noqa: E402
+from benchmarks._lib.timing import StepClock, fmt_ratio, fmt_share, fmt_steps, sync, time_calls  # noqa: E402
+from kvguard.cache import CacheConfig, CacheManager  # noqa: E402
+from kvguard.cache.attention import dense_attention  # noqa: E402
+from kvguard.types import Subject  # noqa: E402
 
 MODELS = {"smollm2-135m": (30, 9, 3, 64), "llama3-8b": (32, 32, 8, 128)}  # layers, Hq, H, D
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def sync():
-    if DEV.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -158,13 +154,12 @@ def graph_steps(m: CacheManager, seqs: list, steps: int, repeats: int = 5) -> tu
 
 def kernel_time(m: CacheManager, seqs: list) -> float:
     """Device time of the decode kernels of one batch step: every layer's paged decode over the
-    rows' pages as the cache hands them over, timed by gpu_bench.time_calls (a CUDA graph of the
+    rows' pages as the cache hands them over, timed by _lib.timing.time_calls (a CUDA graph of the
     step replayed: no host in the way)."""
     tables = getattr(m, "block_tables", None)
     decode_args = tables.decode_args if tables is not None else getattr(m, "_decode_args", None)
     if decode_args is None or DEV.type != "cuda":  # an older CacheManager; no GPU (--smoke)
         return float("nan")
-    from benchmarks.gpu_bench import time_calls
     from kvguard.cache import paged
 
     c = m.cfg
@@ -416,32 +411,6 @@ def static_graph_generate(model, cfg, ids: torch.Tensor, new_tokens: int,
     return torch.cat([ids, torch.stack(out, 1)], 1)
 
 
-class StepClock:
-    """Marks the boundaries of decode steps on the GPU's timeline (a CUDA event recorded on the
-    current stream at each tick; without CUDA, the host's clock) and gives the time between
-    consecutive ticks: one decode step each, whatever the host or the GPU spent on it."""
-
-    def __init__(self):
-        self.marks: list = []
-
-    def tick(self) -> None:
-        if DEV.type == "cuda":
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def steps_ms(self, skip: int = 0) -> list[float]:
-        """ms between consecutive ticks, leaving out the first `skip` steps (warm-up, capture)."""
-        sync()
-        if DEV.type == "cuda":
-            ms = [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
-        else:
-            ms = [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        return ms[skip:]
-
-
 def _ticking_criteria(clock: StepClock):
     """A transformers stopping criterion that never stops and ticks `clock` once per new token."""
     from transformers import StoppingCriteria, StoppingCriteriaList
@@ -452,49 +421,6 @@ def _ticking_criteria(clock: StepClock):
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     return StoppingCriteriaList([Tick()])
-
-
-def median(xs) -> float:
-    return statistics.median(xs)
-
-
-def notch(xs) -> float:
-    """Half-width of the median's notch (McGill, Tukey and Larsen: 1.58 IQR / sqrt(n)): two medians
-    whose notches do not overlap differ at roughly 95 % confidence. Infinite below 4 samples."""
-    if len(xs) < 4:
-        return float("inf")
-    q1, _, q3 = statistics.quantiles(xs, n=4)
-    return 1.58 * (q3 - q1) / math.sqrt(len(xs))
-
-
-def fmt_steps(xs) -> str:
-    """A variant's decode steps: their median and its notch, or why there is no figure."""
-    if len(xs) < 4:
-        return f"too few decode steps to time ({len(xs)})"
-    m = median(xs)
-    if not math.isfinite(m) or m <= 0:  # a step cannot take no time: a broken clock, not a measurement
-        return f"no measurement (median {m} ms)"
-    return f"{m:.3f} ms/step ±{notch(xs):.3f} (median of {len(xs)} steps)"
-
-
-def fmt_ratio(xs, ys, name: str) -> str:
-    """xs's median over ys's, when the two differ by more than their notches; else says so."""
-    if len(xs) < 4 or len(ys) < 4:
-        return f"not compared with {name}'s (too few steps)"
-    mx, my = median(xs), median(ys)
-    if not (mx > 0 and my > 0):
-        return f"not compared with {name}'s (no measurement)"
-    if abs(mx - my) <= notch(xs) + notch(ys):
-        return f"equal to {name}'s within the noise"
-    return f"{mx / my:.2f}x {name}'s"
-
-
-def fmt_share(part: float, whole: float) -> str:
-    """part / whole as a percentage, where it can be one (5 characters); '  -  ' where the two
-    noisy times give a share below 0 or above 1."""
-    if not (whole > 0) or not (0 <= part <= whole):
-        return "  -  "
-    return f"{part / whole:5.0%}"
 
 
 # Steps left out of a variant's decode-step times: the first replays of a graph warm up and capture it.
@@ -672,8 +598,7 @@ def main():
                                 rounds=1 if a.smoke else 3, graphs=DEV.type == "cuda")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "cache_results.json"), "w") as f:
-            json.dump({"lines": lines}, f, indent=1)
+        write_json(a.out, "cache_results.json", {"lines": lines})
     if any("FAILED" in x for x in lines):
         sys.exit(1)
 

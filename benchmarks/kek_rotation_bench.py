@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
-from kvguard.audit.keyring import Keyring
-from kvguard.audit.models import SubjectKey
-from kvguard.audit.store import AuditStore, migrate
-from sqlalchemy import create_engine, insert, text
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+from kvguard.audit.keyring import Keyring  # noqa: E402
+from kvguard.audit.models import SubjectKey  # noqa: E402
+from kvguard.audit.store import AuditStore, migrate  # noqa: E402
+from sqlalchemy import insert  # noqa: E402
+
+from benchmarks._lib.postgres import scratch_database  # noqa: E402
 
 
 def run(url: str, label: str, n: int) -> None:
@@ -54,16 +56,8 @@ def main() -> None:
         run(f"sqlite:///{tmp}/audit.db", "sqlite", args.secrets)
     if args.no_postgres:
         return
-    name = f"kvguard_kek_bench_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f"CREATE DATABASE {name}"))
-    try:
-        run(PG_ADMIN.rsplit("/", 1)[0] + f"/{name}", "postgresql", args.secrets)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        admin.dispose()
+    with scratch_database("kvguard_kek_bench") as url:
+        run(url, "postgresql", args.secrets)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,8 @@ import torch
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
 
+from benchmarks._lib.report import md_head, md_row  # noqa: E402
+from benchmarks._lib.timing import sync  # noqa: E402
 from benchmarks.kvsplit_check import TIMED_PAGES, check  # noqa: E402
 from kvguard.cache import CacheConfig, CacheManager  # noqa: E402
 from kvguard.cache import events as ev  # noqa: E402
@@ -59,11 +61,6 @@ from kvguard.types import Subject  # noqa: E402
 SHAPES = {"smollm2-135m": (30, 3, 64, 9), "llama-8b": (32, 8, 128, 32), "tiny": (2, 2, 32, 4)}
 S = 16
 HOT_LOGIT = 12.0  # --hot: the logit a heavy-hitter page's keys gain with every query (nats)
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def page_bytes(args, codec: str, keys_only: bool = False) -> int:
@@ -336,8 +333,7 @@ def prefill(args, contexts: list[int], rules: list[str]) -> None:
     dev = torch.device(args.device)
     t = args.chunk
     print(f"\n{args.shape} ({layers} layers timed), a {t}-query chunk, ms per layer; device {args.device}")
-    print("| context | configuration | kernel path ms | reference path ms | x INT8 | MiB from host a layer |")
-    print("|---|---|---|---|---|---|")
+    print(md_head("context", "configuration", "kernel path ms", "reference path ms", "x INT8", "MiB from host a layer"))
     for n in contexts:
         for name, split in [("int8, no split", None)] + [
                 (f"split {named(r)}", {"window": args.window, **rule_of(r)}) for r in rules] + [
@@ -413,16 +409,14 @@ def sweep(args, contexts: list[int], rules: list[str]) -> None:
     print(f"\n{args.shape}, B={args.batch}, ms/step eager / replayed from a CUDA graph (x INT8's) and MiB of "
           "values from the host a step")
     cols = [(k, f) for k in keys for f in rules]
-    print("| context | int8 | " + " | ".join(f"int8+split{'' if k == 'int8' else ' k-' + k} {named(f)}" for k, f in cols)
-          + " |")
-    print("|---" * (2 + len(cols)) + "|")
+    print(md_head("context", "int8", *(f"int8+split{'' if k == 'int8' else ' k-' + k} {named(f)}" for k, f in cols)))
     for at in contexts:
         base, _, gbase = times[("int8", "int8", None, at)]
         cells = []
         for k, f in cols:
             ms, fetched, gms = times[("split", k, f, at)]
             cells.append(f"{ms:.2f} (x{ms / base:.2f}) / {gms:.2f} (x{gms / gbase:.2f}), {fetched / 2**20:.0f} MiB")
-        print(f"| {at:,} | {base:.2f} / {gbase:.2f} | " + " | ".join(cells) + " |")
+        print(md_row(f"{at:,}", f"{base:.2f} / {gbase:.2f}", *cells))
 
 
 def main() -> None:
@@ -559,9 +553,8 @@ def main() -> None:
         del m
     print(f"\n{args.shape}, B={args.batch}, device budget {args.budget_gb:g} GiB for KV pools, device {args.device}"
           f" ({torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'})")
-    print("| configuration | context a row (tokens) | vs INT8's | device pools GiB | host GiB | eager ms/step "
-          "| of it launching | x INT8 eager | graph ms/step | x INT8 graph | MiB from host/step |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(md_head("configuration", "context a row (tokens)", "vs INT8's", "device pools GiB", "host GiB", "eager ms/step",
+                  "of it launching", "x INT8 eager", "graph ms/step", "x INT8 graph", "MiB from host/step"))
     for name, at, used, host, ms, launch_ms, gms, fetched in rows:
         print(f"| {name} | {at:,} | {at / int8_tokens:.2f}x | {used / 2**30:.2f} | {host / 2**30:.2f} | {ms:.2f} "
               f"| {launch_ms:.2f} | {ms / int8_ms:.2f} | {gms:.2f} | {gms / int8_gms:.2f} | {fetched / 2**20:.1f} |")

@@ -31,13 +31,18 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 import time
 from collections import OrderedDict, deque
 
 import torch
 
-from kvguard.cache import picks
-from kvguard.cache.config import KVSplit
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
+
+from benchmarks._lib.report import md_head, md_row  # noqa: E402
+from kvguard.cache import picks  # noqa: E402
+from kvguard.cache.config import KVSplit  # noqa: E402
 
 PAGE = 16
 
@@ -198,16 +203,15 @@ def main(argv=None) -> None:
     print(f"\nSmolLM2-135M, {a.tokens} tokens ({cold} cold pages at the end), last {a.queries} steps, "
           f"window {a.window}; shares of the pages picked, mean over {len(texts)} texts (min-max):\n")
     caches = [(how, m) for how in HOW for m in mults]
-    print("| fraction | pages a step | same layer, step before | layer below, same step | "
-          + " | ".join(f"{how} {m} x k" for how, m in caches) + " |")
-    print("|---" * (4 + len(caches)) + "|")
+    print(md_head("fraction", "pages a step", "same layer, step before", "layer below, same step",
+                  *(f"{how} {m} x k" for how, m in caches)))
     for f in fractions:
         rs = rows[f]
 
         def cell(vals):
             return f"{sum(vals) / len(vals):.2f} ({min(vals):.2f}-{max(vals):.2f})"
-        print(f"| {f:g} | {rs[0]['k']} | {cell([r['step'] for r in rs])} | {cell([r['layer'] for r in rs])} | "
-              + " | ".join(cell([r['slots'][c] for r in rs]) for c in caches) + " |")
+        print(md_row(f"{f:g}", rs[0]['k'], cell([r['step'] for r in rs]), cell([r['layer'] for r in rs]),
+                     *(cell([r['slots'][c] for r in rs]) for c in caches)))
 
 
 HOW = {"lru": lru_hits, "ring": ring_hits, "slots": built_hits}

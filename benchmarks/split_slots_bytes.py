@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is defined: the kernels on the CPU
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
 
+from benchmarks._lib.report import md_head  # noqa: E402
 from benchmarks.split_locality import capture_qkv  # noqa: E402
 from kvguard.cache import CacheConfig, CacheManager  # noqa: E402
 from kvguard.cache import events as ev  # noqa: E402
@@ -99,9 +100,8 @@ def main(argv=None) -> None:
     first = sum(rows[0][1]) / len(rows[0][1])
     print(f"\nSmolLM2-135M ({len(qkv)} layers), {a.text}, {a.tokens} tokens then {a.steps} decode steps, INT8 pages, the split reading "
           f"{a.fraction:g} of the cold pages (k = {k} at the last step), window {a.window}, on {dev}:\n")
-    print("| slots | KiB over the bus a step (mean) | of no slots | the first step | the later steps (mean) "
-          "| max abs diff of the outputs vs no slots |")
-    print("|---|---|---|---|---|---|")
+    print(md_head("slots", "KiB over the bus a step (mean)", "of no slots", "the first step", "the later steps (mean)",
+                  "max abs diff of the outputs vs no slots"))
     for mult, moved, diff, _ in rows:
         mean = sum(moved) / len(moved)
         later = sum(moved[1:]) / max(1, len(moved) - 1)

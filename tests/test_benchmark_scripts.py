@@ -85,7 +85,7 @@ def test_cache_benchmark_helps_without_cuda():
 
 
 def test_decode_step_figures_are_medians_with_their_noise():
-    from benchmarks import gpu_cache_bench as b
+    from benchmarks._lib import timing as b
 
     assert b.notch(list(range(1, 101))) == pytest.approx(1.58 * 50.5 / 10)  # quartiles 25.25 and 75.75
     assert b.notch([1.0, 2.0, 3.0]) == float("inf")
@@ -96,7 +96,7 @@ def test_decode_step_figures_are_medians_with_their_noise():
 
 
 def test_a_ratio_within_the_noise_is_not_printed_as_a_figure():
-    from benchmarks import gpu_cache_bench as b
+    from benchmarks._lib import timing as b
 
     a = [2.0, 2.4, 1.6, 2.2, 1.8, 2.1, 1.9, 2.0]
     c = [x + 0.05 for x in a]  # a shift far inside the spread of either
@@ -108,7 +108,7 @@ def test_a_ratio_within_the_noise_is_not_printed_as_a_figure():
 
 
 def test_a_share_of_two_noisy_times_is_printed_only_where_it_can_be_one():
-    from benchmarks import gpu_cache_bench as b
+    from benchmarks._lib import timing as b
 
     assert b.fmt_share(90.0, 100.0) == "  90%"
     assert b.fmt_share(-5.0, 100.0) == "  -  "  # kernels timed longer than the whole step: noise
@@ -116,7 +116,7 @@ def test_a_share_of_two_noisy_times_is_printed_only_where_it_can_be_one():
 
 
 def test_step_clock_times_each_step_between_ticks():
-    from benchmarks import gpu_cache_bench as b
+    from benchmarks._lib import timing as b
 
     clock = b.StepClock()
     for _ in range(6):
@@ -273,3 +273,28 @@ def test_kvsplit_benchmark_slots_rows_serve_host_keys():
     (label, fetched, held), = seen
     assert label == "slots 2xk" and fetched > 0 and held > 0
     assert m.split.hot is None and not m.split.pool.on_wipe
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, args, last", [
+    ("audit_bench.py", ["--records", "40", "--no-postgres"], "| verify_store, SQLite ("),
+    ("audit_bundle_bench.py", ["--records", "40", "--no-postgres"], "| verify bundle offline"),
+    ("kek_rotation_bench.py", ["--secrets", "20", "--no-postgres"], "sqlite      wrap 20 secrets"),
+], ids=["audit", "audit-bundle", "kek-rotation"])
+def test_audit_benchmarks_small(script, args, last):
+    """The audit store's benchmarks on SQLite at a few records: each runs to its table."""
+    r = subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[-1].startswith(last), r.stdout[-2000:]
+    assert script == "kek_rotation_bench.py" or lines[0].startswith("# ") and " CPUs, Python " in lines[0]
+
+
+def test_markdown_tables_and_json_results(tmp_path):
+    from benchmarks._lib.report import md_head, md_row, write_json
+
+    assert md_head("a", "b c") == "| a | b c |\n|---|---|"
+    assert md_row(1, "x") == "| 1 | x |"
+    path = write_json(str(tmp_path), "r.json", {"rows": [1.5]})
+    assert path == str(tmp_path / "r.json") and (tmp_path / "r.json").read_text() == '{\n "rows": [\n  1.5\n ]\n}'
