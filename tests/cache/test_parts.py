@@ -41,7 +41,8 @@ def fill(m, seq, t, seed=0):
 
 
 def test_every_event_is_built_in_one_place():
-    built = {name: [] for name in EVENTS}
+    # BlocksStored is the vLLM connector's (kvguard/vllm/ledger.py): the cache itself never builds it
+    built = {name: [] for name in EVENTS if name != "BlocksStored"}
     for file, tree in trees().items():
         for node in ast.walk(tree):
             if isinstance(node, ast.Call):

@@ -58,7 +58,11 @@ def require(scope: str):
 
 def json_body(request: Request) -> None:
     """A body sent as anything but JSON (curl -d sends a form), or without a Content-Type, gets
-    a 415 that says what to send, not a 422 about fields the body seems to lack."""
+    a 415 that says what to send, not a 422 about fields the body seems to lack. A request with no
+    body at all is left to the route: its credentials are checked first (401, 403), then its
+    missing body (422); a body was authenticated before it was read (limits.py)."""
+    if request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers:
+        return
     media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
         raise Problem(415, "Unsupported Media Type",
