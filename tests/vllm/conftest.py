@@ -21,6 +21,7 @@ from tests.sidecar.conftest import ROOT, Server, free_port, pg_database, start_s
 
 VLLM_PY = Path(os.environ.get("KVGUARD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 MODEL = "smollm2"
+BLOCK = 32  # tokens a KV block holds (vLLM on the CPU takes multiples of 32)
 
 
 
@@ -55,7 +56,7 @@ def start_vllm(model_dir: Path, sidecar: Server, tmp: Path, *, connector: bool =
     url = f"http://127.0.0.1:{port}"
     args = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1", "--enforce-eager",
-            "--max-model-len", "2048", "--block-size", "32", "--enable-prompt-tokens-details",
+            "--max-model-len", "2048", "--block-size", str(BLOCK), "--enable-prompt-tokens-details",
             "--max-num-seqs", "16"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "2",
            "KVGUARD_INGEST_TOKEN": sidecar.tokens["ingest"]}

@@ -25,7 +25,7 @@ from kvguard.audit.receipt import verify_fleet_receipt
 
 from tests.sidecar.conftest import ROOT
 from tests.sidecar.test_erasure_e2e import database_dump
-from tests.vllm.conftest import MODEL
+from tests.vllm.conftest import BLOCK, MODEL
 
 pytestmark = pytest.mark.xdist_group("vllm")  # one worker starts vLLM once per store, not every worker
 SYSTEM = ("You are a careful assistant for a library. " * 12).strip()  # ~100 tokens: several full blocks
@@ -103,13 +103,16 @@ def test_erasure_mid_stream_ends_the_stream_and_overwrites_the_blocks(stack):
     system = "Private. " + SECRET
     bob_before = ask(acme, "bob", "Count to five.").choices[0].message.content
     streaming = []
+    messages = [{"role": "system", "content": system},
+                {"role": "user", "content": "Write a very long story about numbers."}]
+    r = httpx.post(stack.vllm + "/tokenize", json={"model": MODEL, "messages": messages}, timeout=30)
+    full = r.json()["count"] // BLOCK  # her prompt's full blocks: vLLM's prefix cache keeps them
+    assert full >= 3, r.text
 
     def alice() -> str:
         with pytest.raises(openai.APIError) as err:
             for ch in acme.chat.completions.create(
-                    model=MODEL, user="alice", max_tokens=1500, temperature=0, stream=True,
-                    messages=[{"role": "system", "content": system},
-                              {"role": "user", "content": "Write a very long story about numbers."}]):
+                    model=MODEL, user="alice", max_tokens=1500, temperature=0, stream=True, messages=messages):
                 streaming.append(ch)
         return str(err.value)
 
@@ -127,8 +130,10 @@ def test_erasure_mid_stream_ends_the_stream_and_overwrites_the_blocks(stack):
     front = next(v for k, v in processes.items() if k.startswith("front/"))
     vllm = next(v for k, v in processes.items() if k.startswith("vllm-dp0/"))
     assert front["sequences"] == 1  # her stream, ended by the front; vLLM aborted it when the front closed it
-    assert vllm["pages"] >= 5  # her prompt's blocks, overwritten in every worker and read back as zeros
-    assert 4 <= vllm["prefix_entries"] <= vllm["pages"]  # her full prompt blocks had left the prefix cache first
+    # her blocks, overwritten in every worker and read back as zeros: at least her prompt's full
+    # ones, which left the prefix cache first (her last, partial block and those of the tokens
+    # streamed so far are gone already when vLLM aborted her request before the erasure reached it)
+    assert full <= vllm["prefix_entries"] <= vllm["pages"]
     with stack.sidecar.client("audit:read") as auditor:
         pem = auditor.get("/v1/audit/public-keys").json()[0]["public_key_pem"]
     [record] = verify_fleet_receipt(done["receipt"], [PublicKey.from_text(pem)])
@@ -144,6 +149,7 @@ def test_erasure_mid_stream_ends_the_stream_and_overwrites_the_blocks(stack):
 def test_every_block_is_a_signed_record_without_raw_ids_and_the_bundle_verifies(stack, tmp_path):
     acme = client(stack.front, stack.key("acme"))
     ask(acme, "erin", "Tell me about audit logs.", "Audit. " + SYSTEM)
+    erase(stack, "acme", "erin")  # her blocks' erase record, from vLLM's own process
     assert stack.client.flush(30)
     time.sleep(2)  # the connector's sender and the next checkpoint
     with stack.sidecar.client("audit:read") as auditor:
