@@ -66,7 +66,7 @@ test-fast: venv
 	$(PY) -m pytest -q -x -m "not slow and not postgres" $(PYTEST_ARGS)
 
 bench-audit: venv services
-	$(PY) benchmarks/audit_bench.py
+	$(PY) benchmarks/audit/audit_bench.py
 
 fidelity: venv
 	$(PY) -m kvguard eval --out docs/fidelity

@@ -197,7 +197,8 @@ KIND = {"16bit": 0, "int8": 1, "fp8": 1, "int4": 2}
 # and is right; P @ V reduces over the tokens of a warp's step, 16 with one page per warp. Seen on an
 # H200 with the 2-D tile of 1 page and 1 warp and with warp_split at 1 page per warp (2 pages
 # over 2 warps, 4 over 4), with or without the inline PTX; fixed upstream ("Fix MMAv2 kWidth for
-# small-K upcast operands", triton-lang/triton#11691). benchmarks/triton_small_k.py shows it alone.
+# small-K upcast operands", triton-lang/triton#11691). benchmarks/kernels/triton_small_k.py shows it
+# alone.
 MIN_INT4_PV_TOKENS = 32
 
 

@@ -4,7 +4,7 @@ A decode step launches the same few kernels once per layer with arguments that d
 their values. Triton's launch (`kernel[grid](*args, **constexprs)`) binds and specializes
 every argument, looks the compiled kernel up and builds launch metadata on every call: on an
 H200's host ~26 µs for the decode kernel's 40 arguments, of which the launch itself is ~8 µs
-(`benchmarks/gpu_cache_bench.py --launch` times a decode call both ways). `launch` keeps the
+(`benchmarks/cache/gpu_cache_bench.py --launch` times a decode call both ways). `launch` keeps the
 compiled kernel of each kind of call and launches it directly.
 
 A kind of call is the kernel, its compile-time arguments and the class Triton 3.6

@@ -32,7 +32,7 @@ from ._launch import launch
 # k-th largest mass, by a radix select (four digit histograms) or a bisection on the bits (31
 # counts, from registers when the row fits a block); "many_from": rows of at least this many
 # pages take the many-program path (None: never); "many_block": its pages a program
-# (benchmarks/kvsplit_bench.py --tune times each)
+# (benchmarks/cache/kvsplit_bench.py --tune times each)
 PICK_CONFIG = {"block": 16384, "num_warps": 16, "select": "radix", "many_from": 4096, "many_block": 256}
 SELECTS = ("radix", "bisect")
 DIGITS = 4  # the radix select's 8-bit digits of a mass's 32 bits (a row's histograms: 4 x 256 = 1024 counts)

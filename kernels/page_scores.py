@@ -148,7 +148,7 @@ def _page_lse_kernel_t(q, kp, ksp, kzp, block_table, seq_lens, out, part, qk_sca
 
 # the decode step's pass (`transposed`: _page_lse_kernel_t, as paged_decode's int8 tile: pages a
 # step, warps, programs an SM and how they fill it, the fewest steps a split) or the other
-# (pages a step, steps a program); benchmarks/kvsplit_bench.py --tune times both
+# (pages a step, steps a program); benchmarks/cache/kvsplit_bench.py --tune times both
 DEFAULT_CONFIG = {"transposed": True, "pages": 2, "num_warps": 1, "num_stages": 3, "programs_per_sm": 16,
                   "fill": "waves", "min_steps": 2, "peel": True, "words": True}
 BLOCK_CONFIG = {"transposed": False, "pages": 8, "iters": 1, "num_warps": 4, "num_stages": 3}  # `shared`'s

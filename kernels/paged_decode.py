@@ -401,7 +401,7 @@ def _mass_kernel(logits, lse, seq_lens, mass, rows, positions, pos_stride, max_l
 # batch is one sequence: its splits' chains of steps are the whole latency; int8 at head_dim 128
 # keeps 12 programs per SM, no register cap and no pdl there; int8, fp8 and int4 splits of two
 # steps). Chosen by
-# benchmarks/gpu_bench.py --variants on an H200; SMALL_HEAD_CONFIG is for head_dim <= 64. The
+# benchmarks/kernels/gpu_bench.py --variants on an H200; SMALL_HEAD_CONFIG is for head_dim <= 64. The
 # kernels are latency-bound: what helped was fewer instructions per token (padded rows, masks and
 # shared-memory transposes removed: quantized values are stored channel-major so that V^T comes
 # straight from the page), no cross-warp reductions or barriers in the loop (one warp per program

@@ -160,7 +160,7 @@ def _prefill_mass_kernel(q, kp, ksp, kzp, block_table, lse, mass, qk_scale, T, L
 # the blocks of rows x KV heads x sequences are too few to fill the GPU (a short chunk, few KV
 # heads) the key range is split too, to about programs_per_sm programs per SM in splits of at
 # least min_split keys, and the partials merged by their lse (merge_splits, decode's pass 2).
-# Chosen by benchmarks/gpu_bench.py --kernel prefill --variants on an H200 (docs/benchmarks.md):
+# Chosen by benchmarks/kernels/gpu_bench.py --kernel prefill --variants on an H200 (docs/benchmarks.md):
 # 128 rows beat 64 once the split keeps the grid full (smollm2 16K x 512: 431 -> 95 us;
 # llama3 16K x 2048: 2138 -> 1861 us), and head_dim 64's lighter programs want more per SM.
 # 'peel': the steps whose keys every row of a block sees run first without token masks (int8

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_cache_benchmark_smoke():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "benchmarks/gpu_cache_bench.py", "--smoke"], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "benchmarks/cache/gpu_cache_bench.py", "--smoke"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line for line in r.stdout.splitlines() if line.startswith("smollm2-135m")]
@@ -28,7 +28,7 @@ def test_cache_benchmark_smoke():
 
 def test_kernels_ab_refuses_a_copy_named_kernels(tmp_path):
     (tmp_path / "kernels").mkdir()
-    r = subprocess.run([sys.executable, "benchmarks/kernels_ab.py", str(tmp_path / "kernels")], cwd=ROOT,
+    r = subprocess.run([sys.executable, "benchmarks/kernels/kernels_ab.py", str(tmp_path / "kernels")], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "under another name" in r.stderr
@@ -36,19 +36,19 @@ def test_kernels_ab_refuses_a_copy_named_kernels(tmp_path):
 
 @pytest.mark.slow
 def test_cache_host_benchmark_runs():
-    r = subprocess.run([sys.executable, "benchmarks/cache_host_bench.py", "--shapes", "smollm2-int8+h2o-2",
+    r = subprocess.run([sys.executable, "benchmarks/cache/cache_host_bench.py", "--shapes", "smollm2-int8+h2o-2",
                         "--steps", "1", "--context", "40"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     row = r.stdout.splitlines()[-1].split()
     assert row[0] == "smollm2-int8+h2o-2" and float(row[1]) > 0 and float(row[2]) >= 2  # pass 1 and mass at least
     for rows in ("1", "2"):  # a prompt chunk: append + attend for one row, append_chunk + attend_chunk for two
-        r = subprocess.run([sys.executable, "benchmarks/cache_host_bench.py", "--shapes", f"smollm2-int8-{rows}",
+        r = subprocess.run([sys.executable, "benchmarks/cache/cache_host_bench.py", "--shapes", f"smollm2-int8-{rows}",
                             "--steps", "1", "--context", "40", "--chunk", "24"], cwd=ROOT, capture_output=True,
                            text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         row = r.stdout.splitlines()[-1].split()
         assert row[0] == f"smollm2-int8-{rows}" and float(row[1]) > 0 and float(row[2]) >= 1  # the prefill kernel
-    bad = subprocess.run([sys.executable, "benchmarks/cache_host_bench.py", "--shapes", "gpt9-int8-1"], cwd=ROOT,
+    bad = subprocess.run([sys.executable, "benchmarks/cache/cache_host_bench.py", "--shapes", "gpt9-int8-1"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "bad shape" in bad.stderr
 
@@ -56,29 +56,29 @@ def test_cache_host_benchmark_runs():
 @pytest.mark.slow
 def test_sass_count_compiles_without_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "benchmarks/sass_count.py", "--codec", "int4", "--head-dim", "64"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "benchmarks/kernels/sass_count.py", "--codec", "int4", "--head-dim", "64"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     loops = [line for line in r.stdout.splitlines() if line.strip().startswith("loop ")]
     # the decode loop: tensor-core products and the int4 loader's LOP3s in one backward branch's span
     assert any("HMMA" in line and "LOP3" in line for line in loops), r.stdout
-    pre = subprocess.run([sys.executable, "benchmarks/sass_count.py", "--codec", "int8", "--head-dim", "64", "--kernel",
+    pre = subprocess.run([sys.executable, "benchmarks/kernels/sass_count.py", "--codec", "int8", "--head-dim", "64", "--kernel",
                           "prefill"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert pre.returncode == 0, pre.stderr[-3000:]
     # the prefill loop: a step of its 4 pages (64 tokens), with the softmax's exponentials (MUFU)
     assert "_prefill_kernel" in pre.stdout
     assert any("per step of 64 tokens" in line and "MUFU" in line for line in pre.stdout.splitlines()), pre.stdout
-    bad = subprocess.run([sys.executable, "benchmarks/sass_count.py", "--config", "[1]"], cwd=ROOT, env=env,
+    bad = subprocess.run([sys.executable, "benchmarks/kernels/sass_count.py", "--config", "[1]"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "JSON object" in bad.stderr
-    interp = subprocess.run([sys.executable, "benchmarks/sass_count.py"], cwd=ROOT,
+    interp = subprocess.run([sys.executable, "benchmarks/kernels/sass_count.py"], cwd=ROOT,
                             env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=120)
     assert interp.returncode != 0 and "unset TRITON_INTERPRET" in interp.stderr
 
 
 def test_cache_benchmark_helps_without_cuda():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    r = subprocess.run([sys.executable, "benchmarks/gpu_cache_bench.py", "--help"], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "benchmarks/cache/gpu_cache_bench.py", "--help"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "--generate" in r.stdout and "CUDA event" in r.stdout
@@ -128,7 +128,7 @@ def test_step_clock_times_each_step_between_ticks():
 @pytest.mark.slow
 def test_serve_bench_small_runs_both_servers():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "benchmarks/serve_bench.py", "--small"], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "benchmarks/serving/serve_bench.py", "--small"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     table = r.stdout[r.stdout.index("| server |"):].splitlines()[2:]
@@ -139,7 +139,7 @@ def test_serve_bench_small_runs_both_servers():
         assert float(cells[2]) > 0 and float(cells[3]) > 0  # output tokens/s, requests/s
     assert table[1].split("|")[7].strip() == "4"  # peak concurrent sequences: every client at once
     # the engine alone (no HTTP, no sidecar), for a GPU machine without the server's extras
-    r = subprocess.run([sys.executable, "benchmarks/serve_bench.py", "--small", "--in-process", "--no-stock"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "benchmarks/serving/serve_bench.py", "--small", "--in-process", "--no-stock"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     table = r.stdout[r.stdout.index("| server |"):].splitlines()[2:]
@@ -149,7 +149,7 @@ def test_serve_bench_small_runs_both_servers():
 
 @pytest.mark.slow
 def test_compaction_error_benchmark_runs():
-    r = subprocess.run([sys.executable, "benchmarks/compaction_error.py", "--source", "synthetic", "--compactions", "2",
+    r = subprocess.run([sys.executable, "benchmarks/fidelity/compaction_error.py", "--source", "synthetic", "--compactions", "2",
                         "--budget", "64", "--window", "16", "--fp-window", "16", "--layers", "0", "--codecs", "int8,int4"],
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -161,7 +161,7 @@ def test_compaction_error_benchmark_runs():
 
 @pytest.mark.slow
 def test_kvsplit_benchmark_smoke():
-    r = subprocess.run([sys.executable, "benchmarks/kvsplit_bench.py", "--smoke"], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "benchmarks/cache/kvsplit_bench.py", "--smoke"], cwd=ROOT, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     # (no CUDA graph on the CPU: those columns are nan)
@@ -192,7 +192,7 @@ def test_kvsplit_benchmark_times_the_coverage_rule_with_heavy_hitters():
     so that it reads nearly every cold page, and `--hot` makes a share of the pages hold the
     attention, so that it reads fewer. A rule the split refuses is refused before any work."""
     def mib(hot):
-        r = subprocess.run([sys.executable, "benchmarks/kvsplit_bench.py", "--smoke", "--fractions", "c0.99",
+        r = subprocess.run([sys.executable, "benchmarks/cache/kvsplit_bench.py", "--smoke", "--fractions", "c0.99",
                             "--split-keys", "int8", "--hot", hot], cwd=ROOT, capture_output=True, text=True,
                            timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
@@ -203,20 +203,20 @@ def test_kvsplit_benchmark_times_the_coverage_rule_with_heavy_hitters():
 
     spread, peaked = mib("0"), mib("0.2")
     assert spread > 0 and peaked < 0.5 * spread
-    r = subprocess.run([sys.executable, "benchmarks/kvsplit_bench.py", "--smoke", "--fractions", "c1.5"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "benchmarks/cache/kvsplit_bench.py", "--smoke", "--fractions", "c1.5"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "'c1.5' is not a rule" in r.stderr
 
 
 @pytest.mark.slow
 def test_kvsplit_check_runs_on_the_cpu_under_the_interpreter():
-    """The check a GPU run passes before it is timed (benchmarks/kvsplit_check.py), on a tiny
+    """The check a GPU run passes before it is timed (benchmarks/cache/kvsplit_check.py), on a tiny
     shape with the kernels interpreted: every comparison but the CUDA graph's, the split's keys
     INT8, INT4, and INT4 with INT8 in host memory, slots, and the picks alone with heavy pages
     in rows long enough for the many-program path (a GPU run compares them at the page counts
     it times, 15,031 and 28,053)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "benchmarks/kvsplit_bench.py", "--smoke", "--check-only"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "benchmarks/cache/kvsplit_bench.py", "--smoke", "--check-only"], cwd=ROOT,
                        capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     (line,) = [x for x in r.stdout.splitlines() if x.startswith("check:")]
@@ -224,7 +224,7 @@ def test_kvsplit_check_runs_on_the_cpu_under_the_interpreter():
     assert "picks of 4,513 and 7,019 pages, 1 % heavy, by coverage 0.99 and a top 1 % vs torch's: 0 rows of 8 " \
            "picked others" in line
     assert "row-steps of 6 that read others: [" in line and "not run (no CUDA here)" in line
-    without = subprocess.run([sys.executable, "benchmarks/kvsplit_bench.py", "--smoke", "--check-only"], cwd=ROOT,
+    without = subprocess.run([sys.executable, "benchmarks/cache/kvsplit_bench.py", "--smoke", "--check-only"], cwd=ROOT,
                              capture_output=True, text=True, timeout=120,
                              env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert without.returncode != 0 and "TRITON_INTERPRET=1" in without.stderr
@@ -234,7 +234,7 @@ def test_kvsplit_check_runs_on_the_cpu_under_the_interpreter():
 def test_kvsplit_benchmark_prefill_smoke():
     """--prefill on the CPU: the reference path only (the kernels need CUDA there), one row per
     configuration, the split's rows reading cold values and INT8's none."""
-    r = subprocess.run([sys.executable, "benchmarks/kvsplit_bench.py", "--smoke", "--prefill", "1024", "--layers", "2",
+    r = subprocess.run([sys.executable, "benchmarks/cache/kvsplit_bench.py", "--smoke", "--prefill", "1024", "--layers", "2",
                         "--fractions", "0.25"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {x[2].strip(): x for x in (line.split("|") for line in r.stdout.splitlines())
@@ -254,7 +254,7 @@ def test_kvsplit_benchmark_slots_rows_serve_host_keys():
 
     if not interpreting():
         pytest.skip("the kernel path runs on the CPU only under TRITON_INTERPRET=1")
-    from benchmarks import kvsplit_bench as kb
+    from benchmarks.cache import kvsplit_bench as kb
 
     args = argparse.Namespace(shape="tiny", device="cpu", budget_gb=0.002, batch=2, window=64, chunk=256, steps=2,
                               warmup=0, hot=0.0)
@@ -283,7 +283,7 @@ def test_kvsplit_benchmark_slots_rows_serve_host_keys():
 ], ids=["audit", "audit-bundle", "kek-rotation"])
 def test_audit_benchmarks_small(script, args, last):
     """The audit store's benchmarks on SQLite at a few records: each runs to its table."""
-    r = subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, f"benchmarks/audit/{script}", *args], cwd=ROOT, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()

@@ -1,4 +1,4 @@
-"""benchmarks/split_locality.py: the K/V split's picks as a decode step makes them, and what repeats."""
+"""benchmarks/fidelity/split_locality.py: the K/V split's picks as a decode step makes them, and what repeats."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import split_locality as loc
+from benchmarks.fidelity import split_locality as loc
 from kvguard.cache.config import KVSplit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +70,7 @@ def test_shares_of_picks_that_repeat():
 
 @pytest.mark.slow
 def test_split_locality_runs_on_smollm2():
-    r = subprocess.run([sys.executable, "benchmarks/split_locality.py", "--texts", "stdlib-code", "--tokens", "328",
+    r = subprocess.run([sys.executable, "benchmarks/fidelity/split_locality.py", "--texts", "stdlib-code", "--tokens", "328",
                         "--queries", "8", "--window", "64", "--fractions", "0.1,1", "--slots", "2", "--threads", "1"],
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                        timeout=600)
@@ -84,10 +84,10 @@ def test_split_locality_runs_on_smollm2():
 
 @pytest.mark.slow
 def test_split_slots_bytes_runs_through_the_cache():
-    """benchmarks/split_slots_bytes.py on a short context and the model's first four layers (the
+    """benchmarks/fidelity/split_slots_bytes.py on a short context and the model's first four layers (the
     kernels interpreted: all 30 take minutes): the slots read fewer bytes over the bus after the
     first step, and the outputs are those without slots, bit for bit."""
-    r = subprocess.run([sys.executable, "benchmarks/split_slots_bytes.py", "--text", "stdlib-code", "--tokens", "192",
+    r = subprocess.run([sys.executable, "benchmarks/fidelity/split_slots_bytes.py", "--text", "stdlib-code", "--tokens", "192",
                         "--steps", "3", "--window", "32", "--fraction", "0.25", "--slots", "4", "--layers", "4"],
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                        timeout=900)

@@ -81,7 +81,7 @@ def test_the_bytes_per_token_table_of_docs_models_is_the_script_s():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    script = runpy.run_path(str(root / "benchmarks" / "window_bytes.py"))
+    script = runpy.run_path(str(root / "benchmarks" / "cache" / "window_bytes.py"))
     doc = (root / "docs" / "models.md").read_text()
     for model in script["MODELS"]:
         for tokens in (8192, 32768):

@@ -1,9 +1,9 @@
-"""benchmarks/gpu_bench.py's prompt-chunk benchmark: its rows and table, on tiny shapes (the
+"""benchmarks/kernels/gpu_bench.py's prompt-chunk benchmark: its rows and table, on tiny shapes (the
 interpreter without a GPU: no SDPA baseline there, every codec's paged_prefill run once)."""
 
 import pytest
 
-import benchmarks.gpu_bench as gb
+import benchmarks.kernels.gpu_bench as gb
 
 
 def test_causal_pairs_counts_what_each_query_sees():

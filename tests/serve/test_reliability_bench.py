@@ -1,10 +1,10 @@
-"""The serve-llm reliability benchmark's small run (benchmarks/serve_reliability.py): every
+"""The serve-llm reliability benchmark's small run (benchmarks/serving/serve_reliability.py): every
 figure of its table as it must be, against a real `kvguard serve-llm` process beside a
 production-mode sidecar. Each fix the table measures has its own test in test_serve_llm.py."""
 
 from __future__ import annotations
 
-from benchmarks.serve_reliability import main
+from benchmarks.serving.serve_reliability import main
 
 
 def test_the_small_serve_llm_reliability_run_has_every_figure_right(capsys):

@@ -1,9 +1,9 @@
-"""The fleet benchmark's small run (benchmarks/fleet_bench.py): two sidecars on one
+"""The fleet benchmark's small run (benchmarks/audit/fleet_bench.py): two sidecars on one
 PostgreSQL database under load, every erasure completed and the table printed."""
 
 from __future__ import annotations
 
-from benchmarks.fleet_bench import main
+from benchmarks.audit.fleet_bench import main
 
 
 def test_the_small_fleet_run_completes_every_erasure(capsys):

@@ -1,4 +1,4 @@
-"""The reliability benchmark's small run (benchmarks/sidecar_reliability.py): every figure of
+"""The reliability benchmark's small run (benchmarks/audit/sidecar_reliability.py): every figure of
 its table as it must be. On PostgreSQL only: it is the store with the outage check, and each
 fix the table measures has its own test (test_reliability.py), on both stores where both apply."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.sidecar_reliability import main
+from benchmarks.audit.sidecar_reliability import main
 
 
 @pytest.mark.slow

@@ -204,7 +204,7 @@ def test_no_request_runs_unaudited_when_the_sidecar_is_unreachable(stack, tmp_pa
 def test_the_overhead_benchmark_runs(stack):
     import importlib.util
 
-    path = ROOT / "benchmarks" / "vllm_front_bench.py"
+    path = ROOT / "benchmarks" / "serving" / "vllm_front_bench.py"
     spec = importlib.util.spec_from_file_location("vllm_front_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -6,7 +6,7 @@ over the bus as they read device memory (kernels/_checks.py lets value fields be
 tensors). Prints the results' difference (none expected), each variant's time and the value
 bytes it reads per second, and a plain pinned host-to-device copy's rate as the ceiling.
 
-    python benchmarks/mapped_reads.py
+    python benchmarks/kernels/mapped_reads.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Audit log throughput, as ratios against raw Ed25519 in the same process.
 
-    .venv/bin/python benchmarks/audit_bench.py [--records 50000] [--no-postgres]
+    .venv/bin/python benchmarks/audit/audit_bench.py [--records 50000] [--no-postgres]
 
 Measures (1) raw Ed25519 sign and verify of a record-sized message, one thread;
 (2) records/s signed and durably stored end to end through AuditLog with group
@@ -30,7 +30,7 @@ import uuid
 from contextlib import ExitStack
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvguard.audit import fields  # noqa: E402
 from kvguard.audit.keys import SigningKey  # noqa: E402

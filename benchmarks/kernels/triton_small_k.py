@@ -6,7 +6,7 @@ give both dot operands kWidth 8, which one m16n8k16 step cannot hold (triton-lan
 This runs that pattern alone, uint8 codes converted directly as the control, K = 16, 32, 64.
 If the joined rows read 'ok' at K = 16 on a newer Triton, the refusal can be lifted.
 
-    PYTHONPATH=. python3 benchmarks/triton_small_k.py      # needs a CUDA GPU
+    PYTHONPATH=. python3 benchmarks/kernels/triton_small_k.py      # needs a CUDA GPU
 """
 
 import torch

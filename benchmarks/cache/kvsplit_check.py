@@ -1,4 +1,4 @@
-"""The K/V split's correctness on the device before it is timed (benchmarks/kvsplit_bench.py).
+"""The K/V split's correctness on the device before it is timed (benchmarks/cache/kvsplit_bench.py).
 
 On a short context of two rows and two layers at a model's head shape: the split's kernel path
 with every page read against the cache without the split (INT8 keys on the device, and INT4 keys
@@ -9,7 +9,7 @@ counts the benchmark times, with heavy pages, against torch's. On a GPU before t
 the CPU under Triton's interpreter (no CUDA graph there) in the tests, on a smaller shape, shorter
 rows and picks of fewer pages.
 
-    python benchmarks/kvsplit_bench.py --check-only
+    python benchmarks/cache/kvsplit_bench.py --check-only
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`kvguard serve-llm` as hostile clients would treat it: one table of figures.
 
-    .venv/bin/python benchmarks/serve_reliability.py [--small]
+    .venv/bin/python benchmarks/serving/serve_reliability.py [--small]
 
 A real `kvguard serve-llm --model smollm2` process (CPU) on loopback beside a production-mode
 sidecar (`kvguard serve`, SQLite), every exchange bounded in count and time:
@@ -38,10 +38,10 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.sidecar_reliability import Report, rss_mb, send_raw  # noqa: E402
+from benchmarks._lib.reliability import Report, rss_mb, send_raw  # noqa: E402
 from tests.serve.conftest import make_tokens  # noqa: E402
 from tests.sidecar.conftest import ROOT, free_port, start_server  # noqa: E402
 

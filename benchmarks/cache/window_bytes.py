@@ -1,6 +1,6 @@
 """KV bytes per token of SmolLM2-135M and Gemma 3 270M, sliding-window layers kept whole or to their window.
 
-    PYTHONPATH=. python3 benchmarks/window_bytes.py [--tokens 8192,32768] [--json out.json]
+    PYTHONPATH=. python3 benchmarks/cache/window_bytes.py [--tokens 8192,32768] [--json out.json]
 
 Counted, not measured: from each model's attention shape (its transformers config: layers, KV
 heads, head_dim, which layers slide and by how much) and the bytes of one page of a CacheManager

@@ -3,10 +3,10 @@ model, alternating rounds in one run.
 
 A sidecar (SQLite, a scratch folder), kvguard's server (its own engine, 16-bit pages) and vLLM
 from .venv-vllm (`--enforce-eager --block-size 32`, VLLM_CPU_KVCACHE_SPACE=2, no connector) run
-side by side; N streaming clients send M chat requests each (benchmarks/vllm_front_bench.py's
+side by side; N streaming clients send M chat requests each (benchmarks/serving/vllm_front_bench.py's
 load: a ~250-token system prompt shared by all, a short question, --output tokens, greedy):
 
-    python benchmarks/serve_cpu_vs_vllm.py --model-dir ~/.cache/kvguard/smollm2-hf-0.1.2 --rounds 1
+    python benchmarks/serving/serve_cpu_vs_vllm.py --model-dir ~/.cache/kvguard/smollm2-hf-0.1.2 --rounds 1
 
 The model folder is kvguard.hf.export.export_folder's (SmolLM2's GGUF as a transformers folder).
 Printed: output tokens/s and TTFT p50/p99 per server and round, and kvguard ÷ vLLM of the medians.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 

@@ -1,6 +1,6 @@
 """The sidecar as an attacker and a failing machine would treat it: one table of figures.
 
-    .venv/bin/python benchmarks/sidecar_reliability.py [--small] [--db sqlite|postgresql|both]
+    .venv/bin/python benchmarks/audit/sidecar_reliability.py [--small] [--db sqlite|postgresql|both]
 
 Real `kvguard serve` processes on loopback (admin API on TCP, ingest API on a Unix
 socket), production mode, every exchange bounded in count and time:
@@ -34,41 +34,20 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from benchmarks._lib.reliability import Report, rss_mb, send_raw  # noqa: E402
 from tests.sidecar.conftest import PG_ADMIN, ROOT, drop_pg_database, start_server  # noqa: E402
 from tests.sidecar.netproxy import TcpProxy  # noqa: E402
 
 RSS_CAP_MB = 300  # the server's peak RSS through the bad-input corpus must stay under this
 ENV = {"KVGUARD_INFERENCE_LIVE_S": "1", "KVGUARD_REQUEST_READ_TIMEOUT_S": "2"}
 SCOPES = ("admin", "ingest", "erasure:write", "erasure:read", "audit:read")
-
-
-@dataclass
-class Row:
-    check: str
-    figure: str
-    ok: bool
-
-
-@dataclass
-class Report:
-    rows: list[Row] = field(default_factory=list)
-
-    def add(self, check: str, figure: str, ok: bool) -> None:
-        self.rows.append(Row(check, figure, ok))
-        print(f"  {'ok ' if ok else 'BAD'} {check}: {figure}", file=sys.stderr, flush=True)
-
-    def table(self) -> str:
-        lines = ["| check | figure | as it must be |", "| --- | --- | --- |"]
-        lines += [f"| {r.check} | {r.figure} | {'yes' if r.ok else '**no**'} |" for r in self.rows]
-        return "\n".join(lines)
 
 
 # --- plumbing ------------------------------------------------------------------------------------
@@ -85,35 +64,6 @@ def event(n: int) -> dict:
 
 def batch(instance: str, first: int, count: int) -> dict:
     return {"client": "bench", "instance": instance, "events": [event(n) for n in range(first, first + count)]}
-
-
-def status_of(answer: bytes) -> int:
-    try:
-        return int(answer.split(b" ", 2)[1])
-    except (IndexError, ValueError):
-        return 0  # closed without an answer
-
-
-def send_raw(where: tuple, data: bytes, wait_s: float = 5.0) -> int:
-    """Send `data` on a fresh connection (TCP port or Unix socket); the status answered."""
-    family = socket.AF_UNIX if where[0] == "unix" else socket.AF_INET
-    with socket.socket(family) as s:
-        s.settimeout(wait_s)
-        s.connect(where[1])
-        out = b""
-        try:
-            s.sendall(data)
-            while b"\r\n" not in out and (chunk := s.recv(4096)):
-                out += chunk
-        except OSError:  # reset after an early answer, or a timeout
-            pass
-        return status_of(out)
-
-
-def rss_mb(pid: int) -> tuple[float, float]:
-    """(current, peak) resident set of a process, MB."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
 def records_by_event(server, process: str) -> dict[int, int]:

@@ -2,13 +2,13 @@
 a code change's effect on speed without the difference between lent GPUs (a few percent) in the way.
 
     mkdir -p base && git archive REV kernels | tar -x -C base && mv base/kernels base/kernels_base
-    PYTHONPATH=. python3 benchmarks/kernels_ab.py base/kernels_base [--codecs int8,fp8] [--rounds 2]
+    PYTHONPATH=. python3 benchmarks/kernels/kernels_ab.py base/kernels_base [--codecs int8,fp8] [--rounds 2]
         [--shapes llama3-8b:16384:8,llama3-8b:32768:8,...]
-    PYTHONPATH=. python3 benchmarks/kernels_ab.py base/kernels_base --kernel prefill --shapes llama3-8b:16384:2048
+    PYTHONPATH=. python3 benchmarks/kernels/kernels_ab.py base/kernels_base --kernel prefill --shapes llama3-8b:16384:2048
 
 The other version is imported as a package of its directory's name (anything but `kernels`), so
 its Triton kernels compile and cache apart from this tree's. Each round times every shape with
-the other version, then with this tree's, through benchmarks/gpu_bench.py's `bench_decode` or
+the other version, then with this tree's, through benchmarks/kernels/gpu_bench.py's `bench_decode` or
 `bench_prefill` (CUDA-graph replays over data larger than L2; see that file). Needs a CUDA GPU.
 """
 
@@ -20,6 +20,8 @@ import os
 import sys
 
 import torch
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # after PYTHONPATH
 
 DEFAULT_SHAPES = ("llama3-8b:16384:8,llama3-8b:32768:8,llama3-8b:16384:1,llama3-8b:131072:8,"
                   "smollm2-135m:16384:8")
@@ -47,7 +49,7 @@ def main():
     sys.path.append(os.path.dirname(path))
     mod_name = "paged_" + a.kernel
     other = importlib.import_module(f"{name}.{mod_name}")
-    import benchmarks.gpu_bench as gb
+    import benchmarks.kernels.gpu_bench as gb
     this = importlib.import_module(f"kvguard.kernels.{mod_name}")
 
     codecs = tuple(a.codecs.split(","))

@@ -1,6 +1,6 @@
 """Error of a cache's stored K/V over a long session of compactions, against one encode.
 
-    PYTHONPATH=. python3 benchmarks/compaction_error.py [--source real|synthetic] [--codecs int8,fp8,int4]
+    PYTHONPATH=. python3 benchmarks/fidelity/compaction_error.py [--source real|synthetic] [--codecs int8,fp8,int4]
         [--compactions 256] [--layers 2,15,28] [--budget 512 --sink 4 --window 128]
         [--fp-sink 4 --fp-window 128] [--granularity token|page] [--device cuda]
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # after PYTHONPATH
 
 from benchmarks._lib.report import md_head, md_row  # noqa: E402
 from kvguard.cache import CacheConfig, CacheManager  # noqa: E402

@@ -1,7 +1,7 @@
 """Instructions in paged_decode's (or paged_prefill's) hot loop, counted in its sm_90 SASS:
 compiled without a GPU.
 
-    python3 benchmarks/sass_count.py --codec int4 [--head-dim 128] [--config '{"maxnreg": 128}'] [--mass]
+    python3 benchmarks/kernels/sass_count.py --codec int4 [--head-dim 128] [--config '{"maxnreg": 128}'] [--mass]
         [--kernel decode|prefill] [--dump FILE]
 
 The decode kernels are bound by latency and issue more than by bandwidth at short contexts, so
@@ -35,7 +35,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from kvguard.kernels import paged_decode as pd  # noqa: E402
 from kvguard.kernels import paged_prefill as pp  # noqa: E402

@@ -7,11 +7,11 @@ p50/p99 per target, every round, and the ratio front ÷ direct of the medians. W
 MODEL_DIR the script starts the stack itself (a sidecar on SQLite in a scratch folder, vLLM
 from .venv-vllm with kvguard's connector, the front in this process):
 
-    python benchmarks/vllm_front_bench.py --start ~/.cache/kvguard/smollm2-hf-0.1.2 --rounds 3
+    python benchmarks/serving/vllm_front_bench.py --start ~/.cache/kvguard/smollm2-hf-0.1.2 --rounds 3
 
 or measures a running one (docs/vllm.md):
 
-    python benchmarks/vllm_front_bench.py --direct http://127.0.0.1:8001 \\
+    python benchmarks/serving/vllm_front_bench.py --direct http://127.0.0.1:8001 \\
         --front http://127.0.0.1:8000 --key "$INFER_KEY" --model smollm2 --rounds 3
 
 Direct requests carry no subject: the connector records their blocks under "vllm-direct",
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SYSTEM = ("You are the assistant of a public library. You answer questions about opening hours, loans, "
           "renewals, fines, rooms, events, the catalogue and accessibility. Answer briefly, in plain words, "

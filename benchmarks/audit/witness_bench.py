@@ -1,7 +1,7 @@
 """A witness's cosigning rate: sequential add-checkpoint round trips to a real `kvguard witness
 serve` on loopback, its state in SQLite, as a ratio against raw Ed25519 signing in this process.
 
-    .venv/bin/python benchmarks/witness_bench.py [--checkpoints 300] [--records 256]
+    .venv/bin/python benchmarks/audit/witness_bench.py [--checkpoints 300] [--records 256]
 
 Each request carries a checkpoint `--records` records larger than the last and the
 consistency proof to it, as a sidecar sends them; the witness verifies the log's signature

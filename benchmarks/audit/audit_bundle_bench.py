@@ -1,6 +1,6 @@
 """Export and verify rates of a million-record log, beside raw Ed25519 in the same process.
 
-    .venv/bin/python benchmarks/audit_bundle_bench.py [--records 1000000] [--no-postgres]
+    .venv/bin/python benchmarks/audit/audit_bundle_bench.py [--records 1000000] [--no-postgres]
 
 Generates the log fast: records are signed in this process (a real chain, one
 key) and bulk-inserted 10,000 at a time into SQLite and, unless --no-postgres,
@@ -24,7 +24,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from kvguard.audit.bundle.verify import verify_bundle  # noqa: E402

@@ -13,7 +13,7 @@ Weights are random (bf16 on CUDA): Llama-3-8B's shape (--shape llama3-8b) or Smo
 (--shape smollm2). Both use SmolLM2's tokenizer (vocab 49152, so the 8B shape's vocabulary is
 49152, not 128256). On the H200:
 
-    python benchmarks/serve_bench.py --shape llama3-8b --kv-gb 40 --clients 16 --requests 32 \\
+    python benchmarks/serving/serve_bench.py --shape llama3-8b --kv-gb 40 --clients 16 --requests 32 \\
         --prompt-lens 1024,8192,32768 --output 128 --codecs fp16,int8,int4
 
 `--small` runs a tiny model on the CPU in seconds (what the test of this script runs).

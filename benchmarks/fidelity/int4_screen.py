@@ -1,6 +1,6 @@
 """Screen 4-bit KV formats on SmolLM2's own queries, keys and values, attention only.
 
-    python benchmarks/int4_screen.py [--texts austen,python-docs,stdlib-code] [--tokens 2048]
+    python benchmarks/fidelity/int4_screen.py [--texts austen,python-docs,stdlib-code] [--tokens 2048]
 
 `kvguard eval` measures what the cache's codecs do to the whole model (deviation, ΔPPL, KL,
 top-1). Formats that would need another page layout (keys per token, symmetric codes, 16-bit

@@ -1,5 +1,5 @@
 """The K/V split's per-layer device work at one context, each part apart
-(`benchmarks/kvsplit_bench.py --tune TOKENS`): the key pass (page_lse) in each configuration
+(`benchmarks/cache/kvsplit_bench.py --tune TOKENS`): the key pass (page_lse) in each configuration
 against a device copy of the same bytes (the bandwidth ceiling), the normalizer, the page picks
 in each tile (top-k of 1 %, the mass rule's threshold, the coverage rule), and one layer of
 INT8's decode over the whole context, which the split's step is compared with. Each is timed as

@@ -1,13 +1,13 @@
 """GPU benchmark of kvguard's kernels: correctness on the GPU (fp8 included), the machine's
 ceilings, and decode-step times against their memory floors and PyTorch SDPA.
 
-    PYTHONPATH=. python3 benchmarks/gpu_bench.py [--sweep [--adopt]] [--grid full|quick|long|none] [--out DIR]
-    PYTHONPATH=. python3 benchmarks/gpu_bench.py --smoke      # CPU, Triton interpreter, tiny shapes
-    PYTHONPATH=. python3 benchmarks/gpu_bench.py --variants '{"name": {"int8": {...}}}' [--shapes ...] [--codecs ...]
+    PYTHONPATH=. python3 benchmarks/kernels/gpu_bench.py [--sweep [--adopt]] [--grid full|quick|long|none] [--out DIR]
+    PYTHONPATH=. python3 benchmarks/kernels/gpu_bench.py --smoke      # CPU, Triton interpreter, tiny shapes
+    PYTHONPATH=. python3 benchmarks/kernels/gpu_bench.py --variants '{"name": {"int8": {...}}}' [--shapes ...] [--codecs ...]
         # check named config overrides against the reference, then time them (with SDPA) per shape
-    PYTHONPATH=. python3 benchmarks/gpu_bench.py --kernel prefill --variants '{"name": {"all": {"block_m": 128}}}' \
+    PYTHONPATH=. python3 benchmarks/kernels/gpu_bench.py --kernel prefill --variants '{"name": {"all": {"block_m": 128}}}' \
         --shapes llama3-8b:16384:2048     # the same for paged_prefill's configs, shapes model:L:T
-    ncu ... python3 benchmarks/gpu_bench.py --once llama3-8b:131072:8 --codecs int8   # one call, for a profiler
+    ncu ... python3 benchmarks/kernels/gpu_bench.py --once llama3-8b:131072:8 --codecs int8   # one call, for a profiler
 
 Every time is one layer's decode step (or, in the prefill table, one layer's attention of a prompt
 chunk: its T queries over the sequence's L tokens, causal), measured by replaying a CUDA graph of R calls over R
@@ -30,7 +30,7 @@ import torch
 SMOKE = "--smoke" in sys.argv
 if SMOKE and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported; kernels/ fixes the interpreter for NumPy >= 2.4
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # after PYTHONPATH
 
 import kvguard.kernels.paged_decode as paged_decode_module  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

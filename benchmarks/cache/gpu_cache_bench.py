@@ -6,7 +6,7 @@ then generation of a random-weight model through KVGuardCache beside transformer
 DynamicCache + SDPA, eagerly and with each decode step replayed from a CUDA graph (against
 StaticCache + SDPA, graphed the same way).
 
-    PYTHONPATH=. python3 benchmarks/gpu_cache_bench.py [--models smollm2-135m,llama3-8b]
+    PYTHONPATH=. python3 benchmarks/cache/gpu_cache_bench.py [--models smollm2-135m,llama3-8b]
         [--contexts 1024,16384] [--batches 1,8] [--codecs fp16,int8,int4,fp8,int8+h2o] [--steps 10]
         [--generate 64 --prompt 1024] [--profile MODEL:CONTEXT:CODEC[:ROWS]] [--launch]
         [--profile-prefill MODEL:CONTEXT:CHUNK:CODEC[+EVICTOR]]
@@ -33,7 +33,7 @@ import time
 
 import torch
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # after PYTHONPATH
 
 from benchmarks._lib.report import write_json  # noqa: E402
 from benchmarks._lib.timing import StepClock, fmt_ratio, fmt_share, fmt_steps, sync, time_calls  # noqa: E402

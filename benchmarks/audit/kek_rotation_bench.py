@@ -1,6 +1,6 @@
 """How fast a key-encryption key rotation re-wraps the subjects' pseudonym secrets.
 
-    .venv/bin/python benchmarks/kek_rotation_bench.py [--secrets 20000] [--no-postgres]
+    .venv/bin/python benchmarks/audit/kek_rotation_bench.py [--secrets 20000] [--no-postgres]
 
 N random secrets are inserted in the clear (as a version before wrapping stored them),
 then timed: wrapping them under the first KEK (what the first start after the upgrade
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvguard.audit.keyring import Keyring  # noqa: E402
 from kvguard.audit.models import SubjectKey  # noqa: E402

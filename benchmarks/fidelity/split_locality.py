@@ -1,6 +1,6 @@
 """How much the K/V split's picks repeat: from one decode step to the next, and from one layer to the next.
 
-    PYTHONPATH=. python3 benchmarks/split_locality.py [--texts austen,python-docs,stdlib-code]
+    PYTHONPATH=. python3 benchmarks/fidelity/split_locality.py [--texts austen,python-docs,stdlib-code]
         [--tokens 2048] [--queries 256] [--window 128] [--fractions 0.01,0.05,0.1,0.25] [--slots 2,4]
 
 The split reads, each step and layer, the values of the cold pages its rule picks, over the bus
@@ -38,7 +38,7 @@ from collections import OrderedDict, deque
 
 import torch
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # after PYTHONPATH
 
 from benchmarks._lib.report import md_head, md_row  # noqa: E402
 from kvguard.cache import picks  # noqa: E402

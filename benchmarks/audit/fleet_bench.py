@@ -1,7 +1,7 @@
 """A fleet under load: N `kvguard serve` sidecars on one PostgreSQL database, each with an
 inference process streaming events, and an erasure request every second.
 
-    .venv/bin/python benchmarks/fleet_bench.py [--sidecars 8] [--seconds 30] [--batch 32]
+    .venv/bin/python benchmarks/audit/fleet_bench.py [--sidecars 8] [--seconds 30] [--batch 32]
                                                [--events-per-s R] [--small]
 
 Each sidecar is a real `kvguard serve` process (production mode, records signed in its
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from tests.sidecar.conftest import start_server  # noqa: E402

@@ -17,23 +17,23 @@ share of the pages heavy hitters for every query head (their keys and every quer
 direction, worth HOT_LOGIT nats of logit), so that a coverage rule reads about that share. Which
 share a real model reads is docs/fidelity.md's question.
 
-Before timing, the check (default on; benchmarks/kvsplit_check.py) compares on the device the
+Before timing, the check (default on; benchmarks/cache/kvsplit_check.py) compares on the device the
 split's kernel path with every page read against the same cache without the split, with a
 fraction against the split's reference path (dense fp32, values copied in), replayed steps
 against eager ones, and slots against none; `--check-only` runs it alone (on the CPU too, under
 TRITON_INTERPRET=1, on `--smoke`'s shape).
 
-    python benchmarks/kvsplit_bench.py                      # llama-8b, 16 GB, on CUDA
-    python benchmarks/kvsplit_bench.py --batch 8 --no-check
-    python benchmarks/kvsplit_bench.py --profile            # where the split's step spends its time
-    python benchmarks/kvsplit_bench.py --prefill 32768,131072 --chunk 512   # a prompt chunk after the split
-    python benchmarks/kvsplit_bench.py --no-check --fractions 0.01 --split-keys int8 --slots 2,4
+    python benchmarks/cache/kvsplit_bench.py                # llama-8b, 16 GB, on CUDA
+    python benchmarks/cache/kvsplit_bench.py --batch 8 --no-check
+    python benchmarks/cache/kvsplit_bench.py --profile      # where the split's step spends its time
+    python benchmarks/cache/kvsplit_bench.py --prefill 32768,131072 --chunk 512   # a prompt chunk after the split
+    python benchmarks/cache/kvsplit_bench.py --no-check --fractions 0.01 --split-keys int8 --slots 2,4
                                                             # and with the pages read last kept on the device
-    python benchmarks/kvsplit_bench.py --fractions 0.01 --split-keys int8,int4h --slots 2,4
+    python benchmarks/cache/kvsplit_bench.py --fractions 0.01 --split-keys int8,int4h --slots 2,4
                                                             # INT4 keys pick, INT8 keys in host memory attend
-    python benchmarks/kvsplit_bench.py --no-check --fractions 0.01,c0.99 --hot 0.01 --split-keys int8
+    python benchmarks/cache/kvsplit_bench.py --no-check --fractions 0.01,c0.99 --hot 0.01 --split-keys int8
                                                             # the coverage rule where 1 % of the pages matter
-    python benchmarks/kvsplit_bench.py --smoke              # tiny, on the CPU
+    python benchmarks/cache/kvsplit_bench.py --smoke        # tiny, on the CPU
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ import time
 
 import torch
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # after PYTHONPATH
 
 from benchmarks._lib.report import md_head, md_row  # noqa: E402
 from benchmarks._lib.timing import sync  # noqa: E402
-from benchmarks.kvsplit_check import TIMED_PAGES, check  # noqa: E402
+from benchmarks.cache.kvsplit_check import TIMED_PAGES, check  # noqa: E402
 from kvguard.cache import CacheConfig, CacheManager  # noqa: E402
 from kvguard.cache import events as ev  # noqa: E402
 from kvguard.cache.config import KVSplit  # noqa: E402
@@ -440,7 +440,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-check", dest="check", action="store_false")
     p.add_argument("--check-only", action="store_true",
-                   help="only the check (benchmarks/kvsplit_check.py); on the CPU under TRITON_INTERPRET=1 too")
+                   help="only the check (benchmarks/cache/kvsplit_check.py); on the CPU under TRITON_INTERPRET=1 too")
     p.add_argument("--profile", action="store_true", help="only profile the split's step at INT8's context "
                    "(with --prefill: the kernels of one chunk's layer too)")
     p.add_argument("--contexts", default="", help="instead: INT8 and the split at these contexts (comma-separated "
@@ -501,7 +501,7 @@ def main() -> None:
         profile(args, fractions[0])
         return
     if args.tune:
-        from benchmarks.kvsplit_tune import tune
+        from benchmarks.cache.kvsplit_tune import tune
 
         tune(args, args.tune, SHAPES[args.shape], S)
         return
