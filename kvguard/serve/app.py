@@ -1,13 +1,11 @@
 """The OpenAI-compatible HTTP API over the engine: /v1/chat/completions, /v1/completions,
-/v1/models, /healthz, /readyz, /metrics.
+/v1/models, /healthz, /readyz, /metrics (errors, keys, subjects and bodies: front.py).
 
-Every error is problem+json (RFC 9457); nothing a client sends makes a 500. The API key
-names the tenant (no header can change it), the OpenAI `user` field the end user, the
-`X-Session-ID` header the session (else one per request). Bodies are bounded; a client that
-disconnects has its sequence freed at the next step, and is no error. The chat template and
-the tokenizer run on a few threads of their own, never on the event loop, and a prompt longer
-than the context could hold is refused before it is tokenized. /metrics is the operators':
-it takes a token that the sidecar's /metrics takes (audit:read or admin), not an API key.
+A client that disconnects has its sequence freed at the next step, and is no error. The chat
+template and the tokenizer run on a few threads of their own, never on the event loop, and a
+prompt longer than the context could hold is refused before it is tokenized. /metrics is the
+operators': it takes a token that the sidecar's /metrics takes (audit:read or admin), not an
+API key.
 """
 
 from __future__ import annotations
@@ -16,54 +14,39 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import structlog
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import ValidationError
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 from ..client import SidecarUnavailable
 from ..errors import InputError
-from ..request_ids import with_request_id
-from ..types import Subject
 from .engine import Engine
-from .keys import Key, KeyChecker, KeyError_
-from .protocol import ChatRequest, CompletionRequest
+from .front import (
+    TITLES,
+    UNAUDITED,
+    Problem,
+    bearer,
+    new_app,
+    openai_routes,
+    parse,
+    problem,
+    read_body,
+    subject_of,
+)
+from .keys import KeyChecker
 from .scheduler import PoolFull, SamplingParams
 from .scheduler import Request as EngineRequest
 
 log = structlog.get_logger("kvguard.serve")
-SESSION = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-TITLES = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
-          408: "Request Timeout", 410: "Gone", 413: "Content Too Large", 415: "Unsupported Media Type", 422: "Unprocessable Content",
-          429: "Too Many Requests", 499: "Client Closed Request", 500: "Internal Server Error",
-          503: "Service Unavailable"}
 METRICS_SCOPE = "audit:read"  # what the sidecar's own /metrics asks for; admin implies it
 PROMPT_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))  # a CPU left to the event loop
 QUEUE_BODIES = 32  # bytes of bodies and prompts waiting for the prompt threads, in largest bodies; past it 503
 INLINE_PARSE_BYTES = 64 << 10  # bodies up to this are parsed on the event loop (a hop costs more)
-
-
-class Problem(Exception):
-    def __init__(self, status: int, detail: str, headers: dict | None = None, **extra):
-        super().__init__(detail)
-        self.status, self.detail, self.headers, self.extra = status, detail, headers or {}, extra
-
-
-def problem(status: int, detail: str, headers: dict | None = None, **extra) -> JSONResponse:
-    body = {"type": "about:blank", "title": TITLES.get(status, "Error"), "status": status, "detail": detail,
-            # the shape the openai client reads an error's message from
-            "error": {"message": detail, "type": TITLES.get(status, "error"), "code": status}} | extra
-    return JSONResponse(body, status_code=status, headers=headers, media_type="application/problem+json")
 
 
 class Metrics:
@@ -105,63 +88,14 @@ def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name
             prompt_threads.shutdown(wait=False, cancel_futures=True)
             await keys.aclose()
 
-    # redirect_slashes off: a trailing slash is a 404, not a 307 to a Location built from the Host header
-    app = FastAPI(title="kvguard serve-llm", lifespan=lifespan, description="OpenAI-compatible inference over kvguard's KV cache. "
-                  "Authenticate with 'Authorization: Bearer <key>' (kvguard token create --scope infer).",
-                  openapi_url=None, docs_url=None, redoc_url=None, redirect_slashes=False)
+    app = new_app("kvguard serve-llm", lifespan, log, "OpenAI-compatible inference over kvguard's KV cache. "
+                  "Authenticate with 'Authorization: Bearer <key>' (kvguard token create --scope infer).")
     metrics = Metrics()
     app.state.engine, app.state.metrics = engine, metrics
     # no prompt of more characters than this fits the context, whatever its tokens
     per_token = longest_token_chars(engine.tokenizer)
     max_prompt_chars = None if per_token is None else engine.max_model_len * per_token
-
-    @app.exception_handler(Problem)
-    async def _problem(_, exc: Problem):
-        return problem(exc.status, exc.detail, exc.headers, **exc.extra)
-
-    @app.exception_handler(HTTPException)
-    async def _http(_, exc: HTTPException):
-        return problem(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_, exc: RequestValidationError):
-        return problem(422, "the request is invalid", errors=_errors(exc.errors()))
-
-    @app.exception_handler(ClientDisconnect)
-    async def _gone(_, exc: ClientDisconnect):  # a client going away is no error: the answer goes nowhere
-        return problem(499, "the client disconnected")
-
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, exc: Exception):
-        # this handler runs outside the request-id middleware: name the request here
-        log.error("unhandled error", error=type(exc).__name__,
-                  request_id=getattr(request.state, "request_id", None))
-        return problem(500, "the server failed; the error is logged")
-
-    @app.middleware("http")
-    async def _request_id(request: Request, call_next):
-        response, rid = await with_request_id(request, call_next)
-        if request.url.path not in ("/healthz", "/readyz"):
-            log.info("request", method=request.method, path=request.url.path, status=response.status_code,
-                     request_id=rid)
-        return response
-
-    async def authenticate(request: Request, scope: str = "infer") -> Key:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise Problem(401, "send 'Authorization: Bearer <key>' with an infer key" if scope == "infer" else
-                          f"send 'Authorization: Bearer <token>' with a token of the '{scope}' scope",
-                          {"WWW-Authenticate": "Bearer"})
-        try:
-            return await keys.check(token.strip(), scope)
-        except KeyError_ as e:
-            headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {"Retry-After": "5"} \
-                if e.status == 503 else None
-            raise Problem(e.status, e.detail, headers) from None
-
-    @app.get("/healthz")
-    async def healthz():
-        return {"status": "ok"}
+    authenticate = bearer(keys)
 
     @app.get("/readyz")
     async def readyz():
@@ -182,20 +116,6 @@ def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name
             metrics.pages.labels(pool).set(p.used_count)
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        await authenticate(request)
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "kvguard"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await complete(request, ChatRequest, "chat")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await complete(request, CompletionRequest, "text")
-
     async def complete(request: Request, schema, kind: str):
         route = request.url.path
         try:
@@ -208,27 +128,19 @@ def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name
 
     async def _complete(request: Request, schema, kind: str):
         key = await authenticate(request)
-        body = await _read_body(request, max_body_bytes)
+        body = await read_body(request, max_body_bytes)
         if len(body) > INLINE_PARSE_BYTES:  # parsing a large body takes milliseconds: not on the event loop
-            data = await off_loop(len(body), _parse, schema, body)
+            data = await off_loop(len(body), parse, schema, body)
         else:
-            data = _parse(schema, body)
-        if data.model != model_name:
-            raise Problem(404, f"no model {data.model!r} here; GET /v1/models lists it")
-        user = data.user or default_user
-        if user is None:
-            raise Problem(400, "name the end user in the 'user' field: their cache pages and audit records are "
-                               "kept under it, and an erasure finds them by it")
-        session = request.headers.get("x-session-id") or uuid.uuid4().hex
-        if not SESSION.match(session):
-            raise Problem(400, "X-Session-ID must be 1 to 128 letters, digits or . _ : -")
+            data = parse(schema, body)
+        subject = subject_of(request, key, data, model_name, default_user)
         prompt = await tokenize(data, kind)
         max_tokens = data.limit()
         if max_tokens is None:  # what is left of the context, within the default
             max_tokens = max(1, min(default_max_tokens, engine.max_model_len - len(prompt)))
         params = SamplingParams(max_tokens=max_tokens, temperature=data.temperature, top_p=data.top_p,
                                 seed=data.seed, stop=data.stops())
-        req = EngineRequest(uuid.uuid4().hex, Subject(key.tenant, user, session), prompt, params,
+        req = EngineRequest(uuid.uuid4().hex, subject, prompt, params,
                             asyncio.get_running_loop(), asyncio.Queue(),
                             request_id=getattr(request.state, "request_id", None))
         t0 = time.perf_counter()
@@ -239,9 +151,8 @@ def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name
         except PoolFull as e:
             raise Problem(429, f"{e}; running requests finish first, retry later", {"Retry-After": "1"}) from None
         except SidecarUnavailable:
-            raise Problem(503, "the audit sidecar has not recorded recent events; no request runs unaudited, "
-                               "retry later", {"Retry-After": "5"}) from None
-        headers = {"X-KVGuard-Policy": policy_name, "X-Session-ID": session}
+            raise Problem(503, UNAUDITED, {"Retry-After": "5"}) from None
+        headers = {"X-KVGuard-Policy": policy_name, "X-Session-ID": subject.session}
         created = int(time.time())
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         rid = prefix + req.id
@@ -352,17 +263,8 @@ def create_app(engine: Engine, keys: KeyChecker, *, model_name: str, policy_name
             if not req.finished:  # the client left mid-stream: free its sequence now
                 engine.cancel(req, "the client disconnected")
 
+    openai_routes(app, authenticate, model_name, complete)
     return app
-
-
-def _parse(schema, body: bytes):
-    try:
-        return schema.model_validate_json(body)
-    except ValidationError as e:
-        errors = e.errors()
-        if any(err["type"] == "json_invalid" for err in errors):
-            raise Problem(400, "the body is not valid JSON") from None
-        raise Problem(422, "the request is invalid", errors=_errors(errors)) from None
 
 
 def _prompt_ids(tok, data, kind: str) -> list[int]:
@@ -384,27 +286,3 @@ async def _disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    ctype = request.headers.get("content-type", "application/json").partition(";")[0].strip().lower()
-    if ctype != "application/json":
-        raise Problem(415, "send the body as JSON with 'Content-Type: application/json'")
-    declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > limit):
-        raise Problem(413, f"the body is over {limit} bytes")
-    body = bytearray()
-    try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise Problem(413, f"the body is over {limit} bytes")
-    except ClientDisconnect:  # gone, or cut by the read deadline (408): no error of ours
-        raise Problem(499, "the client disconnected before its body arrived") from None
-    return bytes(body)
-
-
-def _errors(errors: list[dict[str, Any]]) -> list[dict]:
-    """Validation errors without the values sent: they may hold prompt text."""
-    return [{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg", ""), "type": e.get("type", "")}
-            for e in errors[:20]]

@@ -1,7 +1,7 @@
 """The OpenAI front before a vLLM server (`kvguard serve-llm --upstream URL`).
 
-The same front as kvguard's own engine (app.py): `infer` keys bound to a tenant, `user` as
-the subject, X-Session-ID, problem+json errors, bounded bodies, the same request schemas.
+The same front as kvguard's own engine (front.py: `infer` keys bound to a tenant, `user` as
+the subject, X-Session-ID, problem+json errors, bounded bodies, the same request schemas).
 What it sends vLLM it builds itself from the validated fields, never a client's body:
 
 - `cache_salt`: a keyed hash from the sidecar under the secret of the subject at the
@@ -30,18 +30,24 @@ import uuid
 import httpx
 import structlog
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
-from starlette.exceptions import HTTPException
 
 from ..cache import events as ev
-from ..request_ids import with_request_id
 from ..types import Subject
-from .app import SESSION, TITLES, Problem, _errors, _read_body, problem
 from .engine import ERASED
-from .keys import Key, KeyChecker, KeyError_
-from .protocol import ChatRequest, CompletionRequest
+from .front import (
+    TITLES,
+    UNAUDITED,
+    Problem,
+    bearer,
+    new_app,
+    openai_routes,
+    parse,
+    problem,
+    read_body,
+    subject_of,
+)
+from .keys import KeyChecker
 
 log = structlog.get_logger("kvguard.serve.upstream")
 SCOPES = ("tenant", "user", "session")
@@ -182,47 +188,8 @@ def create_upstream_app(upstream: str, keys: KeyChecker, salts: Salts, inflight:
         await http.aclose()
         await keys.aclose()
 
-    app = FastAPI(title="kvguard serve-llm (vLLM upstream)", lifespan=lifespan, openapi_url=None, docs_url=None,
-                  redoc_url=None)
-
-    @app.exception_handler(Problem)
-    async def _problem(_, exc: Problem):
-        return problem(exc.status, exc.detail, exc.headers, **exc.extra)
-
-    @app.exception_handler(HTTPException)
-    async def _http(_, exc: HTTPException):
-        return problem(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_, exc: RequestValidationError):
-        return problem(422, "the request is invalid", errors=_errors(exc.errors()))
-
-    @app.exception_handler(Exception)
-    async def _bug(_, exc: Exception):
-        log.error("unhandled error", error=type(exc).__name__)
-        return problem(500, "the server failed; the error is logged")
-
-    @app.middleware("http")
-    async def _request_id(request: Request, call_next):
-        response, _ = await with_request_id(request, call_next)
-        if request.url.path not in ("/healthz", "/readyz"):
-            log.info("request", method=request.method, path=request.url.path, status=response.status_code)
-        return response
-
-    async def authenticate(request: Request) -> Key:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise Problem(401, "send 'Authorization: Bearer <key>' with an infer key", {"WWW-Authenticate": "Bearer"})
-        try:
-            return await keys.check(token.strip())
-        except KeyError_ as e:
-            headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {"Retry-After": "5"} \
-                if e.status == 503 else None
-            raise Problem(e.status, e.detail, headers) from None
-
-    @app.get("/healthz")
-    async def healthz():
-        return {"status": "ok"}
+    app = new_app("kvguard serve-llm (vLLM upstream)", lifespan, log)
+    authenticate = bearer(keys)
 
     @app.get("/readyz")
     async def readyz():
@@ -235,47 +202,17 @@ def create_upstream_app(upstream: str, keys: KeyChecker, salts: Salts, inflight:
                                 "confirmed events", {"Retry-After": "5"})
         return {"status": "ready"}
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        await authenticate(request)
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "kvguard"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await complete(request, ChatRequest, "chat")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await complete(request, CompletionRequest, "text")
-
     async def complete(request: Request, schema, kind: str):
         key = await authenticate(request)
-        body = await _read_body(request, max_body_bytes)
-        try:
-            data = schema.model_validate_json(body)
-        except ValidationError as e:
-            if any(err["type"] == "json_invalid" for err in e.errors()):
-                raise Problem(400, "the body is not valid JSON") from None
-            raise Problem(422, "the request is invalid", errors=_errors(e.errors())) from None
-        if data.model != model_name:
-            raise Problem(404, f"no model {data.model!r} here; GET /v1/models lists it")
-        user = data.user or default_user
-        if user is None:
-            raise Problem(400, "name the end user in the 'user' field: their cache blocks and audit records are "
-                               "kept under it, and an erasure finds them by it")
-        session = request.headers.get("x-session-id") or uuid.uuid4().hex
-        if not SESSION.match(session):
-            raise Problem(400, "X-Session-ID must be 1 to 128 letters, digits or . _ : -")
-        subject = Subject(key.tenant, user, session)
+        data = parse(schema, await read_body(request, max_body_bytes))
+        subject = subject_of(request, key, data, model_name, default_user)
         try:
             salt = await salts.salt(subject, scope)
         except (httpx.HTTPError, KeyError, ValueError):
             raise Problem(503, "the audit sidecar cannot give this request its cache salt; no request runs "
                                "unaudited, retry later", {"Retry-After": "5"}) from None
         if client is not None and not client.connected:
-            raise Problem(503, "the audit sidecar has not recorded recent events; no request runs unaudited, "
-                               "retry later", {"Retry-After": "5"})
+            raise Problem(503, UNAUDITED, {"Retry-After": "5"})
         out = {"model": upstream_model, "temperature": data.temperature, "top_p": data.top_p,
                "stream": data.stream, "cache_salt": salt,
                "kv_transfer_params": {"kvguard": {"tenant": subject.tenant, "user": subject.user,
@@ -290,7 +227,7 @@ def create_upstream_app(upstream: str, keys: KeyChecker, salts: Salts, inflight:
         if data.stream and data.stream_options is not None:
             out["stream_options"] = {"include_usage": data.stream_options.include_usage}
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-        headers = {"X-Session-ID": session}
+        headers = {"X-Session-ID": subject.session}
         if data.stream:
             return await _stream(path, out, subject, headers)
         return await _once(path, out, subject, headers)
@@ -388,4 +325,5 @@ def create_upstream_app(upstream: str, keys: KeyChecker, salts: Salts, inflight:
         return StreamingResponse(relay(), media_type="text/event-stream",
                                  headers=headers | {"Cache-Control": "no-store"})
 
+    openai_routes(app, authenticate, model_name, complete)
     return app
