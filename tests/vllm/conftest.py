@@ -4,8 +4,10 @@ One vLLM per audit store (SQLite, PostgreSQL) for the module: it takes ~30 s to 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -66,7 +68,10 @@ def start_vllm(model_dir: Path, sidecar: Server, tmp: Path, *, connector: bool =
                                                                   "poll_wait_s": 1.0, **(extra or {})}}
         args += ["--kv-transfer-config", json.dumps(cfg)]
     log = tmp / f"vllm-{port}.log"
-    proc = subprocess.Popen(args, env=env, cwd=tmp, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    # a session of its own: vLLM's engine core and workers are its children, and outlive a killed
+    # parent; stop_vllm ends them all (each holds ~2 GB)
+    proc = subprocess.Popen(args, env=env, cwd=tmp, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -77,8 +82,20 @@ def start_vllm(model_dir: Path, sidecar: Server, tmp: Path, *, connector: bool =
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    proc.kill()
+    stop_vllm(proc, signal.SIGKILL)
     raise AssertionError(f"vLLM did not start: {log.read_text()[-4000:]}")
+
+
+def stop_vllm(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """Signal vLLM's whole process group (server, engine core, workers); after 30 s, or once the
+    server is gone, kill whatever of the group is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(30)
+    with contextlib.suppress(ProcessLookupError):  # children that outlived the server
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
 
 
 def start_front(vllm_url: str, sidecar: Server, **options):
@@ -119,9 +136,5 @@ def stack(request, tmp_path_factory, smollm2_dir):
             server.should_exit = True
             client.close()
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_vllm(proc)
         sidecar.stop()

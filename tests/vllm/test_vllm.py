@@ -12,6 +12,7 @@ the sidecar unreachable (503), vLLM killed (502, not ready). The last test kills
 from __future__ import annotations
 
 import concurrent.futures as cf
+import signal
 import socket
 import time
 import uuid
@@ -25,7 +26,7 @@ from kvguard.audit.receipt import verify_fleet_receipt
 
 from tests.sidecar.conftest import ROOT
 from tests.sidecar.test_erasure_e2e import database_dump
-from tests.vllm.conftest import BLOCK, MODEL
+from tests.vllm.conftest import BLOCK, MODEL, stop_vllm
 
 pytestmark = pytest.mark.xdist_group("vllm")  # one worker starts vLLM once per store, not every worker
 SYSTEM = ("You are a careful assistant for a library. " * 12).strip()  # ~100 tokens: several full blocks
@@ -215,8 +216,7 @@ def test_the_overhead_benchmark_runs(stack):
 
 def test_vllm_killed_mid_run_is_named_and_the_front_stops_taking_requests(stack):
     acme = client(stack.front, stack.key("acme"))
-    stack.proc.kill()
-    stack.proc.wait(30)
+    stop_vllm(stack.proc, signal.SIGKILL)  # the server, its engine core and workers
     with pytest.raises(openai.APIStatusError) as err:
         ask(acme, "frank", "Hello?")
     assert err.value.status_code == 502 and "unreachable" in str(err.value)
