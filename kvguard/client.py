@@ -63,7 +63,7 @@ class SidecarClient:
                                   headers={"Authorization": f"Bearer {token}"})
         self.max_pending, self.on_full, self.batch = max_pending, on_full, batch
         self.interval_s, self.block_timeout_s = interval_s, block_timeout_s
-        self.poll_wait_s = poll_wait_s  # a command poll's wait, and so the longest `close` waits for it
+        self.poll_wait_s = poll_wait_s  # a command poll's wait (the sidecar ends it early when this process says goodbye)
         self._pending: deque[dict] = deque()
         self._next_no = 0
         self._durable_no = -1
@@ -87,15 +87,16 @@ class SidecarClient:
     def close(self, flush_timeout_s: float = 10.0) -> None:
         self.flush(flush_timeout_s)
         self._stop.set()
-        for t in self._threads:
-            t.join(timeout=45)
         # say goodbye, so the sidecar stops counting this process as live: an erasure would
-        # otherwise wait for an acknowledgement that never comes, and fail
+        # otherwise wait for an acknowledgement that never comes, and fail; the sidecar also
+        # ends the command poll in flight, so the threads end now rather than after its wait
         try:
             self._http.post("/internal/v1/goodbye", json={"client": self.client_id, "instance": self.instance},
                             timeout=5.0)
         except httpx.HTTPError:
             pass  # unreachable: it stops counting this process as live after its liveness window
+        for t in self._threads:
+            t.join(timeout=45)
         self._http.close()
 
     def __enter__(self) -> SidecarClient:

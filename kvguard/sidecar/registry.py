@@ -106,8 +106,12 @@ class Registry:
 
     def leave(self, name: str, instance: str, token_id: str) -> bool:
         """A process that closed cleanly said goodbye: it is no longer live, so erasures
-        neither send it commands nor wait for its acknowledgement."""
-        return self.clients.pop(self._check(name, instance, token_id), None) is not None
+        neither send it commands nor wait for its acknowledgement. Its command poll, if one
+        waits, returns at once (empty)."""
+        c = self.clients.pop(self._check(name, instance, token_id), None)
+        if c is not None and c.wake is not None:
+            c.wake.set()
+        return c is not None
 
     def live(self) -> list[Client]:
         """Processes seen within the liveness window, or waiting for commands right now."""

@@ -174,11 +174,16 @@ def test_a_client_that_closed_is_not_live_and_erasures_do_not_wait_for_it(tmp_pa
     server = start_server(tmp_path, db_url, extra_env={"KVGUARD_INFERENCE_LIVE_S": "10"})
     cache = small_cache()
     try:
-        with SidecarClient(cache, socket=server.socket, token=server.tokens["ingest"], interval_s=0.05) as client:
+        with SidecarClient(cache, socket=server.socket, token=server.tokens["ingest"], interval_s=0.05,
+                           poll_wait_s=30) as client:
             fill(cache, client.open(Subject("bank", "user-0", "session-0")))
             assert client.flush(20)
             assert live_processes(server) == 1
-        assert live_processes(server) == 0  # closed: it said goodbye
+            closing = time.monotonic()
+        # closed: it said goodbye, and the sidecar ended the command poll that had waited since the
+        # client started (it would have waited 30 s)
+        assert time.monotonic() - closing < 5
+        assert live_processes(server) == 0
         with server.client("erasure:write") as c:
             r = c.post("/v1/erasure-requests", headers={"Idempotency-Key": "goodbye-1"},
                        json={"tenant": "bank", "user": "user-0", "legal_basis": "gdpr-art17"})

@@ -169,7 +169,8 @@ class GoodbyeIn(BaseModel):
 
 @router.post("/goodbye", summary="A process closing cleanly: no longer live, erasures do not wait for it",
              dependencies=[JsonBody], responses=documented(415))
-def goodbye(body: GoodbyeIn, sidecar: SidecarDep, principal: Ingest) -> dict:
+async def goodbye(body: GoodbyeIn, sidecar: SidecarDep, principal: Ingest) -> dict:
+    # on the event loop, as the command polls it may wake
     return {"left": sidecar.registry.leave(body.client, body.instance, principal.token_id)}
 
 
