@@ -12,6 +12,7 @@ from kvguard.eval.methods import builtin_methods
 from kvguard.eval.settings import Settings
 from kvguard.eval.texts import stdlib_code
 
+pytestmark = pytest.mark.xdist_group("eval-goals")  # its module fixture runs once, on one worker
 
 @pytest.fixture(scope="module")
 def rows(smollm2):

@@ -20,7 +20,8 @@ from kvguard.eval.settings import Settings
 from kvguard.eval.texts import stdlib_code
 from kvguard.policy import parse_policy
 
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+pytestmark = [pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated"),
+              pytest.mark.xdist_group("eval-harness")]  # its module fixtures run once, on one worker
 SMALL = Settings(prefix=128, score=64, chunk=16, generate=6, budget=32)
 POLICY = """
 name: tiny

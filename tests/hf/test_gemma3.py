@@ -20,6 +20,8 @@ from kvguard.hf import DecodeGraph, KVGuardCache, layer_windows
 
 from .conftest import attn, kv
 
+pytestmark = pytest.mark.xdist_group("gemma3")  # one worker loads Gemma 3, for tests/serve/test_gemma3_serve.py too
+
 W, PROMPT, NEW, PAGE = 32, 40, 40, 16
 
 

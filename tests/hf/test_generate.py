@@ -20,6 +20,8 @@ from kvguard.types import Subject
 
 from .conftest import attn, kv, stdlib_text
 
+pytestmark = pytest.mark.xdist_group("hf-generate")  # its module fixtures run once, on one worker
+
 NEW, PROMPT = 32, 160
 
 

@@ -20,6 +20,8 @@ from tests.sidecar.conftest import free_port
 
 from .conftest import Llm
 
+pytestmark = pytest.mark.xdist_group("gemma3")  # the worker that loads Gemma 3 for tests/hf/test_gemma3.py
+
 N = 12
 PROMPT = "The capital of France is Paris. The capital of Italy is"
 
