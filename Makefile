@@ -11,6 +11,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_STAMP = $(VLLM_VENV)/.installed
 PIP     = $(PY) -m pip
 STAMP   = $(VENV)/.installed
+WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, (os.cpu_count() or 1) + 1))")
 
 .PHONY: demo test test-fast lint venv vllm-venv services bench-audit fidelity manifests clean
 
@@ -58,9 +59,11 @@ test: services
 	# the two venvs install side by side: most of it is waiting on downloads
 	$(MAKE) -j2 venv vllm-venv
 	$(MAKE) lint
-	# One worker per CPU, at most 4 (each loads torch, some the model): the PostgreSQL tests each
-	# create a database of their own. A group (xdist_group: vLLM's tests) runs on one worker.
-	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadgroup $(PYTEST_ARGS)
+	# A worker per CPU and one more, at most 4 (each loads torch, some a model): the sidecar and
+	# server tests wait on their processes half the time, and the extra worker fills the CPUs
+	# meanwhile. The PostgreSQL tests each create a database of their own. A group
+	# (xdist_group: vLLM's tests, a module's costly fixture) runs on one worker.
+	$(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: venv
 	$(PY) -m pytest -q -x -m "not slow and not postgres" $(PYTEST_ARGS)
