@@ -159,9 +159,9 @@ def main(argv=None) -> int:
         ap.error("--tokens must be a multiple of 16, at least 64")
     torch.set_num_threads(int(os.environ.get("KVGUARD_THREADS", "1")))
     from kvguard.eval.texts import load_texts
-    from kvguard.hf.model import load_model, smollm2_gguf
+    from kvguard.hf.model import load_model, smollm2_folder
 
-    model, tok = load_model(str(smollm2_gguf()), attn_implementation="sdpa")
+    model, tok = load_model(str(smollm2_folder()), attn_implementation="sdpa")
     texts = load_texts(args.texts.split(","))
     results = {n: [] for n in names}
     for tname, text in texts.items():

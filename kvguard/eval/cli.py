@@ -200,12 +200,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _model(args: argparse.Namespace):
-    from ..hf.model import MODELS, load_model
+    from ..hf.model import MODELS, SOURCES, load_model
 
     name = args.model or "smollm2"
     path = MODELS[name]() if name in MODELS else Path(name)
-    model, tokenizer = load_model(str(path)) if path.suffix == ".gguf" else _load_folder(path)
-    return model, tokenizer, path.name
+    model, tokenizer = load_model(str(path)) if path.suffix == ".gguf" or name in MODELS else _load_folder(path)
+    return model, tokenizer, (SOURCES[name]() if name in SOURCES else path).name
 
 
 def _probe_settings(args: argparse.Namespace):

@@ -20,11 +20,11 @@ from .attention import kvguard_attention, kvguard_mask, register
 from .cache import ATTN_IMPLEMENTATION, CacheFullError, KVGuardCache, KVGuardLayer, cache_kwarg, layer_windows
 from .default import DEFAULT_SUBJECT, DefaultCache, use_default_cache
 from .graph import DecodeGraph, greedy
-from .model import gemma3_folder, gemma3_gguf, load_gemma3, load_smollm2, smollm2_gguf
+from .model import gemma3_folder, gemma3_gguf, load_gemma3, load_smollm2, smollm2_folder, smollm2_gguf
 
 register()
 
 __all__ = ["ATTN_IMPLEMENTATION", "DEFAULT_SUBJECT", "CacheFullError", "DecodeGraph", "DefaultCache",
            "KVGuardCache", "KVGuardLayer", "cache_kwarg", "gemma3_folder", "gemma3_gguf", "greedy",
            "kvguard_attention", "kvguard_mask", "layer_windows", "load_gemma3", "load_smollm2", "register",
-           "smollm2_gguf", "use_default_cache"]
+           "smollm2_folder", "smollm2_gguf", "use_default_cache"]

