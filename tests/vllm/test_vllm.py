@@ -12,6 +12,7 @@ the sidecar unreachable (503), vLLM killed (502, not ready). The last test kills
 from __future__ import annotations
 
 import concurrent.futures as cf
+import re
 import signal
 import socket
 import time
@@ -164,7 +165,9 @@ def test_every_block_is_a_signed_record_without_raw_ids_and_the_bundle_verifies(
     stored = [rec for rec in records if rec["op"] == "store"]
     assert all(p.startswith("vllm:") for rec in stored for p in rec["details"]["pages"])
     # no raw id, prompt text or token id anywhere in the store
-    dump = database_dump(stack.sidecar.db_url)
+    # signatures, hashes and sealed fields are long runs of base64 or hex, where a three-letter
+    # name turns up by chance ("bob" did, once): they are left out of the search
+    dump = re.sub(rb"[A-Za-z0-9+/=_-]{24,}", b"", database_dump(stack.sidecar.db_url))
     for raw in ("alice", "erin", "bob", "4417 1234", "account number", "audit logs"):
         assert raw.encode() not in dump, raw
     for rec in stored:  # counts and block ids only: never a token id
