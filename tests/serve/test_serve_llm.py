@@ -38,7 +38,8 @@ PROMPTS = ["def add(a, b):", "The capital of France is", "Once upon a time there
 USERS = ("alice-7f3a", "bob-22c1")  # raw end-user ids: never in a log, metric or record
 SECRET = "Our refund policy is confidential"  # prompt text: never in a log or record
 N = 4
-DEADLINE_S = 1.5  # the read deadline of the 16-bit pages' server (the command's default: 10 s)
+DEADLINE_S = 3.0  # the read deadline of the 16-bit pages' server (the command's default: 10 s); long enough that
+# opening 300 connections and a request fit within it on a loaded 2-CPU machine (1.5 s did not once)
 
 
 @pytest.fixture(scope="module")
