@@ -281,6 +281,7 @@ class Phases:
     def __init__(self, engine, profile: bool = False):
         self.engine, self.profile, self.t = engine, profile, {}
         self.table = None
+        self.armed = False  # after the warm-up (reset): the prompt step profiled is one of the run's
         for name in ("_prefill", "_decode"):
             setattr(engine, name, self._timed(name, getattr(engine, name)))
         step = engine.step
@@ -318,21 +319,18 @@ class Phases:
         return run
 
     def _profiled(self, fn, rows) -> str:
-        import torch
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.engine.device.type == "cuda" else [])
         with profile(activities=acts) as prof:
             fn(rows)
             self._sync()
-        key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        key = "cuda_time_total" if ProfilerActivity.CUDA in acts else "cpu_time_total"
         tokens = sum(n for _, n in rows)
         return (f"# one prompt step ({len(rows)} rows, {tokens} tokens), by device time:\n"
                 + prof.key_averages().table(sort_by=key, row_limit=25)
                 + "\n# by host time of the op itself:\n"
                 + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
-
-    armed = False
 
     def reset(self) -> None:
         self.t, self.armed = {}, True

