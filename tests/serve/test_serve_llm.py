@@ -552,6 +552,10 @@ def test_types_are_strict_and_the_edges_say_nothing(llms, sidecar, capfd):
     for cred, status in (("acme", 403), ("ingest", 403), ("audit:read", 200), ("admin", 200)):
         r = httpx.get(metrics, headers={"Authorization": f"Bearer {sidecar.tokens[cred]}"}, timeout=30)
         assert r.status_code == status, (cred, r.text)
-    # each request's log line carries its request id
-    lines = [line for line in capfd.readouterr().out.splitlines() if "probe-7f3a" in line]
+    # each request's log line carries its request id (written after the answer: waited for)
+    out, deadline = "", time.monotonic() + 10
+    while "probe-7f3a" not in out and time.monotonic() < deadline:
+        time.sleep(0.05)
+        out += capfd.readouterr().out
+    lines = [line for line in out.splitlines() if "probe-7f3a" in line]
     assert lines and all("request_id" in line for line in lines)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import json
+import io
 import os
 import socket
 import subprocess
@@ -122,28 +123,29 @@ def kvguard(args: list[str], env: dict) -> str:
     return r.stdout.strip()
 
 
-# The commands one after another through kvguard's CLI entry point, in one Python: each
-# `python -m kvguard` spends a second or more importing before the command runs.
-_COMMANDS = """
-import contextlib, io, json, sys
-from kvguard.cli import main
-out = []
-for args in json.loads(sys.argv[1]):
-    with contextlib.redirect_stdout(io.StringIO()) as buf:
-        code = main(args)
-    if code:
-        sys.exit(f"kvguard {' '.join(args)}: exit status {code}")
-    out.append(buf.getvalue().strip())
-print(json.dumps(out))
-"""
-
-
 def kvguard_commands(commands: list[list[str]], env: dict) -> list[str]:
-    """Each command's output, as `kvguard(args, env)` would return it, from one process."""
-    r = subprocess.run([sys.executable, "-c", _COMMANDS, json.dumps(commands)], env=env, capture_output=True,
-                       text=True, cwd=ROOT, timeout=120)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
+    """Each command's output, as `kvguard(args, env)` would return it, through kvguard's CLI entry
+    point in this process with `env` as the environment: a `python -m kvguard` spends most of a
+    second importing before the command runs, and a sidecar test starts many sidecars."""
+    from kvguard.cli import main
+
+    saved, out = dict(os.environ), []
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        for args in commands:
+            err = io.StringIO()
+            with contextlib.redirect_stdout(io.StringIO()) as buf, contextlib.redirect_stderr(err):
+                try:
+                    code = main(args)
+                except SystemExit as e:  # argparse's errors
+                    code = e.code
+            assert not code, f"kvguard {' '.join(args)}: exit status {code}: {err.getvalue()}"
+            out.append(buf.getvalue().strip())
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return out
 
 
 def start_server(tmp: Path, db_url: str, *, tokens: dict | None = None, extra_env: dict | None = None) -> Server:
