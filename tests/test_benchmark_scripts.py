@@ -287,7 +287,8 @@ def test_kvsplit_benchmark_slots_rows_serve_host_keys():
     ("audit_bench.py", ["--records", "40", "--no-postgres"], "| verify_store, SQLite ("),
     ("audit_bundle_bench.py", ["--records", "40", "--no-postgres"], "| verify bundle offline"),
     ("kek_rotation_bench.py", ["--secrets", "20", "--no-postgres"], "sqlite      wrap 20 secrets"),
-], ids=["audit", "audit-bundle", "kek-rotation"])
+    ("witness_bench.py", ["--checkpoints", "5", "--records", "4"], "5 checkpoints of 4 records each"),
+], ids=["audit", "audit-bundle", "kek-rotation", "witness"])
 def test_audit_benchmarks_small(script, args, last):
     """The audit store's benchmarks on SQLite at a few records: each runs to its table."""
     r = subprocess.run([sys.executable, f"benchmarks/audit/{script}", *args], cwd=ROOT, capture_output=True, text=True,
@@ -295,7 +296,8 @@ def test_audit_benchmarks_small(script, args, last):
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()
     assert lines[-1].startswith(last), r.stdout[-2000:]
-    assert script == "kek_rotation_bench.py" or lines[0].startswith("# ") and " CPUs, Python " in lines[0]
+    assert script in ("kek_rotation_bench.py", "witness_bench.py") or lines[0].startswith("# ") and \
+        " CPUs, Python " in lines[0]
 
 
 def test_markdown_tables_and_json_results(tmp_path):
@@ -305,3 +307,46 @@ def test_markdown_tables_and_json_results(tmp_path):
     assert md_row(1, "x") == "| 1 | x |"
     path = write_json(str(tmp_path), "r.json", {"rows": [1.5]})
     assert path == str(tmp_path / "r.json") and (tmp_path / "r.json").read_text() == '{\n "rows": [\n  1.5\n ]\n}'
+
+
+def test_triton_small_k_runs_its_code_path_under_the_interpreter():
+    """The check of Triton's 16-deep products over joined nibbles (a GPU gives the answer; the
+    interpreter's NumPy dot is right everywhere, so every row reads ok), and its refusal to run
+    on a CPU without the interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "benchmarks/kernels/triton_small_k.py"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("dot fp16")]
+    assert len(rows) == 12 and all(line.endswith(" ok") for line in rows), r.stdout
+    assert sum("joined nibbles" in line for line in rows) == 6
+    env.pop("TRITON_INTERPRET")
+    r = subprocess.run([sys.executable, "benchmarks/kernels/triton_small_k.py"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode != 0 and "TRITON_INTERPRET=1" in r.stderr
+
+
+@pytest.mark.slow
+def test_int4_screen_small():
+    """The 4-bit screen on SmolLM2's own Q/K/V, one text of 512 tokens, two formats: each a
+    row with a deviation per text, the rotated one below KIVI's."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "benchmarks/fidelity/int4_screen.py", "--texts", "stdlib-code", "--tokens", "512",
+                        "--variants", "kivi,rot"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines() if line.startswith("| ") and "%" in line}
+    assert set(rows) == {"kivi", "rot"}, r.stdout
+    mean = {n: float(re.search(r"\| ([0-9.]+)%, ", line).group(1)) for n, line in rows.items()}
+    assert 0 < mean["rot"] < mean["kivi"] < 10, mean
+
+
+@pytest.mark.slow
+def test_kvsplit_tune_smoke_under_the_interpreter():
+    """--tune's per-layer parts (key pass configurations, picks, INT8's decode) on the CPU, each
+    run once under the interpreter: the code path, not a time."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "benchmarks/cache/kvsplit_bench.py", "--smoke", "--tune", "256"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "256 tokens a row (16 pages)" in r.stdout and "WRONG" not in r.stdout and "failed" not in r.stdout, r.stdout
+    assert "fastest: " in r.stdout and "picks by coverage 0.99" in r.stdout and " decode of the layer" in r.stdout

@@ -44,11 +44,11 @@ def tune(args, context: int, shape: tuple[int, int, int, int], S: int) -> None:
     key_bytes = sum(t.numel() * t.element_size() for f, t in pages.items() if f.startswith("k"))  # the key pass reads
 
     def ms(fn, reps=20) -> float:
-        fn()
-        if dev.type == "cpu":  # --smoke under TRITON_INTERPRET=1: the code path, not a time
+        if dev.type == "cpu":  # --smoke under TRITON_INTERPRET=1: the code path, once, not a time
             t0 = time.perf_counter()
             fn()
             return (time.perf_counter() - t0) * 1e3
+        fn()
         # the reps captured in one CUDA graph and replayed, as a step runs them: device time and
         # the graph's gaps between kernels, not the host's launching of each call
         graph = torch.cuda.CUDAGraph()

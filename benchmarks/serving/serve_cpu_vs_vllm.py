@@ -60,7 +60,11 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--max-seqs", type=int, default=16, help="both servers' most sequences at once")
     p.add_argument("--kvguard-args", default="", help="more serve-llm arguments (space-separated)")
+    p.add_argument("--vllm", metavar="URL", help="a vLLM already serving the model as 'smollm2' (not started)")
+    p.add_argument("--small", action="store_true", help="one round of 2 clients x 2 requests x 8 tokens (the test's)")
     a = p.parse_args(argv)
+    if a.small:
+        a.rounds, a.clients, a.requests, a.output, a.max_seqs = 1, 2, 2, 8, 4
     procs = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -75,7 +79,7 @@ def main(argv=None) -> dict:
             vport, kport = free_port(), free_port()
             env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}
             vlog = tmp / "vllm.log"
-            procs.append(subprocess.Popen(
+            procs.append(None if a.vllm else subprocess.Popen(
                 [str(a.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(a.model_dir),
                  "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(vport), "--enforce-eager",
                  "--max-model-len", "2048", "--block-size", "32", "--max-num-seqs", str(a.max_seqs)],
@@ -86,8 +90,9 @@ def main(argv=None) -> dict:
                  str(sock), "--port", str(kport), "--max-seqs", str(a.max_seqs), *a.kvguard_args.split()],
                 env={**os.environ, "KVGUARD_INGEST_TOKEN": ingest}, cwd=tmp, stdout=open(klog, "wb"),
                 stderr=subprocess.STDOUT))
-            targets = {"vllm": (f"http://127.0.0.1:{vport}", None), "kvguard": (f"http://127.0.0.1:{kport}", key)}
-            wait_for(targets["vllm"][0] + "/health", procs[1], vlog, "vLLM")
+            targets = {"vllm": (a.vllm or f"http://127.0.0.1:{vport}", None), "kvguard": (f"http://127.0.0.1:{kport}", key)}
+            if not a.vllm:
+                wait_for(targets["vllm"][0] + "/health", procs[1], vlog, "vLLM")
             wait_for(targets["kvguard"][0] + "/readyz", procs[2], klog, "kvguard serve-llm")
             for url, k in targets.values():  # warm: the shared system prompt is cached in both
                 asyncio.run(load(url, k, "smollm2", 2, 1, 4))
@@ -99,7 +104,7 @@ def main(argv=None) -> dict:
                     print(f"round {r + 1} {name:8s} {res['tok_s']:8.1f} tok/s  TTFT p50 {res['ttft_p50']:.3f} s  "
                           f"p99 {res['ttft_p99']:.3f} s  ({res['tokens']} tokens)", flush=True)
         finally:
-            for proc in reversed(procs):
+            for proc in reversed([x for x in procs if x is not None]):
                 proc.terminate()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(60)

@@ -217,6 +217,20 @@ def test_the_overhead_benchmark_runs(stack):
     assert out["rounds"]["front"][0]["tokens"] > 0
 
 
+def test_the_cpu_comparison_benchmark_runs(stack, smollm2_dir, capsys):
+    """benchmarks/serving/serve_cpu_vs_vllm.py --small against this module's vLLM: it starts a
+    sidecar and serve-llm of its own, sends both the same load and prints the ratio."""
+    import importlib.util
+
+    path = ROOT / "benchmarks" / "serving" / "serve_cpu_vs_vllm.py"
+    spec = importlib.util.spec_from_file_location("serve_cpu_vs_vllm", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    med = bench.main(["--model-dir", str(smollm2_dir), "--vllm", stack.vllm, "--small"])
+    assert set(med) == {"vllm", "kvguard"} and all(m["tok_s"] > 0 for m in med.values()), med
+    assert "kvguard / vLLM: " in capsys.readouterr().out
+
+
 def test_vllm_killed_mid_run_is_named_and_the_front_stops_taking_requests(stack):
     acme = client(stack.front, stack.key("acme"))
     stop_vllm(stack.proc, signal.SIGKILL)  # the server, its engine core and workers
