@@ -307,3 +307,25 @@ def test_block(block: Block):
                                              f"{pattern!r}):\n{printed[-4000:]}")
         return
     assert passed, f"{where} failed:\n{printed[-4000:]}"
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors a renderer gives the headings of a markdown file (lower case, punctuation
+    dropped, spaces as hyphens)."""
+    heads = re.findall(r"^#{1,6} (.*)$", path.read_text(encoding="utf-8"), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_links_between_the_docs_reach_a_file_and_a_heading():
+    """A relative link names a file that exists and, after #, a heading it has: sections move."""
+    broken = []
+    for doc in DOCS:
+        for target, anchor in re.findall(r"\]\(([\w./-]*?)(?:#([^)\s]+))?\)", doc.read_text(encoding="utf-8")):
+            if target.startswith(("http", "mailto")) or not (target or anchor):
+                continue
+            path = (doc.parent / target) if target else doc
+            if not path.exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target} does not exist")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+                broken.append(f"{doc.relative_to(ROOT)}: {target or doc.name} has no heading #{anchor}")
+    assert not broken, "\n".join(broken)
