@@ -123,8 +123,8 @@ class Session:
 
 
 SESSIONS = {
-    "README.md::Running the sidecar::1": Session(service=r"\bkvguard serve\b",
-                                                  capture=(("TOKEN", r"token create --scope admin"),)),
+    "docs/sidecar.md::Running it::1": Session(service=r"\bkvguard serve\b",
+                                             capture=(("TOKEN", r"token create --scope admin"),)),
 }
 
 # Blocks that fail today: their name, why, and a pattern their failure's output matches (a failure of

@@ -1,5 +1,5 @@
 """The admin API as a user or an attacker meets it, over real HTTP: reused idempotency keys,
-malformed path and query parameters, wrong content types, the README's own curl line, and
+malformed path and query parameters, wrong content types, the quick start's own curl line (docs/sidecar.md), and
 tokens that expire or are revoked."""
 
 from __future__ import annotations
@@ -127,19 +127,19 @@ def test_a_body_with_a_bom_repeated_names_or_no_content_type_is_refused(shared_s
                       headers={"Content-Type": "application/json"}).status_code == 200
 
 
-def readme_curl() -> str:
-    """The erasure curl command of the README's "Running the sidecar", its continuation lines joined."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Running the sidecar", 1)[1].split("\n## ", 1)[0]
+def quick_start_curl() -> str:
+    """The erasure curl command of docs/sidecar.md's "Running it", its continuation lines joined."""
+    text = (ROOT / "docs" / "sidecar.md").read_text()
+    section = text.split("## Running it", 1)[1].split("\n## ", 1)[0]
     m = re.search(r"^curl .*?(?:\\\n.*?)*$", section, flags=re.M)
-    assert m, "no curl line in the README's 'Running the sidecar'"
+    assert m, "no curl line in docs/sidecar.md's 'Running it'"
     return m.group(0)
 
 
-def test_the_readme_curl_line_creates_an_erasure_request(shared_server):
-    line = readme_curl()
+def test_the_quick_start_curl_line_creates_an_erasure_request(shared_server):
+    line = quick_start_curl()
     assert "http://127.0.0.1:8470" in line
-    # the README's key is fixed: a second run of the same line (the other database) has its own server
+    # the quick start's key is fixed: a second run of the same line (the other database) has its own server
     r = subprocess.run(["bash", "-c", line.replace("http://127.0.0.1:8470", shared_server.url)],
                        env={"PATH": "/usr/bin:/bin", "TOKEN": shared_server.tokens["erasure:write"]},
                        capture_output=True, text=True, timeout=60)
