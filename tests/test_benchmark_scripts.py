@@ -139,6 +139,7 @@ def test_serve_bench_small_runs_both_servers():
         cells = [c.strip() for c in line.split("|")[1:-1]]
         assert float(cells[2]) > 0 and float(cells[3]) > 0  # output tokens/s, requests/s
     assert table[1].split("|")[7].strip() == "4"  # peak concurrent sequences: every client at once
+    assert r.stderr.count("kvguard serve-llm: warmed up in ") == 2  # serve-llm's start-up warm-up, each codec
     # the engine alone (no HTTP, no sidecar), for a GPU machine without the server's extras
     # with where its steps go: prompt chunks, decode, and one prompt step under torch.profiler
     r = subprocess.run([sys.executable, "benchmarks/serving/serve_bench.py", "--small", "--in-process", "--no-stock",
@@ -152,6 +153,7 @@ def test_serve_bench_small_runs_both_servers():
         calls, tokens = map(int, re.search(r"#   prefill: (\d+) calls, .*?, (\d+) prompt tokens", phases).groups())
         assert calls >= 1 and tokens >= 8 * 48  # 8 prompts of 48 tokens (more if one was preempted)
         assert "#   decode: " in phases and "# one prompt step (" in phases and "aten::" in phases
+        assert f"# {codec}: warmed up in " in r.stdout
 
 
 @pytest.mark.slow

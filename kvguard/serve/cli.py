@@ -56,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests waiting for a place; more get 429 with Retry-After (default: --max-seqs x 3)")
     p.add_argument("--chunk", type=int, default=256, help="prompt tokens per prefill chunk (default 256)")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+    p.add_argument("--warmup", type=int, default=0, metavar="TOKENS",
+                   help="before listening, serve --max-seqs requests of this many prompt tokens once, so that "
+                        "the kernels and CUDA graphs of those shapes are made at start-up and not on the first "
+                        "requests (their sequences are recorded and erased; default 0: none)")
     p.add_argument("--default-user", help="the end user of requests that send no 'user' (default: such "
                                           "requests get 400)")
     p.add_argument("--socket", type=Path, help="the sidecar's ingest socket (KVGUARD_SOCKET; default "
@@ -174,9 +178,11 @@ def build(model, tokenizer, *, model_name: str, socket, ingest_token: str, polic
           codec: str | None = None, num_pages: int = 2048, max_seqs: int = 64, chunk: int = 256,
           max_model_len: int | None = None, default_user: str | None = None, max_body_bytes: int = 1 << 20,
           num_hot_pages: int | None = None, ignore_eos: bool = False, client_options: dict | None = None,
-          fidelity: Path | None = None, split_pages: int | None = None, max_waiting: int | None = None):
+          fidelity: Path | None = None, split_pages: int | None = None, max_waiting: int | None = None,
+          warmup: int = 0):
     """(app, engine, client): the engine started, the sidecar client started. num_hot_pages: the
-    16-bit pool beside a codec's (default: as many pages as the codec's pool)."""
+    16-bit pool beside a codec's (default: as many pages as the codec's pool); warmup: prompt
+    tokens of the start-up requests (Engine.warmup), 0 for none."""
     from ..client import SidecarClient
     from .app import create_app
     from .engine import Engine
@@ -188,7 +194,12 @@ def build(model, tokenizer, *, model_name: str, socket, ingest_token: str, polic
                            **(client_options or {})).start()
     engine = Engine(model, tokenizer, manager, client=client, chunk=chunk, max_seqs=max_seqs,
                     max_model_len=max_model_len, ignore_eos=ignore_eos, policy_name=name,
-                    max_waiting=max_waiting).start()
+                    max_waiting=max_waiting)
+    if warmup:
+        seconds = engine.warmup(warmup)
+        print(f"kvguard serve-llm: warmed up in {seconds:.1f} s ({max_seqs} requests of {warmup} tokens)",
+              file=sys.stderr)
+    engine.start()
     keys = KeyChecker(token=ingest_token, socket=socket)
     app = create_app(engine, keys, model_name=model_name, policy_name=name, default_user=default_user,
                      max_body_bytes=max_body_bytes, client=client)
@@ -283,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
                                 policy=args.policy, codec=args.codec, num_pages=args.num_pages, fidelity=args.fidelity,
                                 max_seqs=args.max_seqs, chunk=args.chunk, max_model_len=args.max_model_len,
                                 default_user=args.default_user, max_body_bytes=args.max_body_bytes,
-                                split_pages=args.split_pages, max_waiting=args.max_waiting)
+                                split_pages=args.split_pages, max_waiting=args.max_waiting, warmup=args.warmup)
     try:
         uvicorn.Server(server_config(app, host=args.host, port=args.port, max_seqs=args.max_seqs,
                                      read_timeout_s=args.read_timeout,

@@ -36,6 +36,7 @@ from .scheduler import Plan, Request, SamplingParams, Scheduler, pages_needed
 _log = logging.getLogger(__name__)
 ERASED = "the request was ended by an erasure of its user or session"
 _NOBODY = Subject("-", "-", "-")  # the serving cache's own subject: it never opens a row itself
+WARMUP = Subject("kvguard", "warmup", "warmup")  # the start-up requests' (Engine.warmup), erased after
 
 
 class Engine:
@@ -85,6 +86,36 @@ class Engine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvguard-engine", daemon=True)
+
+    def warmup(self, prompt_len: int, rows: int | None = None) -> float:
+        """Before start(): serve `rows` requests (default max_seqs) of `prompt_len` tokens once,
+        the i-th asking for L + i tokens (L: the prompt steps and two), so that what serving
+        launches is compiled and captured now and not on the first requests: prompt chunks
+        batched as the scheduler batches them, then a decode step at every batch size from `rows`
+        down to 1 as they end (its Triton kernels compiled, its CUDA graph captured). Their
+        sequences belong to WARMUP, are recorded like any, and the subject is erased at the end,
+        which frees its cached prompt pages. Returns seconds."""
+        if self._thread.is_alive():
+            raise RuntimeError("warmup runs before the engine's thread starts")
+        rows = min(rows or self.scheduler.max_seqs, self.scheduler.max_seqs)
+        vocab = int(getattr(self.model.config, "vocab_size", 0) or 32000)
+        first = -(-rows * prompt_len // self.chunk) + 2  # every prompt is in before the first ends
+        prompt_len = max(1, min(prompt_len, self.max_model_len - first - rows - 1))
+        t0, eos, self.eos = time.perf_counter(), self.eos, set()  # every request runs to its length
+        try:
+            reqs = [Request(f"warmup-{i}", WARMUP, [(7 * i + 13 * j + 1) % vocab for j in range(prompt_len)],
+                            SamplingParams(max_tokens=first + i, temperature=0)) for i in range(rows)]
+            for r in reqs:
+                self.submit(r)
+            while self.scheduler.active:
+                self.step()
+        finally:
+            self.eos = eos
+        self.manager.erase_user(WARMUP.tenant, WARMUP.user)
+        self.steps = self.decode_steps = self.tokens_out = self.prefill_tokens = 0
+        self.step_seconds = 0.0
+        self.scheduler.peak = 0
+        return time.perf_counter() - t0
 
     # --- the handlers' side -------------------------------------------------------------------
 

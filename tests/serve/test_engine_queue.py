@@ -70,3 +70,32 @@ def test_a_small_pool_queues_and_preempts_and_greedy_outputs_stay_those_of_seque
     assert e.scheduler.preemptions >= 1
     assert [r.output for r in reqs] == expected
     assert e.manager.sequences() == [] and e.scheduler.reserved == {"hot": 0}
+
+
+def test_warmup_runs_every_batch_size_then_leaves_nothing_behind():
+    """Engine.warmup before start: one step at each batch size from its rows down to 1, the
+    warm-up subject erased after (every page free again, one erase event for it), counters at
+    zero; a request after it gives what it gives without a warm-up."""
+    from kvguard.cache import events as ev
+    from kvguard.serve.engine import WARMUP
+
+    m = model()
+    cold = engine(m, 64)
+    r = requests()[2]
+    cold.submit(r)
+    drain(cold)
+    e = engine(m, 64)
+    sizes = []
+    decode = e._decode
+    e._decode = lambda rows: (sizes.append(len(rows)), decode(rows))[1]
+    seconds = e.warmup(20, rows=4)
+    e._decode = decode
+    assert seconds > 0 and set(sizes) == {1, 2, 3, 4}, sizes  # every batch size decoded
+    assert e.manager.sequences() == [] and e.manager.pools["hot"].used_count == 0
+    assert (e.steps, e.decode_steps, e.tokens_out, e.prefill_tokens, e.scheduler.peak) == (0, 0, 0, 0, 0)
+    erased = [x for x in e.manager.events.take_events() if isinstance(x, ev.SubjectErased)]
+    assert len(erased) == 1 and erased[0].subject == WARMUP.__class__(WARMUP.tenant, WARMUP.user, "*")
+    again = requests()[2]
+    e.submit(again)
+    drain(e)
+    assert again.output == r.output and len(again.output) == OUT
