@@ -1,3 +1,5 @@
+"""`python -m kvguard`: the `kvguard` command (kvguard/cli.py)."""
+
 import sys
 
 from .cli import main
