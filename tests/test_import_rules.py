@@ -255,3 +255,14 @@ def test_the_circle_check_sees_imports_in_functions_and_for_types(tmp_path):
     assert "kvguard.cache.sequence" in real["kvguard.cache.manager"]
     assert "kvguard.audit.ops" in real["kvguard.cache.events"]
     assert "kvguard.kernels.quantize" in real["kvguard.cache.compaction"]
+
+
+def test_every_source_file_opens_with_what_it_is_for():
+    """A module docstring in every non-empty Python file of the source folders."""
+    missing = []
+    for folder in ("kvguard", "kernels", "audit", "benchmarks", "migrations", "deploy", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            if text.strip() and not ast.get_docstring(ast.parse(text, str(path))):
+                missing.append(path.relative_to(ROOT).as_posix())
+    assert not missing, missing
