@@ -32,6 +32,12 @@ def _pct(x) -> str:
     return "—" if x is None else f"{100 * x:.2f} %"
 
 
+def _span(x: dict, field: str, fmt) -> str:
+    """A summary's min–max over its texts of a per-text field ('' with one text or none)."""
+    vals = [t[field] for t in x.get("texts") or [] if isinstance(t, dict) and t.get(field) is not None]
+    return "" if len(vals) < 2 else f" ({fmt(min(vals))} – {fmt(max(vals))})"
+
+
 def side_by_side(reports: list[dict]) -> str:
     """Markdown: the methods' and the policies' tables, a column group per report's model."""
     names = [r["model"] for r in reports]
@@ -43,15 +49,17 @@ def side_by_side(reports: list[dict]) -> str:
     by = [{x["method"]: x for x in r["summaries"]} for r in reports]
     methods = list(dict.fromkeys(m for b in by for m in b))
     out += ["", "## Methods", "",
-            "| method | " + " | ".join(f"{n}: held / deviation / worst layer / ΔPPL / gate" for n in names) + " |",
+            "| method | " + " | ".join(f"{n}: held / deviation (texts min–max) / worst layer / ΔPPL (texts "
+                                     f"min–max) / gate" for n in names) + " |",
             "|---|" + "---|" * len(names)]
     for m in methods:
         cells = []
         for b in by:
             x = b.get(m)
             cells.append("not measured" if x is None else
-                         f"{x['held_ratio']:.3f} / {_pct(x['mean_layer_deviation'])} / "
-                         f"{_pct(x['worst_layer_deviation'])} / {x['ppl_delta']:+.4f} / {x['status']}")
+                         f"{x['held_ratio']:.3f} / {_pct(x['mean_layer_deviation'])}"
+                         f"{_span(x, 'mean_layer_deviation', _pct)} / {_pct(x['worst_layer_deviation'])} / "
+                         f"{x['ppl_delta']:+.4f}{_span(x, 'ppl_delta', '{:+.4f}'.format)} / {x['status']}")
         out.append(f"| {m} | " + " | ".join(cells) + " |")
     decided = [{d["policy"]: d for d in r["decisions"]} for r in reports]
     policies = list(dict.fromkeys(p for d in decided for p in d))
