@@ -40,18 +40,26 @@ class HeadwiseCache(ProbeCache):
         self.values: dict[int, torch.Tensor] = {}  # layer -> [H, prefix] each value's L1 norm (value_aware)
         self.keep: dict[int, torch.Tensor] = {}  # layer -> [H, prefix] bool
 
+    def _evicts(self, layer: int) -> bool:
+        """Evictors act on the global layers; a sliding-window layer keeps its window (Gemma 3)."""
+        return self.windows is None or self.windows[layer] is None
+
     def _keep(self, layer: int) -> torch.Tensor:
         if layer not in self.keep:
             # every layer's prefix has been read by now: choose for all of them at once (the
             # global allocation compares layers)
-            layers = range(self.shape["num_layers"])
+            layers = [i for i in range(self.shape["num_layers"]) if self._evicts(i)]
             mass = torch.stack([self.mass[i] for i in layers])
             values = torch.stack([self.values[i] for i in layers]) if self.values else None
             keep = self.evictor.keep_masks(mass.shape[-1], mass, values).to(mass.device)
-            self.keep = dict(enumerate(keep))
+            self.keep = dict(zip(layers, keep))
         return self.keep[layer]
 
     def _attend_row(self, seq, layer, q, scale):
+        if not self._evicts(layer):  # a window layer: the cache's own read of what it holds of its window
+            if self.scoring:
+                self.read.append(1.0)
+            return super()._attend_row(seq, layer, q, scale)
         k, v = self._manager.kv(seq, layer, dtype=torch.float32)  # [H, L, D]
         h, length, d = k.shape
         t, g = q.shape[0], q.shape[1] // h

@@ -136,3 +136,25 @@ def test_headwise_simulation_matches_the_cache_that_evicts(alice, scoring):
                                    atol=1e-5, rtol=1e-4)
     assert sim.deviation() == pytest.approx(real.deviation(), rel=1e-4)
     assert min(sim.deviation()) > 0
+
+
+def test_headwise_evicts_in_global_layers_and_a_window_layer_keeps_its_window(alice):
+    """Gemma 3's layout: layer 0 a 32-token sliding window, layer 1 global. Per-head H2O acts on
+    layer 1 alone; layer 0 reads what the cache holds of its window, as without an evictor."""
+    from kvguard.eval.headwise import HeadwiseCache
+
+    config = SimpleNamespace(**vars(CONFIG), layer_types=["sliding_attention", "full_attention"], sliding_window=32)
+    k, v = outlier_kv(72, 2, 64, seed=7, dtype=torch.float32)
+    q = torch.randn(72, 4, 64, generator=torch.Generator().manual_seed(8))
+    spec = {"name": "h2o", "budget": 24, "sink": 4, "window": 8}
+    outs = {}
+    for name, cache in (("plain", ProbeCache(config, alice, num_pages=16, dtype=torch.float32)),
+                        ("h2o", HeadwiseCache(config, alice, evictor=spec, num_pages=16, dtype=torch.float32))):
+        for layer in range(2):
+            step(cache, layer, q[:64], k[:64], v[:64])
+        cache.scoring = True
+        outs[name] = [step(cache, layer, q[64:], k[64:], v[64:]) for layer in range(2)]
+        if name == "h2o":
+            assert cache.read[0] == 1.0 and cache.read[1] < 0.5, cache.read  # the window layer reads all
+    torch.testing.assert_close(outs["h2o"][0], outs["plain"][0])
+    assert not torch.allclose(outs["h2o"][1], outs["plain"][1], atol=1e-3)
