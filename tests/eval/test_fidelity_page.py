@@ -44,11 +44,16 @@ def _whole(table):
 
 
 MAIN = "docs/fidelity/fidelity.json"
+GEMMA = "docs/fidelity/gemma3/fidelity.json"
 TABLES = {
     "SmolLM2-135M, every method and policy": (MAIN, _columns(
         "method", "configuration", "held", "read", "deviation (mean of layers)", "deviation, texts min–max",
         "worst layer", "ΔPPL", "ΔPPL, texts min–max", "gate", "retrieval", steps=False)),
     "SmolLM2-135M, policy decisions": (MAIN, _whole(report.decision_table)),
+    "Gemma 3 270M, every method and policy": (GEMMA, _columns(
+        "method", "configuration", "held", "read", "deviation (mean of layers)", "deviation, texts min–max",
+        "worst layer", "ΔPPL", "ΔPPL, texts min–max", "gate", steps=False)),
+    "Gemma 3 270M, policy decisions": (GEMMA, _whole(report.decision_table)),
     "budgets at 512 tokens, three texts": ("docs/fidelity/budgets-512/fidelity.json", _columns(
         "method", "configuration", "held", "read", "deviation (mean of layers)", "deviation, texts min–max",
         "worst layer", "ΔPPL", "ΔPPL, texts min–max", "retrieval")),
@@ -78,7 +83,16 @@ def test_the_page_holds_the_table_as_its_report_renders_it(name):
 
 def test_every_report_is_checked():
     assert {p.relative_to(REPO).as_posix() for p in REPORTS} >= {source for source, _ in TABLES.values()}
-    assert len(REPORTS) == 3  # the full run and the two budget runs
+    assert len(REPORTS) == 4  # the full runs of both models and the two budget runs
+
+
+def test_the_side_by_side_page_is_the_two_reports_compared():
+    from kvguard.eval.compare import load_reports, side_by_side
+
+    got = (REPO / "docs" / "fidelity" / "side-by-side.md").read_text(encoding="utf-8")
+    assert got == side_by_side(load_reports([str(REPO / MAIN), str(REPO / GEMMA)])), (
+        "docs/fidelity/side-by-side.md is not the reports compared: run kvguard eval --compare "
+        f"{MAIN} {GEMMA} --out docs/fidelity")
 
 
 if __name__ == "__main__":
