@@ -217,6 +217,7 @@ def test_the_overhead_benchmark_runs(stack):
     assert out["rounds"]["front"][0]["tokens"] > 0
 
 
+@pytest.mark.parametrize("stack", ["sqlite"], indirect=True)  # its own sidecar: the stack's store plays no part
 def test_the_cpu_comparison_benchmark_runs(stack, smollm2_dir, capsys):
     """benchmarks/serving/serve_cpu_vs_vllm.py --small against this module's vLLM: it starts a
     sidecar and serve-llm of its own, sends both the same load and prints the ratio."""
