@@ -125,13 +125,14 @@ def kvguard(args: list[str], env: dict) -> str:
 
 def kvguard_commands(commands: list[list[str]], env: dict) -> list[str]:
     """Each command's output, as `kvguard(args, env)` would return it, through kvguard's CLI entry
-    point in this process with `env` as the environment: a `python -m kvguard` spends most of a
+    point in this process with `env`'s variables set: a `python -m kvguard` spends most of a
     second importing before the command runs, and a sidecar test starts many sidecars."""
     from kvguard.cli import main
 
-    saved, out = dict(os.environ), []
-    os.environ.clear()
-    os.environ.update(env)
+    # only the variables that differ are set, and put back after: the rest of the environment,
+    # which other threads of the worker may read meanwhile, is never touched
+    saved, out = {k: os.environ.get(k) for k, v in env.items() if os.environ.get(k) != v}, []
+    os.environ.update({k: env[k] for k in saved})
     try:
         for args in commands:
             err = io.StringIO()
@@ -143,8 +144,11 @@ def kvguard_commands(commands: list[list[str]], env: dict) -> list[str]:
             assert not code, f"kvguard {' '.join(args)}: exit status {code}: {err.getvalue()}"
             out.append(buf.getvalue().strip())
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return out
 
 
