@@ -43,8 +43,12 @@ def witnessed(values: dict | None) -> dict:
 
 
 @functools.cache
-def render(values_file: str | None) -> tuple[dict, ...]:
-    values = witnessed(yaml.safe_load((CHART / values_file).read_text()) if values_file else None)
+def render(values_file: str | None, vllm: tuple[tuple[str, object], ...] = ()) -> tuple[dict, ...]:
+    """The chart rendered with a values file (and values of its vllm section set)."""
+    values = yaml.safe_load((CHART / values_file).read_text()) if values_file else None
+    if vllm:
+        values = {**values, "vllm": {**values["vllm"], **dict(vllm)}}
+    values = witnessed(values)
     with helm.Chart.load(CHART) as chart:
         rendered = chart.render(values, name=RELEASE, namespace="ml", is_install=True)
     assert "port-forward" in rendered.pop("kvguard/templates/NOTES.txt")  # what `helm install` prints
@@ -218,7 +222,9 @@ def test_the_vllm_pod_is_kvguards_front_before_vllm_on_loopback_with_the_connect
     connector = json.loads(args[args.index("--kv-transfer-config") + 1])
     assert connector["kv_connector_module_path"] == "kvguard.vllm.connector"
     assert connector["kv_connector_extra_config"] == {"socket": "/run/kvguard/ingest.sock",
-                                                      "api_url": "http://127.0.0.1:8001"}
+                                                      "api_url": "http://127.0.0.1:8001", "offload_blocks": 2048}
+    plain = pod_of(render("values-vllm.yaml", (("offloadBlocks", 0),)))["containers"][1]["args"]
+    assert "offload_blocks" not in json.loads(plain[plain.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
     assert "--kv-events-config" not in args  # vLLM's KV events carry token ids: off
     socket = env_of(sidecar_of(pod))["KVGUARD_INGEST_SOCKET"]
     for c in (front, vllm):  # both are inference processes of the sidecar, over its socket, with the token

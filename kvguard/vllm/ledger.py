@@ -6,8 +6,9 @@ requests finished, block hashes dropped) and the ledger answers with audit event
 the blocks that must be overwritten before anything else is written into them:
 
 - a block allocated to a request that still held other subjects' data (vLLM evicted it from
-  its prefix cache to reuse it): an `evict` event for each earlier owner, and the block is
-  overwritten before the new owner's forward pass;
+  its prefix cache to reuse it): an `evict` event for each earlier owner, the block with its
+  earlier owners in `reused` (the connector may copy it to kvguard's host tier first), and
+  it is overwritten before the new owner's forward pass;
 - a finished request's blocks that vLLM keeps in no prefix cache (no hash): `free`, and they
   are overwritten;
 - an erasure: the subject's blocks that no one else shares leave the prefix cache and are
@@ -46,6 +47,7 @@ class Erasure:
     overwritten: list[int]  # blocks overwritten (left the prefix cache first, where cached)
     evicted: int  # of those, blocks that had a prefix-cache entry
     shared: int  # blocks kept for other owners, the subject removed from them
+    copies: list[int] = field(default_factory=list)  # host-tier slots emptied (the connector's offload)
 
 
 class BlockLedger:
@@ -55,6 +57,7 @@ class BlockLedger:
         self.running: dict[str, Running] = {}
         self.held: dict[int, int] = {}  # block -> running requests holding it
         self.events: list[ev.CacheEvent] = []
+        self.reused: list[tuple[int, frozenset[Subject]]] = []  # blocks reused this step, their earlier owners
 
     # --- what the scheduler did -------------------------------------------------------------------
 
@@ -82,8 +85,11 @@ class BlockLedger:
             if self.held.get(b):  # a running request holds it: shared, not reused (vLLM never reuses it)
                 self.owners.setdefault(b, set()).add(run.subject)
             else:
-                for old in self.owners.get(b, ()):
+                earlier = self.owners.get(b, ())
+                for old in earlier:
                     reused.setdefault(old, []).append(b)
+                if earlier:
+                    self.reused.append((b, frozenset(earlier)))
                 self.owners[b] = {run.subject}
             self.held[b] = self.held.get(b, 0) + 1
         run.blocks.extend(block_ids)

@@ -24,6 +24,8 @@ from tests.sidecar.conftest import ROOT, Server, free_port, pg_database, start_s
 VLLM_PY = Path(os.environ.get("KVGUARD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 MODEL = "smollm2"
 BLOCK = 32  # tokens a KV block holds (vLLM on the CPU takes multiples of 32)
+BLOCKS = 128  # the module's vLLM holds 4,096 tokens: a few long prompts make it evict
+HOST_SLOTS = 96  # blocks kvguard's host tier keeps of those it evicts
 
 
 
@@ -53,13 +55,13 @@ class Stack:
 
 
 def start_vllm(model_dir: Path, sidecar: Server, tmp: Path, *, connector: bool = True, port: int | None = None,
-               extra: dict | None = None) -> tuple[subprocess.Popen, str, Path]:
+               extra: dict | None = None, blocks: int | None = None) -> tuple[subprocess.Popen, str, Path]:
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     args = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1", "--enforce-eager",
             "--max-model-len", "2048", "--block-size", str(BLOCK), "--enable-prompt-tokens-details",
-            "--max-num-seqs", "16"]
+            "--max-num-seqs", "16"] + (["--num-gpu-blocks-override", str(blocks)] if blocks else [])
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "2",
            "KVGUARD_INGEST_TOKEN": sidecar.tokens["ingest"]}
     if connector:
@@ -128,7 +130,8 @@ def stack(request, tmp_path_factory, smollm2_dir):
     sidecar = start_server(tmp, db_url, tokens=make_tokens(tmp / "data", db_url))
     proc = front = None
     try:
-        proc, vllm_url, log = start_vllm(smollm2_dir, sidecar, tmp)
+        proc, vllm_url, log = start_vllm(smollm2_dir, sidecar, tmp, blocks=BLOCKS,
+                                         extra={"offload_blocks": HOST_SLOTS})
         front, client, server = start_front(vllm_url, sidecar)
         yield Stack(sidecar, vllm_url, front, proc, log, client, server)
     finally:

@@ -44,6 +44,7 @@ def test_a_prefix_hit_shares_blocks_and_a_reused_block_is_evicted_and_overwritte
     evicted = [e for e in led.events if e.op == "evict"]
     assert {e.subject for e in evicted} == {A, B} and all(e.pages == ("vllm:2",) for e in evicted)
     assert led.owners[2] == {B}
+    assert led.reused == [(2, frozenset({A, B}))]  # what the connector may copy to its host tier first
 
 
 def test_erasure_waits_for_running_requests_and_keeps_blocks_others_hold():

@@ -5,18 +5,22 @@ isolation by the salt the front sets (never the client). Erasure of a user mid-s
 through the sidecar's admin API: her stream ends with the erasure's error, her blocks leave
 vLLM's prefix cache and are overwritten in the worker's KV tensors (read back there; the
 acknowledgement waits for it), the receipt with vLLM's counts verifies offline, another
-user's greedy output is unchanged. The run's log: every block stored and freed a signed
+user's greedy output is unchanged. Blocks vLLM evicts come back from kvguard's host tier on
+a later hit of the same tenant's prompt, audited, and an erasure empties the tier of them
+too. The run's log: every block stored and freed a signed
 record under pseudonyms, no raw id or prompt text anywhere, the bundle verifies. Failures:
 the sidecar unreachable (503), vLLM killed (502, not ready). The last test kills vLLM."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import re
 import signal
 import socket
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import openai
@@ -27,7 +31,7 @@ from kvguard.audit.receipt import verify_fleet_receipt
 
 from tests.sidecar.conftest import ROOT
 from tests.sidecar.test_erasure_e2e import database_dump
-from tests.vllm.conftest import BLOCK, MODEL, stop_vllm
+from tests.vllm.conftest import BLOCK, BLOCKS, MODEL, stop_vllm
 
 pytestmark = pytest.mark.xdist_group("vllm")  # one worker starts vLLM once per store, not every worker
 SYSTEM = ("You are a careful assistant for a library. " * 12).strip()  # ~100 tokens: several full blocks
@@ -146,6 +150,58 @@ def test_erasure_mid_stream_ends_the_stream_and_overwrites_the_blocks(stack):
     assert again.usage.prompt_tokens_details.cached_tokens == 0
     # bob is untouched
     assert ask(acme, "bob", "Count to five.").choices[0].message.content == bob_before
+
+
+def fill(stack, tokens: int) -> None:
+    """Send vLLM (through the front) distinct prompts of real text, `tokens` in all: the blocks
+    cached before them are evicted from its prefix cache."""
+    text = Path(json.__file__).read_text() + Path(json.decoder.__file__).read_text()
+    c = client(stack.front, stack.key("globex"))
+    sent, i = 0, 0
+    while sent < tokens:
+        chunk = text[i * 4000:(i + 1) * 4000]
+        n = httpx.post(stack.vllm + "/tokenize", json={"model": MODEL, "prompt": chunk}, timeout=30).json()["count"]
+        assert 500 < n < 1900, n
+        c.completions.create(model=MODEL, prompt=chunk, max_tokens=1, user=f"filler{i}")
+        sent, i = sent + n, i + 1
+
+
+def test_evicted_blocks_come_back_from_the_host_tier_audited_and_erasure_empties_it(stack):
+    acme = client(stack.front, stack.key("acme"))
+    system = "Offload. " + SYSTEM + " " + SYSTEM
+    first = ask(acme, "grace", "Which book?", system)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    full = (first.usage.prompt_tokens - 1) // BLOCK  # the blocks a hit can cover (never the last token)
+    assert full >= 5
+    fill(stack, (BLOCKS + 16) * BLOCK)  # more than vLLM's whole pool: her blocks are evicted
+    # the same prompt in another tenant (another salt: no hit) is computed into blocks vLLM
+    # takes from others; their earlier data is copied out and overwritten before its forward
+    # pass writes into them, never after: its answer is the one computed before any eviction
+    other = ask(client(stack.front, stack.key("globex")), "ivan", "Which book?", system)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert other.choices[0].message.content == first.choices[0].message.content
+    again = ask(acme, "grace", "Which book?", system)
+    # her blocks were gone from vLLM's prefix cache: every one came back from the host tier, and
+    # the INT8 copy gives the same greedy answer
+    assert again.usage.prompt_tokens_details.cached_tokens == full * BLOCK
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert stack.client.flush(30)
+    time.sleep(2)  # the connector's sender
+    with stack.sidecar.client("audit:read") as auditor:
+        records = {op: [r for r in auditor.get("/v1/audit/records", params={"op": op, "limit": 1000}).json()["records"]
+                        if r["details"].get("process", "").startswith("vllm-dp0/")]
+                   for op in ("offload", "fetch")}
+    assert records["offload"] and records["fetch"]
+    assert any(len(r["details"]["pages"]) >= full and r["details"]["src"] == "cpu" for r in records["fetch"])
+    for r in records["offload"]:  # counts, tiers and block ids only: never a token id or a hash
+        assert r["details"]["dst"] == "cpu" and all(p.startswith("vllm:") for p in r["details"]["pages"])
+        assert set(r["details"]) <= {"bytes", "event", "n_tokens", "pages", "process", "seq", "src", "dst",
+                                     "stored_bytes"}, r["details"]
+    done = erase(stack, "acme", "grace")
+    vllm = next(v for k, v in done["result"]["processes"].items() if k.startswith("vllm-dp0/"))
+    assert vllm["tier_copies"] >= full  # her copies, emptied in the worker and read back as zeros
+    # her prompt is in no cache and no tier: another user of her tenant computes it again
+    assert ask(acme, "heidi", "Which book?", system).usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_every_block_is_a_signed_record_without_raw_ids_and_the_bundle_verifies(stack, tmp_path):

@@ -1,0 +1,156 @@
+"""kvguard's host tier under vLLM: blocks vLLM evicts from its prefix cache, kept as INT8 in host
+memory and loaded back on a later prefix hit (the connector's `offload_blocks` option).
+
+Scheduler side, HostIndex: which block hash each of the tier's slots holds and whose data it
+is, least recently used first. Pure Python, tested without vLLM. The block hash is vLLM's own,
+which chains the request's cache salt: a copy is found only by the prompts of the scope that
+computed it, and never again once the subject's secret is shredded.
+
+Worker side, HostStore: the slots themselves, in every layer a worker holds: int8 codes with
+one scale per head-dim vector. The last dimension of vLLM's KV layouts is the head's: one
+head_dim under FlashAttention, K then V of it (2 x head_dim) on the CPU backend, so it is cut
+in groups of head_dim and a key never shares a scale with a value. Each tensor-parallel
+worker keeps its shard under the slot numbers the scheduler side gave.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..types import Subject
+
+
+class HostIndex:
+    """`slots` slots; a slot holds one block's copy under its hash, with the subjects whose
+    tokens it holds. Slots a step is about to load from are pinned: no copy replaces them."""
+
+    def __init__(self, slots: int) -> None:
+        if slots < 1:
+            raise ValueError(f"the host tier needs at least one slot, got {slots}")
+        self.slots = slots
+        self.keys: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, least recently used first
+        self.owners: dict[int, frozenset[Subject]] = {}
+        self.key_of: dict[int, bytes] = {}
+        self.free = list(range(slots - 1, -1, -1))
+        self.pinned: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def match(self, hashes: Sequence[bytes], limit: int) -> list[int]:
+        """The slots of the longest run of `hashes` held from the first, at most `limit`."""
+        found = []
+        for h in hashes[:max(0, limit)]:
+            slot = self.keys.get(h)
+            if slot is None:
+                break
+            found.append(slot)
+        return found
+
+    def use(self, slots: Sequence[int]) -> None:
+        """Slots a step loads from: most recently used, and pinned until `unpin`."""
+        for s in slots:
+            self.keys.move_to_end(self.key_of[s])
+        self.pinned.update(slots)
+
+    def unpin(self) -> None:
+        self.pinned.clear()
+
+    def put(self, key: bytes, owners: frozenset[Subject]) -> tuple[int, tuple[int, frozenset[Subject]] | None] | None:
+        """A slot for a copy of the block with this hash: (slot, (the slot, owners) of the copy it
+        replaces, or None). None when the hash is held already (its owners joined) or every slot
+        is pinned."""
+        slot = self.keys.get(key)
+        if slot is not None:
+            self.owners[slot] = self.owners[slot] | owners
+            self.keys.move_to_end(key)
+            return None
+        dropped = None
+        if self.free:
+            slot = self.free.pop()
+        else:
+            slot = next((s for s in self.keys.values() if s not in self.pinned), None)
+            if slot is None:
+                return None
+            dropped = (slot, self.owners.pop(slot))
+            del self.keys[self.key_of.pop(slot)]
+        self.keys[key], self.key_of[slot], self.owners[slot] = slot, key, owners
+        return slot, dropped
+
+    def erase(self, match: Callable[[Subject], bool]) -> tuple[list[int], int]:
+        """The copies holding a matching subject's tokens: those only it holds leave the tier
+        (their slots, to overwrite); shared ones lose the subject (their count)."""
+        dropped, shared = [], 0
+        for slot, owners in list(self.owners.items()):
+            rest = frozenset(o for o in owners if not match(o))
+            if rest == owners:
+                continue
+            if rest:
+                self.owners[slot] = rest
+                shared += 1
+                continue
+            del self.owners[slot], self.keys[self.key_of.pop(slot)]
+            self.free.append(slot)
+            dropped.append(slot)
+        return sorted(dropped), shared
+
+
+class HostStore:
+    """The slots' data in one worker: per layer int8 codes and a float16 scale per `group`
+    values of the last dimension (the head size; the whole last dimension when it does not
+    divide it)."""
+
+    def __init__(self, layers: list[tuple[torch.Tensor, int]], slots: int, group: int | None = None) -> None:
+        self.layers = layers
+        self.codes, self.scales, self.shapes = [], [], []
+        for t, dim in layers:
+            shape = tuple(t.select(dim, 0).shape)
+            g = group if group and shape[-1] % group == 0 else shape[-1]
+            self.shapes.append((*shape[:-1], shape[-1] // g, g))
+            self.codes.append(torch.zeros((slots, *self.shapes[-1]), dtype=torch.int8))
+            self.scales.append(torch.zeros((slots, *self.shapes[-1][:-1], 1), dtype=torch.float16))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes + s.nbytes for c, s in zip(self.codes, self.scales))
+
+    def save(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy (block, slot) pairs from the KV tensors into the tier, quantized."""
+        if not pairs:
+            return
+        blocks, slots = zip(*pairs)
+        for (t, dim), codes, scales, shape in zip(self.layers, self.codes, self.scales, self.shapes):
+            idx = torch.tensor(blocks, dtype=torch.long, device=t.device)
+            x = t.index_select(dim, idx).movedim(dim, 0).float().cpu().reshape(len(blocks), *shape)
+            scale = x.abs().amax(-1, keepdim=True).div_(127.0).to(torch.float16)
+            q = (x / scale.float().clamp_min(1e-30)).round_().clamp_(-127, 127).to(torch.int8)
+            sl = torch.tensor(slots, dtype=torch.long)
+            codes.index_copy_(0, sl, q)
+            scales.index_copy_(0, sl, scale)
+
+    def load(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy (slot, block) pairs from the tier into the KV tensors, dequantized."""
+        if not pairs:
+            return
+        slots, blocks = zip(*pairs)
+        sl = torch.tensor(slots, dtype=torch.long)
+        for (t, dim), codes, scales in zip(self.layers, self.codes, self.scales):
+            x = (codes.index_select(0, sl).float() * scales.index_select(0, sl).float()).flatten(-2)
+            idx = torch.tensor(blocks, dtype=torch.long, device=t.device)
+            t.index_copy_(dim, idx, x.to(device=t.device, dtype=t.dtype).movedim(0, dim))
+
+    def drop(self, slots: Sequence[int]) -> float:
+        """Overwrite `slots` with zeros; the largest magnitude then read from them (0.0: nothing left)."""
+        if not slots:
+            return 0.0
+        sl = torch.tensor(slots, dtype=torch.long)
+        peak = 0.0
+        for codes, scales in zip(self.codes, self.scales):
+            codes.index_fill_(0, sl, 0)
+            scales.index_fill_(0, sl, 0)
+            peak = max(peak, float(codes.index_select(0, sl).abs().amax()),
+                       float(scales.index_select(0, sl).abs().amax()))
+        return peak
