@@ -21,6 +21,7 @@ an error status is kept and sent again, since nothing of it was recorded.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 import time
@@ -47,7 +48,7 @@ class SidecarClient:
     def __init__(self, cache: CacheManager, *, token: str, socket: str | Path | None = None,
                  url: str | None = None, client_id: str | None = None, max_pending: int = 50_000,
                  on_full: Literal["block", "refuse"] = "block", batch: int = 1024, interval_s: float = 0.05,
-                 block_timeout_s: float = 60.0, poll_wait_s: float = 5.0):
+                 block_timeout_s: float = 60.0, poll_wait_s: float = 5.0, heartbeat_s: float = 1.0):
         if (socket is None) == (url is None):
             # the sidecar serves the ingest API on its Unix socket only; a url must reach that API
             # (e.g. a proxy to the socket), never the admin API's TCP port, which answers it 404
@@ -62,7 +63,11 @@ class SidecarClient:
         self._http = httpx.Client(base_url=url or "http://sidecar", transport=transport, timeout=40.0,
                                   headers={"Authorization": f"Bearer {token}"})
         self.max_pending, self.on_full, self.batch = max_pending, on_full, batch
-        self.interval_s, self.block_timeout_s = interval_s, block_timeout_s
+        # events are looked for every interval_s and sent as soon as there are any; with none, the
+        # process still reports (its statistics and open sessions: what keeps it live to the
+        # sidecar) every heartbeat_s, not at every look: an idle sidecar is not kept busy
+        self.interval_s, self.block_timeout_s, self.heartbeat_s = interval_s, block_timeout_s, heartbeat_s
+        self._last_post = -math.inf
         self.poll_wait_s = poll_wait_s  # a command poll's wait (the sidecar ends it early when this process says goodbye)
         self._pending: deque[dict] = deque()
         self._next_no = 0
@@ -156,6 +161,10 @@ class SidecarClient:
             self._collect()
             with self._cond:
                 batch = list(self._pending)[: self.batch]
+            if not batch and self.connected and time.monotonic() - self._last_post < self.heartbeat_s:
+                self._stop.wait(self.interval_s)
+                continue
+            self._last_post = time.monotonic()
             self._prune_opened()
             with self._opened_lock:
                 opened = list(self._opened.values())

@@ -161,6 +161,45 @@ def test_an_erasure_whose_event_is_not_durable_is_never_acknowledged(monkeypatch
     client._http.close()
 
 
+def test_an_idle_client_reports_at_its_heartbeat_and_events_go_at_once():
+    """Nothing to send: one report a heartbeat (the sidecar keeps the process live by it), not
+    one every look for events; an event goes out at the next look."""
+    import httpx
+
+    cache = small_cache()
+    client = SidecarClient(cache, url="http://sidecar", token="kvg_" + "x" * 43, interval_s=0.01,
+                           heartbeat_s=0.5)
+    posts: list[tuple[float, int]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/events"):
+            events = __import__("json").loads(request.content)["events"]
+            posts.append((time.monotonic(), len(events)))
+            return httpx.Response(200, json={"recorded": len(events), "up_to": max([e["n"] for e in events],
+                                                                                  default=-1)})
+        time.sleep(0.05)  # the command poll
+        return httpx.Response(200, json={"commands": []})
+
+    client._http.close()
+    client._http = httpx.Client(base_url="http://sidecar", transport=httpx.MockTransport(answer))
+    client._threads = client._threads[:1]  # the sender alone
+    client.start()
+    try:
+        time.sleep(1.6)
+        idle = len(posts)
+        assert 3 <= idle <= 5, posts  # at 0, 0.5, 1.0, 1.5 s; every 10 ms look would be ~160
+        seq = cache.open(Subject("t", "u", "s"))
+        t0 = time.monotonic()
+        fill(cache, seq)  # a quantize event
+        assert client.flush(2.0)
+        assert any(n > 0 and t - t0 < 0.2 for t, n in posts), posts
+        cache.free(seq)
+    finally:
+        client._stop.set()
+        client._threads[0].join(5)
+        client._http.close()
+
+
 def live_processes(server) -> float:
     with server.client("audit:read") as c:
         for line in c.get("/metrics").text.splitlines():
