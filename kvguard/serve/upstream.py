@@ -52,6 +52,7 @@ from .keys import KeyChecker
 log = structlog.get_logger("kvguard.serve.upstream")
 SCOPES = ("tenant", "user", "session")
 DROP = ("kv_transfer_params", "prompt_token_ids", "prompt_logprobs")  # vLLM's, never a client's
+_END, _FAILED = object(), object()  # a stream's end, and vLLM's failure mid-stream
 
 
 class Inflight:
@@ -289,22 +290,34 @@ def create_upstream_app(upstream: str, keys: KeyChecker, salts: Salts, inflight:
             raise _upstream_error(resp.status_code, raw)
 
         async def relay():
-            lines = resp.aiter_lines()
-            stop = asyncio.ensure_future(ended.wait())
+            # vLLM's lines come through a bounded queue that an erasure can also end: a reader
+            # task per request, not a task and a wait per line (one line per token)
+            queue: asyncio.Queue = asyncio.Queue(maxsize=64)
+
+            async def read():
+                try:
+                    async for line in resp.aiter_lines():
+                        await queue.put(line)
+                    await queue.put(_END)
+                except httpx.HTTPError:
+                    await queue.put(_FAILED)
+
+            async def watch():
+                await ended.wait()
+                with contextlib.suppress(asyncio.QueueFull):
+                    queue.put_nowait(_END)  # a full queue is read on, and the relay sees `ended` next
+
+            tasks = (asyncio.ensure_future(read()), asyncio.ensure_future(watch()))
             try:
                 while True:
-                    nxt = asyncio.ensure_future(anext(lines))
-                    await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
-                    if not nxt.done():
-                        nxt.cancel()
+                    line = await queue.get()
+                    if ended.is_set():
                         yield "data: " + json.dumps({"error": {"message": ERASED, "type": TITLES[410],
                                                                "code": 410}}) + "\n\n"
                         return
-                    try:
-                        line = nxt.result()
-                    except StopAsyncIteration:
+                    if line is _END:
                         return
-                    except httpx.HTTPError:
+                    if line is _FAILED:
                         yield "data: " + json.dumps({"error": {"message": "the model server failed mid-stream",
                                                                "type": TITLES[500], "code": 502}}) + "\n\n"
                         return
@@ -318,7 +331,10 @@ def create_upstream_app(upstream: str, keys: KeyChecker, salts: Salts, inflight:
                         continue
                     yield "data: " + json.dumps(_clean(chunk)) + "\n\n"
             finally:
-                stop.cancel()
+                for t in tasks:
+                    t.cancel()
+                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                    await tasks[0]
                 await resp.aclose()  # vLLM aborts a request whose client went away
                 cm.__exit__(None, None, None)
 

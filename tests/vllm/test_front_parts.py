@@ -60,3 +60,74 @@ def test_salts_are_kept_briefly_dropped_on_erasure_and_asked_anew_after_it():
         assert await salts.salt(bob, "tenant") == t1  # the tenant's salt is not hers to drop
 
     asyncio.run(go())
+
+
+def test_a_stream_is_relayed_renamed_and_an_erasure_ends_it_while_vllm_is_silent():
+    """The front's relay without vLLM: a fake upstream streams two chunks, then nothing for a
+    minute (a long prefill, a queue). The client gets the two chunks under the served model's
+    name without vLLM's transfer parameters; an erasure of the subject meanwhile ends the
+    stream at once with the erasure's error, and the upstream connection is closed."""
+    import json
+    import threading
+    import time
+
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+    from fastapi.testclient import TestClient
+
+    from kvguard.serve.keys import Key, KeyChecker
+    from kvguard.serve.upstream import Inflight, create_upstream_app
+    from tests.sidecar.conftest import free_port
+
+    closed = threading.Event()
+    fake = FastAPI()
+
+    @fake.post("/v1/chat/completions")
+    async def chat():
+        async def lines():
+            try:
+                for i in range(2):
+                    chunk = {"model": "upstream-name", "kv_transfer_params": {"x": 1},
+                             "choices": [{"index": 0, "delta": {"content": f"t{i}"}}]}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                await asyncio.sleep(60)
+            finally:
+                closed.set()
+        return StreamingResponse(lines(), media_type="text/event-stream")
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(fake, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.02)
+
+    class Keys(KeyChecker):
+        async def check(self, token, scope="infer"):
+            return Key("k1", frozenset({"infer"}), "acme")
+
+    salts = Salts(httpx.AsyncClient(base_url="http://sidecar", transport=httpx.MockTransport(
+        lambda r: httpx.Response(200, json={"salt": "s"}))))
+    inflight = Inflight()
+    app = create_upstream_app(f"http://127.0.0.1:{port}", Keys(token="kvg_x"), salts, inflight,
+                              model_name="served", upstream_model="upstream-name")
+    try:
+        with TestClient(app) as tc, tc.stream(
+                "POST", "/v1/chat/completions", headers={"Authorization": "Bearer kvg_x"},
+                json={"model": "served", "user": "alice", "stream": True,
+                      "messages": [{"role": "user", "content": "hi"}]}) as r:
+            assert r.status_code == 200
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                if len(events) == 2:
+                    t0 = time.monotonic()
+                    threading.Thread(target=inflight.end, args=(lambda s: s.user == "alice",)).start()
+            assert [e["choices"][0]["delta"]["content"] for e in events[:2]] == ["t0", "t1"]
+            assert all(e["model"] == "served" and "kv_transfer_params" not in e for e in events[:2])
+            assert events[2]["error"]["code"] == 410 and "erasure" in events[2]["error"]["message"]
+            assert time.monotonic() - t0 < 5  # not the upstream's minute of silence
+        assert closed.wait(10)  # the front closed its connection to vLLM: vLLM aborts the request
+    finally:
+        server.should_exit = True
