@@ -43,7 +43,11 @@ from ._pages import attend_block, load_keys_f16, load_pages_f16
 from .paged_decode import LOG2E, _finish, _num_sms, merge_splits
 
 
-@triton.jit
+# Token counts and the table's stride are not specialized on (Triton would build a variant for
+# each of them being a multiple of 16 or not): a server's start-up warm-up then builds every
+# variant its prompt steps launch. They are used in index arithmetic, never as a pointer's
+# alignment, so the code is the same speed either way.
+@triton.jit(do_not_specialize=["T", "L", "bt_stride", "split_tokens"])
 def _prefill_kernel(q, kp, ksp, kzp, vp, vsp, vzp, block_table, out, lse, qk_scale, T, L, limits, lens, bt_stride,
                     split_tokens, ns, sp0, nst,
                     H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr,

@@ -153,6 +153,7 @@ def test_serve_bench_small_runs_both_servers():
         calls, tokens = map(int, re.search(r"#   prefill: (\d+) calls, .*?, (\d+) prompt tokens", phases).groups())
         assert calls >= 1 and tokens >= 8 * 48  # 8 prompts of 48 tokens (more if one was preempted)
         assert "#   decode: " in phases and "# one prompt step (" in phases and "aten::" in phases
+        assert re.search(r"#   Triton kernel variants built during the run: \d+ in ", phases)
         assert f"# {codec}: warmed up in " in r.stdout
 
 

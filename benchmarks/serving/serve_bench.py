@@ -284,12 +284,32 @@ class Phases:
     """Where the engine's steps go (--phases): each step's prompt chunks, decode and the rest
     (reap, schedule, open, free), timed on the engine's thread with the device synchronized
     around each, so device time lands in the phase that queued it; with --profile, one prompt
-    step after the warm-up run under torch.profiler, its top kernels and host ops printed."""
+    step after the warm-up run under torch.profiler, its top kernels and host ops printed. Also
+    counted: the Triton kernel variants the timed run had to build (Triton's JIT hooks), and
+    the seconds they took, which a warm-up is there to leave at zero."""
 
     def __init__(self, engine, profile: bool = False):
         self.engine, self.profile, self.t = engine, profile, {}
         self.table = None
         self.armed = False  # after the warm-up (reset): the prompt step profiled is one of the run's
+        self.built: dict[str, int] = {}
+        self.build_s, self._t_build = 0.0, 0.0
+        try:
+            from triton import knobs
+        except ImportError:
+            knobs = None
+        if knobs is not None:
+            def before(**kw):
+                self._t_build = time.perf_counter()
+                return None  # compile it
+
+            def after(**kw):
+                if self.armed:
+                    name = kw["fn"].name
+                    self.built[name] = self.built.get(name, 0) + 1
+                    self.build_s += time.perf_counter() - self._t_build
+
+            knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
         for name in ("_prefill", "_decode"):
             setattr(engine, name, self._timed(name, getattr(engine, name)))
         step = engine.step
@@ -342,6 +362,7 @@ class Phases:
 
     def reset(self) -> None:
         self.t, self.armed = {}, True
+        self.built, self.build_s = {}, 0.0
 
     def report(self, codec: str) -> None:
         step = self.t.get("step", (0, 0.0, 0))
@@ -353,6 +374,9 @@ class Phases:
                   f"{1e3 * s / max(n, 1):.1f} ms a call, {1e6 * s / max(k, 1):.0f} us per {unit[:-1]}", flush=True)
         rest = step[1] - sum(self.t.get(n, (0, 0.0, 0))[1] for n in ("prefill", "decode"))
         print(f"#   the rest of the steps (reap, schedule, open, free): {rest:.2f} s", flush=True)
+        built = ", ".join(f"{n} x{k}" for n, k in sorted(self.built.items(), key=lambda x: -x[1]))
+        print(f"#   Triton kernel variants built during the run: {sum(self.built.values())} in {self.build_s:.2f} s"
+              + (f" ({built})" if built else ""), flush=True)
         if self.table:
             print(self.table, flush=True)
 

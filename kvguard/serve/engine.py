@@ -92,7 +92,11 @@ class Engine:
         the i-th asking for L + i tokens (L: the prompt steps and two), so that what serving
         launches is compiled and captured now and not on the first requests: prompt chunks
         batched as the scheduler batches them, then a decode step at every batch size from `rows`
-        down to 1 as they end (its Triton kernels compiled, its CUDA graph captured). Their
+        down to 1 as they end (its Triton kernels compiled, its CUDA graph captured). The first
+        half of the prompts are a whole number of pages, the rest a token short of it: a chunk
+        of prompts that fill their last pages is attended over quantized pages alone, one that
+        does not over those and 16-bit pages, and each launches prompt-kernel variants of its
+        own. Their
         sequences belong to WARMUP, are recorded like any, and the subject is erased at the end,
         which frees its cached prompt pages. Returns seconds."""
         if self._thread.is_alive():
@@ -103,8 +107,11 @@ class Engine:
         prompt_len = max(1, min(prompt_len, self.max_model_len - first - rows - 1))
         t0, eos, self.eos = time.perf_counter(), self.eos, set()  # every request runs to its length
         try:
-            reqs = [Request(f"warmup-{i}", WARMUP, [(7 * i + 13 * j + 1) % vocab for j in range(prompt_len)],
-                            SamplingParams(max_tokens=first + i, temperature=0)) for i in range(rows)]
+            page = self.manager.cfg.page_size
+            whole = max(page, prompt_len - prompt_len % page)
+            lens = [whole if i < (rows + 1) // 2 else max(1, whole - 1) for i in range(rows)]
+            reqs = [Request(f"warmup-{i}", WARMUP, [(7 * i + 13 * j + 1) % vocab for j in range(n)],
+                            SamplingParams(max_tokens=first + i, temperature=0)) for i, n in enumerate(lens)]
             for r in reqs:
                 self.submit(r)
             while self.scheduler.active:

@@ -88,9 +88,14 @@ def test_warmup_runs_every_batch_size_then_leaves_nothing_behind():
     sizes = []
     decode = e._decode
     e._decode = lambda rows: (sizes.append(len(rows)), decode(rows))[1]
+    lens, submit = [], e.submit
+    e.submit = lambda req: (lens.append(len(req.prompt)), submit(req))[1]
     seconds = e.warmup(20, rows=4)
-    e._decode = decode
+    e._decode, e.submit = decode, submit
     assert seconds > 0 and set(sizes) == {1, 2, 3, 4}, sizes  # every batch size decoded
+    # the first prompts fill their last page, the others do not: the prompt kernels' variants of both
+    page = e.manager.cfg.page_size
+    assert [n % page == 0 for n in lens] == [True, True, False, False] and max(lens) <= 20, (lens, page)
     assert e.manager.sequences() == [] and e.manager.pools["hot"].used_count == 0
     assert (e.steps, e.decode_steps, e.tokens_out, e.prefill_tokens, e.scheduler.peak) == (0, 0, 0, 0, 0)
     erased = [x for x in e.manager.events.take_events() if isinstance(x, ev.SubjectErased)]
