@@ -1,21 +1,23 @@
-"""What kvguard costs a vLLM deployment: the same load sent to vLLM directly and through
-kvguard's front (with kvguard's connector inside that vLLM), alternating rounds in one run.
+"""What kvguard costs a vLLM deployment: the same load sent to a plain vLLM, to a vLLM with
+kvguard's connector directly, and through kvguard's front to that vLLM, alternating rounds in
+one run.
 
 N streaming clients send M chat requests each (a ~250-token system prompt shared by all, a
 short question, --output tokens, greedy) to each URL. Printed: output tokens/s and TTFT
-p50/p99 per target, every round, and the ratio front ÷ direct of the medians. With --start
-MODEL_DIR the script starts the stack itself (a sidecar on SQLite in a scratch folder, vLLM
-from .venv-vllm with kvguard's connector, the front in this process):
+p50/p99 per target, every round, and the ratios of the medians: front ÷ plain vLLM (all that
+kvguard costs) and front ÷ direct (the front's own cost). With --start MODEL_DIR the script
+starts it all itself (a sidecar on SQLite in a scratch folder, vLLM from .venv-vllm with
+kvguard's connector, the front in a process of its own, a plain vLLM beside them, idle but in its
+own rounds):
 
     python benchmarks/serving/vllm_front_bench.py --start ~/.cache/kvguard/smollm2-hf-0.1.2 --rounds 3
 
-or measures a running one (docs/vllm.md):
+or measures a running one (docs/vllm.md; --plain URL adds a plain vLLM of the same model):
 
     python benchmarks/serving/vllm_front_bench.py --direct http://127.0.0.1:8001 \\
         --front http://127.0.0.1:8000 --key "$INFER_KEY" --model smollm2 --rounds 3
 
-Direct requests carry no subject: the connector records their blocks under "vllm-direct",
-so both targets pay the connector; the front's own cost (auth, salt, relay) is the ratio.
+Direct requests carry no subject: the connector records their blocks under "vllm-direct".
 `--small` runs one short round (what the test of this script runs).
 """
 
@@ -30,7 +32,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -85,13 +86,12 @@ async def load(url: str, key: str | None, model: str, clients: int, requests: in
 
 
 @contextlib.contextmanager
-def stack(model_dir: Path, vllm_python: Path, model: str):
-    """A sidecar, vLLM with kvguard's connector and the front: yields (vLLM's URL, the front's, an infer key)."""
-    import uvicorn
+def stack(model_dir: Path, vllm_python: Path, model: str, with_plain: bool = True):
+    """A sidecar, vLLM with kvguard's connector, the front, and a plain vLLM: yields (the plain
+    vLLM's URL or None, the connector's vLLM's, the front's, an infer key)."""
     from kvguard.audit.store import make_engine
     from sqlalchemy.orm import Session
 
-    from kvguard.serve.cli import build_upstream
     from kvguard.sidecar.auth import create_token
     from kvguard.sidecar.service import load_or_create_secret
 
@@ -111,34 +111,52 @@ def stack(model_dir: Path, vllm_python: Path, model: str):
         cfg = {"kv_connector": "KVGuardConnector", "kv_connector_module_path": "kvguard.vllm.connector",
                "kv_role": "kv_both", "kv_connector_extra_config": {"socket": str(sock), "api_url": vllm_url}}
         env = {**os.environ, "KVGUARD_INGEST_TOKEN": ingest, "VLLM_CPU_KVCACHE_SPACE": "2"}
-        vllm = subprocess.Popen([str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                 str(model_dir), "--served-model-name", model, "--host", "127.0.0.1", "--port",
-                                 str(port), "--enforce-eager", "--max-model-len", "2048", "--block-size", "32",
-                                 "--kv-transfer-config", json.dumps(cfg)], env=env, cwd=tmp,
-                                stdout=open(tmp / "vllm.log", "wb"), stderr=subprocess.STDOUT)
-        server = None
-        try:
+
+        def start(port: int, name: str, extra: list[str]) -> subprocess.Popen:
+            return subprocess.Popen([str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                                     str(model_dir), "--served-model-name", model, "--host", "127.0.0.1", "--port",
+                                     str(port), "--enforce-eager", "--max-model-len", "2048", "--block-size", "32",
+                                     *extra], env=env, cwd=tmp, stdout=open(tmp / f"{name}.log", "wb"),
+                                    stderr=subprocess.STDOUT)
+
+        def wait(proc: subprocess.Popen, url: str, name: str, path: str = "/health") -> None:
             deadline = time.monotonic() + 300
             while True:
-                if vllm.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"vLLM did not start: {(tmp / 'vllm.log').read_text()[-3000:]}")
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"{name} did not start: {(tmp / f'{name}.log').read_text()[-3000:]}")
                 with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(vllm_url + "/health", timeout=1).status_code == 200:
-                        break
+                    if httpx.get(url + path, timeout=1).status_code == 200:
+                        return
                 time.sleep(0.5)
-            app, client = build_upstream(vllm_url, model_name=model, socket=sock, ingest_token=ingest)
+
+        vllm = start(port, "vllm", ["--kv-transfer-config", json.dumps(cfg)])
+        server = plain = None
+        try:
+            wait(vllm, vllm_url, "vllm")
+            plain_url = None
+            if with_plain:  # started after the other: two engines starting at once share the CPUs badly
+                plain_port = free_port()
+                plain_url = f"http://127.0.0.1:{plain_port}"
+                plain = start(plain_port, "plain", [])
+                wait(plain, plain_url, "plain")
+            # the front in a process of its own, as deployed: not sharing this one's interpreter
+            # with the clients that measure it
             front_port = free_port()
-            server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=front_port, log_level="warning"))
-            threading.Thread(target=server.run, daemon=True).start()
-            while not server.started:
-                time.sleep(0.05)
-            yield vllm_url, f"http://127.0.0.1:{front_port}", key
+            front_url = f"http://127.0.0.1:{front_port}"
+            server = subprocess.Popen([sys.executable, "-m", "kvguard", "serve-llm", "--upstream", vllm_url,
+                                       "--served-model-name", model, "--socket", str(sock), "--host", "127.0.0.1",
+                                       "--port", str(front_port)], env={**os.environ, "KVGUARD_INGEST_TOKEN": ingest},
+                                      cwd=tmp, stdout=open(tmp / "front.log", "wb"), stderr=subprocess.STDOUT)
+            wait(server, front_url, "front", "/readyz")
+            yield plain_url, vllm_url, front_url, key
         finally:
             if server is not None:
-                server.should_exit = True
-                client.close()
-            vllm.terminate()
-            vllm.wait(60)
+                server.terminate()
+                server.wait(30)
+            for proc in (plain, vllm):
+                if proc is not None:
+                    proc.terminate()
+                    proc.wait(60)
             sidecar.terminate()
             sidecar.wait(30)
 
@@ -148,6 +166,8 @@ def main(argv=None) -> dict:
     p.add_argument("--start", type=Path, metavar="MODEL_DIR", help="start the stack with this model folder")
     p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python",
                    help="vLLM's interpreter, with --start (default .venv-vllm)")
+    p.add_argument("--plain", help="a vLLM without kvguard, serving the same model")
+    p.add_argument("--no-plain", action="store_true", help="with --start: no plain vLLM")
     p.add_argument("--direct", help="vLLM's own OpenAI server")
     p.add_argument("--front", help="kvguard serve-llm --upstream before that vLLM")
     p.add_argument("--key", help="an infer key of the front")
@@ -162,7 +182,7 @@ def main(argv=None) -> dict:
     if a.small:
         a.clients, a.requests, a.output, a.rounds = 2, 2, 8, 1
     if a.start is not None:
-        with stack(a.start, a.vllm_python, a.model) as (a.direct, a.front, a.key):
+        with stack(a.start, a.vllm_python, a.model, not a.no_plain) as (a.plain, a.direct, a.front, a.key):
             return measure(a)
     if not (a.direct and a.front and a.key):
         p.error("give --start MODEL_DIR, or --direct, --front and --key of a running stack")
@@ -170,10 +190,12 @@ def main(argv=None) -> dict:
 
 
 def measure(a) -> dict:
-    rows: dict[str, list[dict]] = {"direct": [], "front": []}
-    asyncio.run(load(a.direct, None, a.model, 2, 1, 4))  # warm: the shared system prompt's blocks exist
+    targets = ([("vllm", a.plain, None)] if a.plain else []) + [("direct", a.direct, None), ("front", a.front, a.key)]
+    rows: dict[str, list[dict]] = {name: [] for name, _, _ in targets}
+    for url in filter(None, (a.plain, a.direct)):  # warm: the shared system prompt's blocks exist
+        asyncio.run(load(url, None, a.model, 2, 1, 4))
     for r in range(a.rounds):
-        for name, url, key in (("direct", a.direct, None), ("front", a.front, a.key)):
+        for name, url, key in targets:
             res = asyncio.run(load(url, key, a.model, a.clients, a.requests, a.output))
             rows[name].append(res)
             print(f"round {r + 1} {name:6s} {res['tok_s']:8.1f} tok/s  TTFT p50 {res['ttft_p50']:.3f} s  "
@@ -183,10 +205,15 @@ def measure(a) -> dict:
     ratio = {"tok_s": med["front"]["tok_s"] / med["direct"]["tok_s"],
              "ttft_p50": med["front"]["ttft_p50"] / med["direct"]["ttft_p50"]}
     print("\n| target | output tok/s | TTFT p50 (s) | TTFT p99 (s) |\n|---|---|---|---|")
-    for n in ("direct", "front"):
+    for n in rows:
         print(f"| {n} | {med[n]['tok_s']:.1f} | {med[n]['ttft_p50']:.3f} | {med[n]['ttft_p99']:.3f} |")
     print(f"\nfront / direct: {ratio['tok_s']:.3f}x the tokens/s, {ratio['ttft_p50']:.3f}x the TTFT p50 "
           f"(medians of {a.rounds} rounds)")
+    if "vllm" in med:
+        ratio["vs_vllm"] = {"tok_s": med["front"]["tok_s"] / med["vllm"]["tok_s"],
+                            "ttft_p50": med["front"]["ttft_p50"] / med["vllm"]["ttft_p50"]}
+        print(f"front / plain vLLM: {ratio['vs_vllm']['tok_s']:.3f}x the tokens/s, "
+              f"{ratio['vs_vllm']['ttft_p50']:.3f}x the TTFT p50")
     out = {"rounds": rows, "median": med, "ratio": ratio,
            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items() if k != "key"}}
     if a.json:
