@@ -62,11 +62,13 @@ def test_salts_are_kept_briefly_dropped_on_erasure_and_asked_anew_after_it():
     asyncio.run(go())
 
 
-def test_a_stream_is_relayed_renamed_and_an_erasure_ends_it_while_vllm_is_silent():
+@pytest.mark.parametrize("upstream_name", ["upstream-name", "served"])
+def test_a_stream_is_relayed_renamed_and_an_erasure_ends_it_while_vllm_is_silent(upstream_name):
     """The front's relay without vLLM: a fake upstream streams two chunks, then nothing for a
     minute (a long prefill, a queue). The client gets the two chunks under the served model's
     name without vLLM's transfer parameters; an erasure of the subject meanwhile ends the
-    stream at once with the erasure's error, and the upstream connection is closed."""
+    stream at once with the erasure's error, and the upstream connection is closed. Under the
+    same name upstream, a line with nothing to strip passes as it came."""
     import json
     import threading
     import time
@@ -88,8 +90,9 @@ def test_a_stream_is_relayed_renamed_and_an_erasure_ends_it_while_vllm_is_silent
         async def lines():
             try:
                 for i in range(2):
-                    chunk = {"model": "upstream-name", "kv_transfer_params": {"x": 1},
-                             "choices": [{"index": 0, "delta": {"content": f"t{i}"}}]}
+                    chunk = {"model": upstream_name, "choices": [{"index": 0, "delta": {"content": f"t{i}"}}]}
+                    if i == 0:
+                        chunk["kv_transfer_params"] = {"x": 1}
                     yield f"data: {json.dumps(chunk)}\n\n"
                 await asyncio.sleep(60)
             finally:
@@ -110,7 +113,7 @@ def test_a_stream_is_relayed_renamed_and_an_erasure_ends_it_while_vllm_is_silent
         lambda r: httpx.Response(200, json={"salt": "s"}))))
     inflight = Inflight()
     app = create_upstream_app(f"http://127.0.0.1:{port}", Keys(token="kvg_x"), salts, inflight,
-                              model_name="served", upstream_model="upstream-name")
+                              model_name="served", upstream_model=upstream_name)
     try:
         with TestClient(app) as tc, tc.stream(
                 "POST", "/v1/chat/completions", headers={"Authorization": "Bearer kvg_x"},
