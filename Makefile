@@ -43,7 +43,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	# kvguard's connector and client, with what they import that vLLM does not bring
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
-	$(VLLM_VENV)/bin/python -m pip install -q rfc8785 structlog
+	$(VLLM_VENV)/bin/python -m pip install -q rfc8785 structlog redis
 	touch $(VLLM_STAMP)
 
 services:

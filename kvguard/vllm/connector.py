@@ -33,7 +33,9 @@ hashes to it (same tokens, same cache salt) has it loaded back instead of comput
 `fetch` record, and vLLM counts those tokens as cached. The worker's order in a step: copy
 out what is evicted, overwrite, drop erased copies, load. An erasure drops the subject's
 copies too (the receipt's `tier_copies`); a full tier replaces its least recently used copy
-(an `evict` record of pages `vllm-cpu:<slot>`).
+(an `evict` record of pages `vllm-cpu:<slot>`). `"offload_tier": "disk"` (with
+`"offload_dir"`) or `"redis"` (with `"offload_redis"`, a URL) keeps the copies in kvguard's
+sealed disk or Redis tier instead of host memory.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from ..cache import events as ev  # noqa: E402
 from ..client import SidecarClient  # noqa: E402
 from ..types import Subject  # noqa: E402
 from .ledger import BlockLedger, Erasure, pages  # noqa: E402
-from .offload import HostIndex, HostStore  # noqa: E402
+from .offload import HostIndex, check_tier, make_store  # noqa: E402
 from .overwrite import block_dims, overwrite  # noqa: E402
 
 _log = logging.getLogger("kvguard.vllm")
@@ -122,10 +124,11 @@ class KVGuardConnector(KVConnectorBase_V1):
         slots = int(extra.get("offload_blocks", 0) or 0)
         if slots:
             check_offload(vllm_config, kv_cache_config)
+            check_tier(extra)
         if role == KVConnectorRole.SCHEDULER:
             self._side = _SchedulerSide(vllm_config, kv_cache_config, extra, slots)
         else:
-            self._side = _WorkerSide(self._num_blocks, slots, vllm_config.model_config.get_head_size())
+            self._side = _WorkerSide(self._num_blocks, slots, vllm_config.model_config.get_head_size(), extra)
 
     # --- worker side ------------------------------------------------------------------------------
 
@@ -202,17 +205,16 @@ def check_offload(vllm_config, kv_cache_config) -> None:
 
 
 class _WorkerSide:
-    def __init__(self, num_blocks: int, slots: int, head_size: int) -> None:
-        self.num_blocks, self.slots, self.head_size = num_blocks, slots, head_size
+    def __init__(self, num_blocks: int, slots: int, head_size: int, extra: dict | None = None) -> None:
+        self.num_blocks, self.slots, self.head_size, self.extra = num_blocks, slots, head_size, extra or {}
         self.layers: list[tuple[torch.Tensor, int]] = []  # (tensor, its block dimension)
-        self.host: HostStore | None = None
+        self.host = None  # the tier's store (kvguard.vllm.offload)
         self._report: ZeroReport | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layers = block_dims(kv_caches, self.num_blocks)
         if self.slots:
-            self.host = HostStore(self.layers, self.slots, self.head_size)
-            _log.info("kvguard host tier: %d blocks, %.1f MiB", self.slots, self.host.nbytes / 2**20)
+            self.host = make_store(self.layers, self.slots, self.head_size, self.extra)
 
     def run(self, meta: StepMeta) -> None:
         """A step's moves, before its forward pass: copy out what is evicted, overwrite, drop an
@@ -264,7 +266,7 @@ class _Stats:
         with side.lock:
             held = len(side.ledger.owners)
         self.pages_used = {"main": held}
-        self.pages_offloaded = {"cpu": len(side.index)} if side.index is not None else {}
+        self.pages_offloaded = {side.tier: len(side.index)} if side.index is not None else {}
         self.tokens_held = held * side.ledger.block_size
 
 
@@ -276,6 +278,7 @@ class _SchedulerSide:
         # the host tier: its index, each cached block's hash (known when its request ends), the
         # hits found for a request being scheduled, and this step's loads
         self.index = HostIndex(slots) if slots else None
+        self.tier = check_tier(extra) if slots else "cpu"  # named in records and statistics
         self.copy_bytes = self.ledger.block_bytes // 2  # int8 codes of 16-bit values; scales aside
         self.hashes: dict[int, bytes] = {}
         self.hits: dict[str, tuple[int, list[int]]] = {}
@@ -397,13 +400,13 @@ class _SchedulerSide:
             if replaced is not None:
                 for o in replaced[1]:
                     self.engine.events.emit(ev.TokensEvicted(
-                        None, o, (f"vllm-cpu:{replaced[0]}",), self.ledger.block_size, self.copy_bytes,
+                        None, o, (f"vllm-{self.tier}:{replaced[0]}",), self.ledger.block_size, self.copy_bytes,
                         evictor="cpu-lru"))
         self.ledger.reused.clear()
         for o, blocks in moved.items():
             self.ledger.events.append(ev.PagesOffloaded(
                 None, o, pages(blocks), len(blocks) * self.ledger.block_size, len(blocks) * self.ledger.block_bytes,
-                src="vllm", dst="cpu", stored_bytes=len(blocks) * self.copy_bytes))
+                src="vllm", dst=self.tier, stored_bytes=len(blocks) * self.copy_bytes))
         return save
 
     def _fetch(self) -> list[tuple[int, int]]:
@@ -416,7 +419,7 @@ class _SchedulerSide:
             n = len(pairs)
             self.ledger.events.append(ev.PagesFetched(
                 None, subject, pages(b for _, b in pairs), n * self.ledger.block_size, n * self.ledger.block_bytes,
-                src="cpu", dst="vllm"))
+                src=self.tier, dst="vllm"))
         self.loads.clear()
         return load
 

@@ -10,7 +10,10 @@ Worker side, HostStore: the slots themselves, in every layer a worker holds: int
 one scale per head-dim vector. The last dimension of vLLM's KV layouts is the head's: one
 head_dim under FlashAttention, K then V of it (2 x head_dim) on the CPU backend, so it is cut
 in groups of head_dim and a key never shares a scale with a value. Each tensor-parallel
-worker keeps its shard under the slot numbers the scheduler side gave.
+worker keeps its shard under the slot numbers the scheduler side gave. TierStore keeps the
+same codes in one of kvguard's sealed lower tiers instead (kvguard.cache.tiers: files of a
+local directory or a Redis server, each block AES-GCM sealed under a key only that worker
+holds), a block's layers together under the key of its slot and the worker's tag.
 """
 
 from __future__ import annotations
@@ -98,20 +101,40 @@ class HostIndex:
         return sorted(dropped), shared
 
 
+def _groups(layers: list[tuple[torch.Tensor, int]], group: int | None) -> list[tuple[int, ...]]:
+    """Each layer's block shape with its last dimension cut in groups of `group` (the head size;
+    the whole last dimension when it does not divide it)."""
+    shapes = []
+    for t, dim in layers:
+        shape = tuple(t.select(dim, 0).shape)
+        g = group if group and shape[-1] % group == 0 else shape[-1]
+        shapes.append((*shape[:-1], shape[-1] // g, g))
+    return shapes
+
+
+def _encode(t: torch.Tensor, dim: int, blocks: Sequence[int], shape: tuple[int, ...]):
+    """The blocks' int8 codes and float16 scales (one per group), on the host."""
+    idx = torch.tensor(blocks, dtype=torch.long, device=t.device)
+    x = t.index_select(dim, idx).movedim(dim, 0).float().cpu().reshape(len(blocks), *shape)
+    scale = x.abs().amax(-1, keepdim=True).div_(127.0).to(torch.float16)
+    return (x / scale.float().clamp_min(1e-30)).round_().clamp_(-127, 127).to(torch.int8), scale
+
+
+def _decode_into(t: torch.Tensor, dim: int, blocks: Sequence[int], codes: torch.Tensor, scales: torch.Tensor):
+    x = (codes.float() * scales.float()).flatten(-2)
+    idx = torch.tensor(blocks, dtype=torch.long, device=t.device)
+    t.index_copy_(dim, idx, x.to(device=t.device, dtype=t.dtype).movedim(0, dim))
+
+
 class HostStore:
-    """The slots' data in one worker: per layer int8 codes and a float16 scale per `group`
-    values of the last dimension (the head size; the whole last dimension when it does not
-    divide it)."""
+    """The slots' data in one worker's memory: per layer int8 codes and a float16 scale per
+    head-size group of the last dimension."""
 
     def __init__(self, layers: list[tuple[torch.Tensor, int]], slots: int, group: int | None = None) -> None:
         self.layers = layers
-        self.codes, self.scales, self.shapes = [], [], []
-        for t, dim in layers:
-            shape = tuple(t.select(dim, 0).shape)
-            g = group if group and shape[-1] % group == 0 else shape[-1]
-            self.shapes.append((*shape[:-1], shape[-1] // g, g))
-            self.codes.append(torch.zeros((slots, *self.shapes[-1]), dtype=torch.int8))
-            self.scales.append(torch.zeros((slots, *self.shapes[-1][:-1], 1), dtype=torch.float16))
+        self.shapes = _groups(layers, group)
+        self.codes = [torch.zeros((slots, *shape), dtype=torch.int8) for shape in self.shapes]
+        self.scales = [torch.zeros((slots, *shape[:-1], 1), dtype=torch.float16) for shape in self.shapes]
 
     @property
     def nbytes(self) -> int:
@@ -123,10 +146,7 @@ class HostStore:
             return
         blocks, slots = zip(*pairs)
         for (t, dim), codes, scales, shape in zip(self.layers, self.codes, self.scales, self.shapes):
-            idx = torch.tensor(blocks, dtype=torch.long, device=t.device)
-            x = t.index_select(dim, idx).movedim(dim, 0).float().cpu().reshape(len(blocks), *shape)
-            scale = x.abs().amax(-1, keepdim=True).div_(127.0).to(torch.float16)
-            q = (x / scale.float().clamp_min(1e-30)).round_().clamp_(-127, 127).to(torch.int8)
+            q, scale = _encode(t, dim, blocks, shape)
             sl = torch.tensor(slots, dtype=torch.long)
             codes.index_copy_(0, sl, q)
             scales.index_copy_(0, sl, scale)
@@ -138,9 +158,7 @@ class HostStore:
         slots, blocks = zip(*pairs)
         sl = torch.tensor(slots, dtype=torch.long)
         for (t, dim), codes, scales in zip(self.layers, self.codes, self.scales):
-            x = (codes.index_select(0, sl).float() * scales.index_select(0, sl).float()).flatten(-2)
-            idx = torch.tensor(blocks, dtype=torch.long, device=t.device)
-            t.index_copy_(dim, idx, x.to(device=t.device, dtype=t.dtype).movedim(0, dim))
+            _decode_into(t, dim, blocks, codes.index_select(0, sl), scales.index_select(0, sl))
 
     def drop(self, slots: Sequence[int]) -> float:
         """Overwrite `slots` with zeros; the largest magnitude then read from them (0.0: nothing left)."""
@@ -154,3 +172,85 @@ class HostStore:
             peak = max(peak, float(codes.index_select(0, sl).abs().amax()),
                        float(scales.index_select(0, sl).abs().amax()))
         return peak
+
+
+class TierStore:
+    """The slots' data in a sealed lower tier (a kvguard.cache.tiers.Tier): one entry a slot,
+    every layer's codes and scales in it, under `vllm-<tag>-s<slot>` (tag: the worker's)."""
+
+    def __init__(self, layers: list[tuple[torch.Tensor, int]], tier, tag: str = "0", group: int | None = None) -> None:
+        self.layers, self.tier, self.tag = layers, tier, tag
+        self.shapes = _groups(layers, group)
+
+    def _key(self, slot: int) -> str:
+        return f"vllm-{self.tag}-s{slot}"
+
+    def save(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        blocks, slots = zip(*pairs)
+        coded = [_encode(t, dim, blocks, shape) for (t, dim), shape in zip(self.layers, self.shapes)]
+        for i, slot in enumerate(slots):
+            blob = {}
+            for n, (q, scale) in enumerate(coded):
+                blob[f"c{n}"], blob[f"s{n}"] = q[i].clone(), scale[i].clone()
+            self.tier.put(self._key(slot), blob)
+
+    def load(self, pairs: Sequence[tuple[int, int]]) -> None:
+        for slot, block in pairs:
+            blob = self.tier.get(self._key(slot))
+            for n, (t, dim) in enumerate(self.layers):
+                _decode_into(t, dim, [block], blob[f"c{n}"][None], blob[f"s{n}"][None])
+
+    def drop(self, slots: Sequence[int]) -> float:
+        """Overwrite and remove the slots' entries; 1.0 when one can still be read after it."""
+        left = 0.0
+        for slot in slots:
+            self.tier.erase(self._key(slot))
+            try:
+                self.tier.get(self._key(slot))
+                left = 1.0
+            except (KeyError, FileNotFoundError):
+                pass
+        return left
+
+
+TIERS = ("cpu", "disk", "redis")
+
+
+def make_store(layers: list[tuple[torch.Tensor, int]], slots: int, group: int | None, extra: dict):
+    """The worker's store for the connector's extra config: `offload_tier` cpu (host memory, the
+    default), disk (`offload_dir`: a directory of this pod's, each worker a folder of its own
+    in it, emptied at start) or redis (`offload_redis`: a URL; each worker a key prefix of its
+    own, emptied at start)."""
+    import os
+    import socket
+
+    kind = extra.get("offload_tier", "cpu")
+    if kind == "cpu":
+        return HostStore(layers, slots, group)
+    tag = str(os.getpid())
+    if kind == "disk":
+        from pathlib import Path
+
+        from ..cache.tiers import DiskTier
+
+        return TierStore(layers, DiskTier(Path(extra["offload_dir"]) / f"worker-{tag}", clear_stale=True), tag, group)
+    import redis
+
+    from ..cache.tiers import RedisTier
+
+    tier = RedisTier(redis.Redis.from_url(extra["offload_redis"]),
+                     prefix=f"kvguard:vllm:{socket.gethostname()}:{tag}:", clear_stale=True)
+    return TierStore(layers, tier, tag, group)
+
+
+def check_tier(extra: dict) -> str:
+    """The tier the extra config names, or ValueError saying what is missing."""
+    kind = extra.get("offload_tier", "cpu")
+    if kind not in TIERS:
+        raise ValueError(f"offload_tier is one of {TIERS}, got {kind!r}")
+    need = {"disk": "offload_dir", "redis": "offload_redis"}.get(kind)
+    if need and not extra.get(need):
+        raise ValueError(f"offload_tier {kind} needs {need} in kv_connector_extra_config")
+    return kind

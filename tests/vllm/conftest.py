@@ -49,6 +49,7 @@ class Stack:
     log: Path
     client: object  # the front's SidecarClient
     server: uvicorn.Server
+    tier: str  # where the connector keeps the blocks vLLM evicts
 
     def key(self, tenant: str) -> str:
         return self.sidecar.tokens[tenant]
@@ -130,10 +131,12 @@ def stack(request, tmp_path_factory, smollm2_dir):
     sidecar = start_server(tmp, db_url, tokens=make_tokens(tmp / "data", db_url))
     proc = front = None
     try:
-        proc, vllm_url, log = start_vllm(smollm2_dir, sidecar, tmp, blocks=BLOCKS,
-                                         extra={"offload_blocks": HOST_SLOTS})
+        # the evicted blocks' copies: in host memory beside one store, on sealed disk beside the other
+        tier = "cpu" if request.param == "sqlite" else "disk"
+        extra = {"offload_blocks": HOST_SLOTS, "offload_tier": tier, "offload_dir": str(tmp / "kv-offload")}
+        proc, vllm_url, log = start_vllm(smollm2_dir, sidecar, tmp, blocks=BLOCKS, extra=extra)
         front, client, server = start_front(vllm_url, sidecar)
-        yield Stack(sidecar, vllm_url, front, proc, log, client, server)
+        yield Stack(sidecar, vllm_url, front, proc, log, client, server, tier)
     finally:
         if front is not None:
             server.should_exit = True

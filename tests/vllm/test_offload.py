@@ -88,3 +88,55 @@ def test_copies_come_back_within_int8_error_and_a_drop_leaves_zeros(layout):
     assert all(float(c[1].abs().max()) == 0 and float(s[1].abs().max()) == 0
                for c, s in zip(store.codes, store.scales))
     assert any(float(c[0].abs().max()) > 0 for c in store.codes)  # the other copy stays
+
+
+@pytest.fixture(params=["disk", "redis"])
+def lower_tier(request, tmp_path):
+    from kvguard.cache.tiers import DiskTier, RedisTier
+
+    if request.param == "disk":
+        yield DiskTier(tmp_path / "tier", clear_stale=True)
+        return
+    import redis
+
+    client = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+    try:
+        client.ping()
+    except redis.ConnectionError:
+        pytest.skip("no Redis at 127.0.0.1:6379 (make services starts it)")
+    tier = RedisTier(client, prefix=f"kvguard:test-vllm:{tmp_path.name}:", clear_stale=True)
+    yield tier
+    for key in tier.keys():
+        tier.erase(key)
+
+
+def test_a_sealed_tier_keeps_copies_loads_them_back_and_a_drop_removes_them(lower_tier):
+    from kvguard.vllm.offload import TierStore
+
+    torch.manual_seed(1)
+    blocks, bs, heads, dim = 5, 4, 2, 8
+    k, v = torch.randn(blocks, heads, bs, dim) * 10, torch.randn(blocks, heads, bs, dim) * 0.1
+    caches = {f"layer{i}": torch.cat([k, v], -1).to(torch.bfloat16) for i in range(2)}
+    layers = block_dims(caches, blocks)
+    store = TierStore(layers, lower_tier, tag="w1", group=dim)
+    want = [t.select(d, 1).float().clone() for t, d in layers]
+    store.save([(1, 7), (3, 2)])
+    assert sorted(lower_tier.keys()) == ["vllm-w1-s2", "vllm-w1-s7"]
+    for t, d in layers:
+        t.index_fill_(d, torch.tensor([1, 4]), 0)
+    store.load([(7, 4)])
+    for (t, d), w in zip(layers, want):
+        got = t.select(d, 4).float().unflatten(-1, (-1, dim))
+        w = w.unflatten(-1, (-1, dim))
+        assert float(((got - w).abs().amax(-1) / w.abs().amax(-1)).max()) < 0.01
+    assert store.drop([7]) == 0.0 and lower_tier.keys() == ["vllm-w1-s2"]
+
+
+def test_the_tier_option_is_checked():
+    from kvguard.vllm.offload import check_tier
+
+    assert check_tier({}) == "cpu" and check_tier({"offload_tier": "disk", "offload_dir": "/x"}) == "disk"
+    with pytest.raises(ValueError, match="one of"):
+        check_tier({"offload_tier": "tape"})
+    with pytest.raises(ValueError, match="needs offload_redis"):
+        check_tier({"offload_tier": "redis"})

@@ -192,14 +192,18 @@ def test_evicted_blocks_come_back_from_the_host_tier_audited_and_erasure_empties
                         if r["details"].get("process", "").startswith("vllm-dp0/")]
                    for op in ("offload", "fetch")}
     assert records["offload"] and records["fetch"]
-    assert any(len(r["details"]["pages"]) >= full and r["details"]["src"] == "cpu" for r in records["fetch"])
+    assert any(len(r["details"]["pages"]) >= full and r["details"]["src"] == stack.tier for r in records["fetch"])
     for r in records["offload"]:  # counts, tiers and block ids only: never a token id or a hash
-        assert r["details"]["dst"] == "cpu" and all(p.startswith("vllm:") for p in r["details"]["pages"])
+        assert r["details"]["dst"] == stack.tier and all(p.startswith("vllm:") for p in r["details"]["pages"])
         assert set(r["details"]) <= {"bytes", "event", "n_tokens", "pages", "process", "seq", "src", "dst",
                                      "stored_bytes"}, r["details"]
+    on_disk = lambda: len(list((stack.sidecar.data_dir.parent / "kv-offload").rglob("*.page")))  # noqa: E731
+    before = on_disk()
     done = erase(stack, "acme", "grace")
     vllm = next(v for k, v in done["result"]["processes"].items() if k.startswith("vllm-dp0/"))
     assert vllm["tier_copies"] >= full  # her copies, emptied in the worker and read back as zeros
+    if stack.tier == "disk":  # each a sealed file of the worker's folder: overwritten and gone
+        assert before >= full and on_disk() == before - vllm["tier_copies"]
     # her prompt is in no cache and no tier: another user of her tenant computes it again
     assert ask(acme, "heidi", "Which book?", system).usage.prompt_tokens_details.cached_tokens == 0
 
