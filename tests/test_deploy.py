@@ -225,6 +225,15 @@ def test_the_vllm_pod_is_kvguards_front_before_vllm_on_loopback_with_the_connect
                                                       "api_url": "http://127.0.0.1:8001", "offload_blocks": 2048}
     plain = pod_of(render("values-vllm.yaml", (("offloadBlocks", 0),)))["containers"][1]["args"]
     assert "offload_blocks" not in json.loads(plain[plain.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert not any(v["name"] == "kvguard-offload" for v in pod["volumes"])  # host memory: no volume
+    # the copies on sealed disk: an emptyDir of the pod's, mounted in the vLLM container alone
+    disk = pod_of(render("values-vllm.yaml", (("offloadTier", "disk"), ("offloadDiskSize", "8Gi"))))
+    args = disk["containers"][1]["args"]
+    extra = json.loads(args[args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert extra["offload_tier"] == "disk" and extra["offload_dir"] == "/var/lib/kvguard-offload"
+    assert {"name": "kvguard-offload", "emptyDir": {"sizeLimit": "8Gi"}} in disk["volumes"]
+    mounts = {c["name"]: [m["name"] for m in c.get("volumeMounts", [])] for c in disk["containers"]}
+    assert "kvguard-offload" in mounts["vllm"] and "kvguard-offload" not in mounts["inference"]
     assert "--kv-events-config" not in args  # vLLM's KV events carry token ids: off
     socket = env_of(sidecar_of(pod))["KVGUARD_INGEST_SOCKET"]
     for c in (front, vllm):  # both are inference processes of the sidecar, over its socket, with the token
