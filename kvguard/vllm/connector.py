@@ -65,7 +65,7 @@ from vllm.v1.core.kv_cache_utils import get_block_hash  # noqa: E402
 from ..cache import events as ev  # noqa: E402
 from ..client import SidecarClient  # noqa: E402
 from ..types import Subject  # noqa: E402
-from .ledger import BlockLedger, Erasure, pages  # noqa: E402
+from .ledger import BlockLedger, Erasure, erased, pages  # noqa: E402
 from .offload import HostIndex, check_tier, make_store  # noqa: E402
 from .overwrite import block_dims, overwrite  # noqa: E402
 
@@ -436,10 +436,7 @@ class _SchedulerSide:
         for b in erasure.overwritten:
             self.hashes.pop(b, None)
         if self.index is not None:
-            def match(s: Subject) -> bool:
-                return s.tenant == p.tenant and (s.user if p.scope == "user" else s.session) == p.target
-
-            slots, shared = self.index.erase(match)
+            slots, shared = self.index.erase(erased(p.scope, p.tenant, p.target))
             erasure.copies, erasure.shared = slots, erasure.shared + shared
             drop.extend(slots)
         zero.update(erasure.overwritten)

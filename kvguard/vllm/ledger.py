@@ -32,6 +32,14 @@ def pages(block_ids: Iterable[int]) -> tuple[str, ...]:
     return tuple(f"{POOL}:{b}" for b in block_ids)
 
 
+def erased(scope: str, tenant: str, target: str) -> Callable[[Subject], bool]:
+    """Whether a subject is one an erasure of `target` (a user or a session of the tenant) covers."""
+    def match(s: Subject) -> bool:
+        return s.tenant == tenant and (s.user if scope == "user" else s.session) == target
+
+    return match
+
+
 @dataclass
 class Running:
     subject: Subject
@@ -137,9 +145,7 @@ class BlockLedger:
         """The subject's blocks: those it alone holds leave the ledger (the caller evicts them from
         the prefix cache and overwrites them); shared ones lose the subject. None while a request
         of the subject still runs: its blocks are in use until it ends."""
-        def match(s: Subject) -> bool:
-            return s.tenant == tenant and (s.user if scope == "user" else s.session) == target
-
+        match = erased(scope, tenant, target)
         if self.running_of(match):
             return None
         overwritten, shared = [], 0

@@ -18,11 +18,15 @@ holds), a block's layers together under the key of its slot and the worker's tag
 
 from __future__ import annotations
 
+import os
+import socket
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
+from ..cache.tiers import DiskTier, RedisTier
 from ..types import Subject
 
 
@@ -136,10 +140,6 @@ class HostStore:
         self.codes = [torch.zeros((slots, *shape), dtype=torch.int8) for shape in self.shapes]
         self.scales = [torch.zeros((slots, *shape[:-1], 1), dtype=torch.float16) for shape in self.shapes]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes + s.nbytes for c, s in zip(self.codes, self.scales))
-
     def save(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy (block, slot) pairs from the KV tensors into the tier, quantized."""
         if not pairs:
@@ -197,10 +197,13 @@ class TierStore:
             self.tier.put(self._key(slot), blob)
 
     def load(self, pairs: Sequence[tuple[int, int]]) -> None:
-        for slot, block in pairs:
-            blob = self.tier.get(self._key(slot))
-            for n, (t, dim) in enumerate(self.layers):
-                _decode_into(t, dim, [block], blob[f"c{n}"][None], blob[f"s{n}"][None])
+        if not pairs:
+            return
+        blobs = [self.tier.get(self._key(slot)) for slot, _ in pairs]
+        blocks = [block for _, block in pairs]
+        for n, (t, dim) in enumerate(self.layers):  # every block of a layer in one copy
+            _decode_into(t, dim, blocks, torch.stack([b[f"c{n}"] for b in blobs]),
+                         torch.stack([b[f"s{n}"] for b in blobs]))
 
     def drop(self, slots: Sequence[int]) -> float:
         """Overwrite and remove the slots' entries; 1.0 when one can still be read after it."""
@@ -223,22 +226,13 @@ def make_store(layers: list[tuple[torch.Tensor, int]], slots: int, group: int | 
     default), disk (`offload_dir`: a directory of this pod's, each worker a folder of its own
     in it, emptied at start) or redis (`offload_redis`: a URL; each worker a key prefix of its
     own, emptied at start)."""
-    import os
-    import socket
-
     kind = extra.get("offload_tier", "cpu")
     if kind == "cpu":
         return HostStore(layers, slots, group)
     tag = str(os.getpid())
     if kind == "disk":
-        from pathlib import Path
-
-        from ..cache.tiers import DiskTier
-
         return TierStore(layers, DiskTier(Path(extra["offload_dir"]) / f"worker-{tag}", clear_stale=True), tag, group)
-    import redis
-
-    from ..cache.tiers import RedisTier
+    import redis  # only where the Redis tier is chosen
 
     tier = RedisTier(redis.Redis.from_url(extra["offload_redis"]),
                      prefix=f"kvguard:vllm:{socket.gethostname()}:{tag}:", clear_stale=True)
