@@ -158,6 +158,21 @@ class PagePool:
         for name, t in self.fields[layer].items():
             _raw(t).index_copy_(0, self._index(pages, t), _raw(values[name].to(t.device, t.dtype)))
 
+    def decode_by_head(self, layer: int, pages: list[PageId], rows: int,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [rows * H, P * S, D] of `pages`, `rows` rows of P pages each in order: each
+        (row, head)'s positions in one contiguous run, what a batched matmul reads without a
+        copy. Every field of a page is per head, so one gather of (page, head) slices reads
+        them, decoded as pages of one head each."""
+        self._host_sync()
+        heads = next(iter(self.fields[layer].values())).shape[1]
+        idx = torch.tensor(pages, dtype=torch.long).view(rows, 1, -1) * heads
+        idx = (idx + torch.arange(heads).view(1, heads, 1)).flatten().to(self.device)
+        got = {name: _raw(t).flatten(0, 1).index_select(0, idx.to(t.device)).view(t.dtype).unsqueeze(1).to(self.device)
+               for name, t in self.fields[layer].items()}
+        k, v = self.codec.decode(got, dtype)
+        return k.reshape(rows * heads, -1, k.shape[-1]), v.reshape(rows * heads, -1, v.shape[-1])
+
     def decode(self, layer: int, pages: list[PageId], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [N, H, S, D] of the pages, dequantized to `dtype`."""
         return self.codec.decode(self.read(layer, pages), dtype)

@@ -119,10 +119,10 @@ class Reader:
     def _attend_step_dense(self, seqs: list[Sequence], layer: int, q: torch.Tensor,
                            scale: float | None) -> torch.Tensor:
         """Decode of q [B, Hq, D] off the kernel path (the CPU): every row's pages, padded to the
-        longest row's count, read in one gather (one `index_select` when they all sit in one
-        pool, as 16-bit pages do) and attended in one pass in fp32 over [B, P, H, S, D] views,
-        instead of a gather and an attention per row (which cost the CPU more than the model's
-        weights); padding positions score -inf."""
+        longest row's count, read in one gather and attended in one pass in fp32, instead of a
+        gather and an attention per row (which cost the CPU more than the model's weights);
+        padding positions score -inf. Pages that sit in one pool (as 16-bit pages do) are
+        gathered by (row, head), so the two matmuls read them where the gather put them."""
         if self.split is not None:
             self.split.last_read = 1.0  # nothing of these sequences is away: every value read
         for seq in seqs:
@@ -133,21 +133,20 @@ class Reader:
         most = max(len(seq.pages) for seq in seqs)
         refs = [r for seq in seqs for r in [*seq.pages, *[seq.pages[0]] * (most - len(seq.pages))]]
         pools = {r.where for r in refs}
-        if len(pools) == 1:  # [B * P, H, S, D]: the pool's own page layout, read once
-            pool = self.store.pools[pools.pop()]
-            k, v = pool.codec.decode(pool.read(layer, [PageId(int(r.page)) for r in refs]), torch.float32)
-            k, v = k.view(b, most, h, ps, d), v.view(b, most, h, ps, d)
-        else:  # [H, B * P * S, D] from every pool -> [B, P, H, S, D] views
+        pool = self.store.pools[next(iter(pools))]
+        if len(pools) == 1 and not pool.host_values:  # [B * H, P * S, D], read once
+            k, v = pool.decode_by_head(layer, [PageId(int(r.page)) for r in refs], b, torch.float32)
+        else:  # [H, B * P * S, D] from every pool -> [B * H, P * S, D]
             k, v = self.store.gather(refs, layer, torch.float32)
-            k, v = (x.view(h, b, most, ps, d).permute(1, 2, 0, 3, 4) for x in (k, v))
+            k, v = (x.view(h, b, most * ps, d).transpose(0, 1).reshape(b * h, most * ps, d) for x in (k, v))
         lengths = torch.tensor([seq.lengths[layer] for seq in seqs], device=k.device)
         pad = torch.arange(most * ps, device=k.device)[None, :] >= lengths[:, None]  # [B, P * S]
-        qf = q.float().reshape(b, h, hq // h, d)  # [B, H, g, D]
+        qf = q.float().reshape(b * h, hq // h, d)  # [B * H, g, D]
         scale = 1.0 / math.sqrt(d) if scale is None else scale
-        scores = torch.einsum("bhgd,bphsd->bhgps", qf, k).reshape(b, h, hq // h, most * ps) * scale
-        probs = torch.softmax(scores.masked_fill(pad[:, None, None, :], float("-inf")), dim=-1)
-        out = torch.einsum("bhgps,bphsd->bhgd", probs.view(b, h, hq // h, most, ps), v)
-        return out.reshape(b, hq, d).to(q.dtype)
+        scores = torch.bmm(qf, k.transpose(1, 2)).view(b, h, hq // h, most * ps) * scale
+        probs = torch.softmax(scores.masked_fill_(pad[:, None, None, :], float("-inf")), dim=-1)
+        out = torch.bmm(probs.view(b * h, hq // h, most * ps), v)
+        return out.view(b, hq, d).to(q.dtype)
 
     def attend_paged(self, seqs: list[Sequence], layer: int, q: torch.Tensor, scale: float | None,
                      with_mass: bool) -> torch.Tensor:

@@ -74,7 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "past it the oldest of them is closed (default 512)")
 
 
-def load(model: str, device: str | None, dtype: str | None):
+def load(model: str, device: str | None, dtype: str | None, rows: int = 8):
+    """(model, tokenizer, served name). On the CPU the model's linear layers multiply through
+    oneDNN over weights reordered once for batches of `rows` (kvguard.hf.cpu)."""
     import torch
 
     from ..hf.model import MODELS, load_model
@@ -93,7 +95,15 @@ def load(model: str, device: str | None, dtype: str | None):
         tok = AutoTokenizer.from_pretrained(path)
         m = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation="kvguard").eval()
     name = model if model in MODELS else Path(path).stem if path.endswith(".gguf") else Path(path).name
-    return m.to(dev), tok, name
+    m = m.to(dev)
+    if dev.type == "cpu":
+        from ..hf.cpu import pack_linears
+
+        packed = pack_linears(m, rows)
+        print(f"kvguard serve-llm: {packed} linear layers packed for oneDNN" if packed else
+              "kvguard serve-llm: oneDNN cannot pack this model's linear layers here; they run unpacked",
+              file=sys.stderr)
+    return m, tok, name
 
 
 def gate(policy, report: Path):
@@ -288,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
             client.close()
         return 0
     print(f"kvguard serve-llm: loading {args.model} ...", file=sys.stderr)
-    model, tok, model_name = load(args.model, args.device, args.dtype)
+    model, tok, model_name = load(args.model, args.device, args.dtype, rows=args.max_seqs)
     model_name = args.served_model_name or model_name
     app, engine, client = build(model, tok, model_name=model_name, socket=socket, ingest_token=token,
                                 policy=args.policy, codec=args.codec, num_pages=args.num_pages, fidelity=args.fidelity,

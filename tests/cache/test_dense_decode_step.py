@@ -24,3 +24,26 @@ def test_the_batched_step_matches_each_rows_own_attention(codec):
         batched = m.attend_step(seqs, layer, q)
         rows = torch.cat([m.attend(seq, layer, q[i : i + 1]) for i, seq in enumerate(seqs)])
         torch.testing.assert_close(batched, rows, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8", "int4", "fp8"])
+def test_a_gather_by_head_reads_what_decoding_the_pages_reads(codec):
+    """PagePool.decode_by_head lays each (row, head)'s positions out in one run: the pages'
+    own decode, regrouped."""
+    from kvguard.cache.pool import PagePool
+    from kvguard.compress.codecs import make_codec
+    from kvguard.types import PageId
+
+    torch.manual_seed(1)
+    pool = PagePool(make_codec(codec), num_pages=12, num_layers=2, num_kv_heads=3, head_dim=32, page_size=8,
+                    dtype=torch.float32, device=torch.device("cpu"))
+    pages = [PageId(p) for p in range(12)]
+    k, v = torch.randn(12, 3, 8, 32), torch.randn(12, 3, 8, 32)
+    pool.write(1, pages, pool.codec.encode(k, v))
+    order = [PageId(p) for p in (5, 2, 9, 9, 0, 11)]  # 2 rows of 3 pages, one page twice
+    gk, gv = pool.decode_by_head(1, order, 2, torch.float32)
+    dk, dv = pool.decode(1, order, torch.float32)  # [6, H, S, D]
+    for got, want in ((gk, dk), (gv, dv)):
+        regrouped = want.view(2, 3, 3, 8, 32).transpose(1, 2).reshape(2 * 3, 3 * 8, 32)
+        assert got.shape == (6, 24, 32)
+        torch.testing.assert_close(got, regrouped, rtol=0, atol=0)
