@@ -9,11 +9,50 @@ import uuid
 import structlog
 
 
+def request_id_of(value: str) -> str:
+    """The caller's id when it is short, ASCII and alphanumeric (dashes allowed), else a fresh one."""
+    if 0 < len(value) <= 64 and value.replace("-", "").isalnum() and value.isascii():
+        return value
+    return uuid.uuid4().hex
+
+
+class RequestIds:
+    """ASGI middleware: each HTTP request under its id (in `request.state.request_id`, bound in
+    the log context while the app runs, echoed as X-Request-ID) and one log line per request
+    with its status, once it is answered (`quiet` paths: none). Pure ASGI, so the chunks of a
+    streamed answer go straight through: Starlette's `@app.middleware("http")` moves each through
+    a memory stream between two tasks, which a stream of one chunk per token pays on every token."""
+
+    def __init__(self, app, log, quiet: tuple[str, ...] = ()):
+        self.app, self.log, self.quiet = app, log, quiet
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), b"")
+        rid = request_id_of(given.decode("latin-1"))
+        scope.setdefault("state", {})["request_id"] = rid
+        status = 500  # what the client gets when the app fails before it answers
+
+        async def send_with_id(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        structlog.contextvars.bind_contextvars(request_id=rid)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            structlog.contextvars.unbind_contextvars("request_id")
+            if scope["path"] not in self.quiet:
+                self.log.info("request", method=scope["method"], path=scope["path"], status=status, request_id=rid)
+
+
 async def with_request_id(request, call_next):
     """Run `call_next(request)` under the request's id; returns (response, id)."""
-    rid = request.headers.get("x-request-id", "")
-    if not (0 < len(rid) <= 64 and rid.replace("-", "").isalnum() and rid.isascii()):
-        rid = uuid.uuid4().hex
+    rid = request_id_of(request.headers.get("x-request-id", ""))
     request.state.request_id = rid
     structlog.contextvars.bind_contextvars(request_id=rid)
     try:

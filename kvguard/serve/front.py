@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from ..request_ids import with_request_id
+from ..request_ids import RequestIds
 from ..types import Subject
 from .keys import Key, KeyChecker, KeyError_
 
@@ -76,13 +76,7 @@ def new_app(title: str, lifespan, log, description: str | None = None) -> FastAP
                   request_id=getattr(request.state, "request_id", None))
         return problem(500, "the server failed; the error is logged")
 
-    @app.middleware("http")
-    async def _request_id(request: Request, call_next):
-        response, rid = await with_request_id(request, call_next)
-        if request.url.path not in ("/healthz", "/readyz"):
-            log.info("request", method=request.method, path=request.url.path, status=response.status_code,
-                     request_id=rid)
-        return response
+    app.add_middleware(RequestIds, log=log, quiet=("/healthz", "/readyz"))
 
     @app.get("/healthz")
     async def healthz():
