@@ -129,16 +129,23 @@ def test_step_clock_times_each_step_between_ticks():
 @pytest.mark.slow
 def test_serve_bench_small_runs_both_servers():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "benchmarks/serving/serve_bench.py", "--small"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+    # each format in this process and over HTTP, beside the machine's roofline for the load
+    r = subprocess.run([sys.executable, "benchmarks/serving/serve_bench.py", "--small", "--both", "--roofline"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     table = r.stdout[r.stdout.index("| server |"):].splitlines()[2:]
     assert [line.split("|")[1].split("(")[0].strip() for line in table] == [
-        "transformers generate_batch", "kvguard serve-llm fp16", "kvguard serve-llm int8"]
+        "transformers generate_batch", "roofline fp16", "kvguard engine fp16", "kvguard serve-llm fp16",
+        "roofline int8", "kvguard engine int8", "kvguard serve-llm int8"]
     for line in table:
         cells = [c.strip() for c in line.split("|")[1:-1]]
-        assert float(cells[2]) > 0 and float(cells[3]) > 0  # output tokens/s, requests/s
-    assert table[1].split("|")[7].strip() == "4"  # peak concurrent sequences: every client at once
+        assert float(cells[2]) > 0  # output tokens/s
+        if cells[0].startswith("kvguard"):  # requests/s; the fraction of the roofline reached
+            assert float(cells[3]) > 0 and 0 < float(cells[8]) < 1
+    roofs = [float(line.split("|")[3]) for line in table if line.startswith("| roofline")]
+    assert roofs[1] > roofs[0]  # int8 pages read fewer bytes a step than 16-bit ones
+    assert re.search(r"# roofline at \d+: [\d.]+ us a prompt token \(SDPA, no cache\), \d+ GB/s read", r.stdout)
+    assert table[3].split("|")[7].strip() == "4"  # peak concurrent sequences: every client at once
     assert r.stderr.count("kvguard serve-llm: warmed up in ") == 2  # serve-llm's start-up warm-up, each codec
     # the engine alone (no HTTP, no sidecar), for a GPU machine without the server's extras
     # with where its steps go: prompt chunks, decode, and one prompt step under torch.profiler

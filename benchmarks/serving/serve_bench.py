@@ -16,6 +16,13 @@ Weights are random (bf16 on CUDA): Llama-3-8B's shape (--shape llama3-8b) or Smo
     python benchmarks/serving/serve_bench.py --shape llama3-8b --kv-gb 40 --clients 16 --requests 32 \\
         --prompt-lens 1024,8192,32768 --output 128 --codecs fp16,int8,int4
 
+`--both` serves each format twice in one run, through the engine in this process and over HTTP,
+so the cost of the server is read off one table. `--roofline` adds, per prompt length and format,
+what the machine could do at best for the load (all requests in one batch): the prompt tokens at
+the rate of one SDPA forward pass of the same model without a cache, plus each decode step at
+(weight bytes + the format's KV bytes of every row) / the device's read bandwidth, both
+measured in the run; each served row then says what fraction of it it reached.
+
 `--small` runs a tiny model on the CPU in seconds (what the test of this script runs).
 """
 
@@ -421,13 +428,82 @@ def run_stock(args, model, prompts_ids: list[list[int]], kv_pages16: int) -> dic
     return {"wall": wall, "tokens": tokens, "requests": len(prompts_ids), "ttft": ttft, "itl": itl, "peak": None}
 
 
-def row(name: str, plen: int, r: dict, base: dict | None) -> str:
+def _median_time(fn, reps: int, device) -> float:
+    import torch
+
+    times = []
+    for _ in range(reps + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[reps // 2]  # the first call is not counted
+
+
+def machine_rates(model, plen: int, chunk: int) -> dict:
+    """What the roofline is made of, measured here: seconds per prompt token of one SDPA
+    forward pass without a cache (as many prompts of `plen` tokens as a chunk holds, at least
+    one), bytes/s of reading a 2 GiB tensor (CPU: 256 MiB) once, and the weight bytes a
+    decode step reads (all but the embedding table, of which it reads B rows)."""
+    import torch
+
+    param = next(model.parameters())
+    device = param.device
+    rows = max(1, chunk // plen)
+    ids = torch.randint(0, model.config.vocab_size, (rows, plen), device=device)
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.no_grad():
+            prompt_s = _median_time(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1), 3, device)
+    finally:
+        model.set_attn_implementation("kvguard")
+    nbytes = 2**31 if device.type == "cuda" else 2**28
+    big = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    read_s = _median_time(lambda: big.amax(), 5, device)
+    embed = model.get_input_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+    if model.get_output_embeddings().weight is embed:  # tied: the head reads the table whole
+        weights += embed.numel() * embed.element_size()
+    del big
+    return {"token_s": prompt_s / (rows * plen), "read_bps": nbytes / read_s, "weight_bytes": weights}
+
+
+def roofline(rates: dict, kv_token_bytes: float, prompt_tokens: int, plen: int, output: int, requests: int,
+             clients: int) -> float:
+    """Output tokens/s at best: every prompt token at the SDPA rate, then `output` decode steps
+    per wave of `clients` rows, each reading the weights once and every row's K/V so far."""
+    seconds = prompt_tokens * rates["token_s"]
+    left = requests
+    while left > 0:
+        rows = min(clients, left)
+        left -= rows
+        kv = sum(rows * (plen + j) * kv_token_bytes for j in range(output))
+        seconds += (output * rates["weight_bytes"] + kv) / rates["read_bps"]
+    return requests * output / seconds
+
+
+def kv_token_bytes(model, codec: str) -> float:
+    """Bytes one token's K and V take in every layer in a page of this format."""
+    from kvguard.cache import CacheConfig, CacheManager
+    from kvguard.hf.cache import shape_fields
+
+    param = next(model.parameters())
+    probe = CacheManager(CacheConfig(**shape_fields(model.config), codec=codec, num_pages=1, num_hot_pages=1,
+                                     device=param.device, dtype=param.dtype))
+    pool = probe.pools["main" if "main" in probe.pools else "hot"]
+    return pool.page_bytes / probe.cfg.page_size
+
+
+def row(name: str, plen: int, r: dict, base: dict | None, roof: float | None = None) -> str:
     tps = r["tokens"] / r["wall"]
     ratio = f"{tps / (base['tokens'] / base['wall']):.2f}x" if base else "-"
     peak = "-" if r.get("peak") is None else str(r["peak"])
     return (f"| {name} | {plen} | {tps:.1f} | {r['requests'] / r['wall']:.2f} | {pct(r['ttft'], .5) * 1e3:.0f} / "
             f"{pct(r['ttft'], .99) * 1e3:.0f} | {pct(r['itl'], .5) * 1e3:.1f} / {pct(r['itl'], .99) * 1e3:.1f} | "
-            f"{peak} | {ratio} |")
+            f"{peak} | {ratio} |" + ("" if roof is None else f" {tps / roof:.2f} |"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -444,6 +520,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-stock", action="store_true", help="skip transformers' generate_batch")
     p.add_argument("--in-process", action="store_true",
                    help="submit to the engine directly: no HTTP server, no sidecar (torch and transformers only)")
+    p.add_argument("--both", action="store_true",
+                   help="each format through the engine in this process and over HTTP, in one run")
+    p.add_argument("--switch-intervals", default=None,
+                   help="the HTTP runs once per value of sys.setswitchinterval, in seconds (comma-separated; "
+                        "default: the interpreter's): how long the engine's thread may wait for the GIL while "
+                        "the server's event loop streams tokens")
+    p.add_argument("--roofline", action="store_true",
+                   help="add the machine's best for the load, measured in the run, and each row's fraction of it")
     p.add_argument("--phases", action="store_true",
                    help="with --in-process: time each step's prompt chunks and decode apart (device synchronized)")
     p.add_argument("--profile", action="store_true", help="with --phases: torch.profiler over one prompt step")
@@ -458,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--phases and --profile time the engine in this process: add --in-process")
     if args.profile and not args.phases:
         p.error("--profile profiles a step of --phases: add --phases")
+    if args.both and args.in_process:
+        p.error("--both runs the engine in this process and over HTTP: leave out --in-process")
     import logging
 
     import torch
@@ -503,7 +589,8 @@ def main(argv: list[str] | None = None) -> int:
                                             index_key=load_or_create_secret(Path(tmp) / "data" / "index.key"))
                 engine.dispose()
             lines = ["| server | prompt | output tok/s | req/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | peak seqs "
-                     "| vs stock |", "|---|---|---|---|---|---|---|---|"]
+                     "| vs stock |" + (" of roofline |" if args.roofline else ""),
+                     "|---|---|---|---|---|---|---|---|" + ("---|" if args.roofline else "")]
             for plen in lens:
                 words = " hello" * (plen - 1)
                 prompts = [f"{i}{words}" for i in range(args.requests)]
@@ -512,17 +599,39 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.no_stock:
                     pages16 = pages_for(model, "fp16", int(args.kv_gb * 2**30), args.clients, args.chunk)[0]
                     base = run_stock(args, model, ids, pages16)
-                    lines.append(row("transformers generate_batch (paged, sdpa)", plen, base, None))
+                    lines.append(row("transformers generate_batch (paged, sdpa)", plen, base, None)
+                                 + (" - |" if args.roofline else ""))
                     print(lines[-1], flush=True)
+                rates = machine_rates(model, _tokens(tok, prompts), args.chunk) if args.roofline else None
+                if rates is not None:
+                    print(f"# roofline at {plen}: {rates['token_s'] * 1e6:.1f} us a prompt token (SDPA, no cache), "
+                          f"{rates['read_bps'] / 1e9:.0f} GB/s read, {rates['weight_bytes'] / 1e9:.2f} GB of "
+                          "weights a decode step", flush=True)
                 for codec in codecs:
-                    if args.in_process:
-                        r = run_engine(args, model, tok, codec, prompts)
-                        name = f"kvguard engine {codec} ({r['pages']} pages)"
-                    else:
-                        r = run_server(args, model, tok, codec, sock, ingest, prompts)
-                        name = f"kvguard serve-llm {codec} ({r['pages']} pages)"
-                    lines.append(row(name, plen, r, base))
-                    print(lines[-1], flush=True)
+                    roof = None
+                    if rates is not None:
+                        roof = roofline(rates, kv_token_bytes(model, codec), sum(map(len, ids)), _tokens(tok, prompts),
+                                        args.output, args.requests, args.clients)
+                        lines.append(f"| roofline {codec} | {plen} | {roof:.1f} | - | - | - | {args.clients} | - | 1.00 |")
+                        print(lines[-1], flush=True)
+                    switches = [float(x) for x in args.switch_intervals.split(",")] if args.switch_intervals else [
+                        sys.getswitchinterval()]
+                    runs = ([None] if args.both or args.in_process else []) + ([] if args.in_process else switches)
+                    for switch in runs:
+                        if switch is None:
+                            r = run_engine(args, model, tok, codec, prompts)
+                            name = f"kvguard engine {codec} ({r['pages']} pages)"
+                        else:
+                            before = sys.getswitchinterval()
+                            sys.setswitchinterval(switch)
+                            try:
+                                r = run_server(args, model, tok, codec, sock, ingest, prompts)
+                            finally:
+                                sys.setswitchinterval(before)
+                            name = f"kvguard serve-llm {codec} ({r['pages']} pages)" + (
+                                f" GIL switch {switch * 1e3:g} ms" if len(switches) > 1 else "")
+                        lines.append(row(name, plen, r, base, roof))
+                        print(lines[-1], flush=True)
         finally:
             if proc is not None:
                 proc.terminate()
