@@ -234,6 +234,17 @@ def test_the_vllm_pod_is_kvguards_front_before_vllm_on_loopback_with_the_connect
     assert {"name": "kvguard-offload", "emptyDir": {"sizeLimit": "8Gi"}} in disk["volumes"]
     mounts = {c["name"]: [m["name"] for m in c.get("volumeMounts", [])] for c in disk["containers"]}
     assert "kvguard-offload" in mounts["vllm"] and "kvguard-offload" not in mounts["inference"]
+    # the copies in Redis: its URL (a password) from a Secret, in vLLM's environment, not its arguments
+    red = pod_of(render("values-vllm.yaml", (("offloadTier", "redis"), ("offloadRedisSecret", "kv-redis"))))
+    rargs = red["containers"][1]["args"]
+    extra = json.loads(rargs[rargs.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert extra["offload_tier"] == "redis" and "offload_redis" not in extra
+    assert env_of(red["containers"][1])["KVGUARD_OFFLOAD_REDIS_URL"] == {
+        "secretKeyRef": {"name": "kv-redis", "key": "url"}}
+    assert "KVGUARD_OFFLOAD_REDIS_URL" not in env_of(front) and not any(
+        v["name"] == "kvguard-offload" for v in red["volumes"])
+    with pytest.raises(Exception, match="needs vllm.offloadRedisSecret"):  # redis without its Secret: refused
+        render("values-vllm.yaml", (("offloadTier", "redis"),))
     assert "--kv-events-config" not in args  # vLLM's KV events carry token ids: off
     socket = env_of(sidecar_of(pod))["KVGUARD_INGEST_SOCKET"]
     for c in (front, vllm):  # both are inference processes of the sidecar, over its socket, with the token

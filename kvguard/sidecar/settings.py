@@ -205,10 +205,10 @@ class Settings(BaseSettings):
 
 
 # KVGUARD_* variables that are not settings of the daemon: the YAML file's path, what the
-# inference container and the demo read, the witness's database, and the admin token of
-# `kvguard keys rotate`
+# inference container and the demo read, the witness's database, the admin token of
+# `kvguard keys rotate`, and the Redis URL of the vLLM connector's offload tier
 OTHER_VARIABLES = frozenset({"KVGUARD_CONFIG", "KVGUARD_SOCKET", "KVGUARD_INGEST_TOKEN", "KVGUARD_DEMO_KEEP",
-                             "KVGUARD_WITNESS_DATABASE_URL", "KVGUARD_ADMIN_TOKEN"})
+                             "KVGUARD_WITNESS_DATABASE_URL", "KVGUARD_ADMIN_TOKEN", "KVGUARD_OFFLOAD_REDIS_URL"})
 
 
 def check_variables(environ=os.environ) -> None:

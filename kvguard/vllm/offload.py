@@ -219,13 +219,18 @@ class TierStore:
 
 
 TIERS = ("cpu", "disk", "redis")
+REDIS_URL_ENV = "KVGUARD_OFFLOAD_REDIS_URL"  # the Redis URL where a password must stay out of vLLM's arguments
+
+
+def redis_url(extra: dict) -> str | None:
+    return extra.get("offload_redis") or os.environ.get(REDIS_URL_ENV) or None
 
 
 def make_store(layers: list[tuple[torch.Tensor, int]], slots: int, group: int | None, extra: dict):
     """The worker's store for the connector's extra config: `offload_tier` cpu (host memory, the
     default), disk (`offload_dir`: a directory of this pod's, each worker a folder of its own
-    in it, emptied at start) or redis (`offload_redis`: a URL; each worker a key prefix of its
-    own, emptied at start)."""
+    in it, emptied at start) or redis (`offload_redis`, or else the environment's
+    KVGUARD_OFFLOAD_REDIS_URL: a URL; each worker a key prefix of its own, emptied at start)."""
     kind = extra.get("offload_tier", "cpu")
     if kind == "cpu":
         return HostStore(layers, slots, group)
@@ -234,7 +239,7 @@ def make_store(layers: list[tuple[torch.Tensor, int]], slots: int, group: int | 
         return TierStore(layers, DiskTier(Path(extra["offload_dir"]) / f"worker-{tag}", clear_stale=True), tag, group)
     import redis  # only where the Redis tier is chosen
 
-    tier = RedisTier(redis.Redis.from_url(extra["offload_redis"]),
+    tier = RedisTier(redis.Redis.from_url(redis_url(extra)),
                      prefix=f"kvguard:vllm:{socket.gethostname()}:{tag}:", clear_stale=True)
     return TierStore(layers, tier, tag, group)
 
@@ -244,7 +249,9 @@ def check_tier(extra: dict) -> str:
     kind = extra.get("offload_tier", "cpu")
     if kind not in TIERS:
         raise ValueError(f"offload_tier is one of {TIERS}, got {kind!r}")
-    need = {"disk": "offload_dir", "redis": "offload_redis"}.get(kind)
-    if need and not extra.get(need):
-        raise ValueError(f"offload_tier {kind} needs {need} in kv_connector_extra_config")
+    if kind == "disk" and not extra.get("offload_dir"):
+        raise ValueError("offload_tier disk needs offload_dir in kv_connector_extra_config")
+    if kind == "redis" and not redis_url(extra):
+        raise ValueError(f"offload_tier redis needs offload_redis in kv_connector_extra_config or {REDIS_URL_ENV} "
+                         "in the environment")
     return kind

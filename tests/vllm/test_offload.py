@@ -132,11 +132,18 @@ def test_a_sealed_tier_keeps_copies_loads_them_back_and_a_drop_removes_them(lowe
     assert store.drop([7]) == 0.0 and lower_tier.keys() == ["vllm-w1-s2"]
 
 
-def test_the_tier_option_is_checked():
-    from kvguard.vllm.offload import check_tier
+def test_the_tier_option_is_checked(monkeypatch):
+    from kvguard.vllm.offload import REDIS_URL_ENV, check_tier, redis_url
 
+    monkeypatch.delenv(REDIS_URL_ENV, raising=False)
     assert check_tier({}) == "cpu" and check_tier({"offload_tier": "disk", "offload_dir": "/x"}) == "disk"
     with pytest.raises(ValueError, match="one of"):
         check_tier({"offload_tier": "tape"})
+    with pytest.raises(ValueError, match="needs offload_dir"):
+        check_tier({"offload_tier": "disk"})
     with pytest.raises(ValueError, match="needs offload_redis"):
         check_tier({"offload_tier": "redis"})
+    # a URL with a password comes from the environment (the chart's Secret), not vLLM's arguments
+    monkeypatch.setenv(REDIS_URL_ENV, "redis://:pw@redis:6379/0")
+    assert check_tier({"offload_tier": "redis"}) == "redis" and redis_url({}) == "redis://:pw@redis:6379/0"
+    assert redis_url({"offload_redis": "redis://other:6379"}) == "redis://other:6379"
