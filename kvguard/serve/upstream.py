@@ -108,9 +108,16 @@ class Salts:
             recent = any(self._erased.get((subject.tenant, who), 0) > now for who in (subject.user, subject.session))
         if hit is not None and hit[0] > now and not recent:
             return hit[1]
-        r = await self._http.post("/internal/v1/salt", json={
-            "subject": {"tenant": subject.tenant, "user": subject.user, "session": subject.session},
-            "scope": scope})
+        body = {"subject": {"tenant": subject.tenant, "user": subject.user, "session": subject.session},
+                "scope": scope}
+        try:
+            r = await self._http.post("/internal/v1/salt", json=body)
+        except httpx.TransportError as exc:
+            if isinstance(exc, httpx.TimeoutException):
+                raise
+            # a kept-alive connection the sidecar closed as it was taken (its idle timeout): the
+            # salt is a keyed hash, so asking again on a fresh connection is safe
+            r = await self._http.post("/internal/v1/salt", json=body)
         r.raise_for_status()
         salt = r.json()["salt"]
         if not recent:
@@ -209,7 +216,9 @@ def create_upstream_app(upstream: str, keys: KeyChecker, salts: Salts, inflight:
         subject = subject_of(request, key, data, model_name, default_user)
         try:
             salt = await salts.salt(subject, scope)
-        except (httpx.HTTPError, KeyError, ValueError):
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            status = exc.response.status_code if isinstance(exc, httpx.HTTPStatusError) else None
+            log.warning("salt_unavailable", error=type(exc).__name__, sidecar_status=status)
             raise Problem(503, "the audit sidecar cannot give this request its cache salt; no request runs "
                                "unaudited, retry later", {"Retry-After": "5"}) from None
         if client is not None and not client.connected:

@@ -62,6 +62,35 @@ def test_salts_are_kept_briefly_dropped_on_erasure_and_asked_anew_after_it():
     asyncio.run(go())
 
 
+def test_a_salt_is_asked_again_once_when_the_connection_drops_but_not_after_a_timeout():
+    """The sidecar closing a kept-alive connection as the front takes it is not an outage: the
+    salt is asked again, once. A timeout is not retried (the caller would wait twice)."""
+    calls = []
+
+    def flaky(errors):
+        def handler(request: httpx.Request) -> httpx.Response:
+            calls.append(request.url.path)
+            if errors:
+                raise errors.pop(0)
+            return httpx.Response(200, json={"salt": "s"})
+        return handler
+
+    async def ask(errors):
+        salts = Salts(httpx.AsyncClient(base_url="http://sidecar", transport=httpx.MockTransport(flaky(errors))))
+        return await salts.salt(Subject("acme", "alice", "s1"), "user")
+
+    assert asyncio.run(ask([httpx.RemoteProtocolError("Server disconnected without sending a response.")])) == "s"
+    assert len(calls) == 2
+    calls.clear()
+    with pytest.raises(httpx.RemoteProtocolError):  # twice: the sidecar is gone
+        asyncio.run(ask([httpx.RemoteProtocolError("a"), httpx.RemoteProtocolError("b")]))
+    assert len(calls) == 2
+    calls.clear()
+    with pytest.raises(httpx.ReadTimeout):
+        asyncio.run(ask([httpx.ReadTimeout("slow")]))
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("upstream_name", ["upstream-name", "served"])
 def test_a_stream_is_relayed_renamed_and_an_erasure_ends_it_while_vllm_is_silent(upstream_name):
     """The front's relay without vLLM: a fake upstream streams two chunks, then nothing for a
