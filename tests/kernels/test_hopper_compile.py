@@ -1,6 +1,7 @@
 """Every Triton kernel compiles for an H200 (sm_90) here, without one: Triton's compiler and
 ptxas (both in the triton wheel) take each kernel as the hot path launches it on Hopper, every
-codec, both head dims, mixed key and value codecs, the picks both ways
+codec, mixed key and value codecs, the picks both ways, the decode path at head dims 64 and 128
+and the rest at 128, where their tiles are largest
 (tests/kernels/hopper_compile.py). The interpreter runs their arithmetic (the other kernel
 tests); this catches what only the compiler refuses, before a GPU does."""
 
