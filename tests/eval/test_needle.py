@@ -19,7 +19,8 @@ from kvguard.eval.needle import add_retrieval, answer, methods_for, trials
 from kvguard.eval.settings import ProbeSettings, Settings
 from kvguard.eval.texts import stdlib_code
 
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+pytestmark = [pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated"),
+              pytest.mark.xdist_group("eval-needle")]  # its module fixture runs once, on one worker
 SMALL = Settings(prefix=128, score=64, budget=128)
 PROBE = ProbeSettings(length=320, depths=(0, 100), seeds=1, chunk=32, text="stdlib-code")
 

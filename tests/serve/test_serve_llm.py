@@ -31,6 +31,7 @@ from kvguard.types import Subject
 
 from .conftest import start_llm
 
+pytestmark = pytest.mark.xdist_group("serve-llm")  # its sidecar and two engines start once, on one worker
 ROOT = Path(__file__).resolve().parents[2]
 POLICY = Path(__file__).with_name("chat-small.yaml")  # the chat policy with budgets a short run reaches
 PROMPTS = ["def add(a, b):", "The capital of France is", "Once upon a time there was", "import numpy as np\n",
