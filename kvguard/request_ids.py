@@ -19,12 +19,13 @@ def request_id_of(value: str) -> str:
 class RequestIds:
     """ASGI middleware: each HTTP request under its id (in `request.state.request_id`, bound in
     the log context while the app runs, echoed as X-Request-ID) and one log line per request
-    with its status, once it is answered (`quiet` paths: none). Pure ASGI, so the chunks of a
-    streamed answer go straight through: Starlette's `@app.middleware("http")` moves each through
-    a memory stream between two tasks, which a stream of one chunk per token pays on every token."""
+    with its status, once it is answered (`quiet` paths: none); `on_status(path, status)`, if
+    given, is told each answer's status. Pure ASGI, so the chunks of a streamed answer go straight
+    through: Starlette's `@app.middleware("http")` moves each through a memory stream between two
+    tasks, which a stream of one chunk per token pays on every token."""
 
-    def __init__(self, app, log, quiet: tuple[str, ...] = ()):
-        self.app, self.log, self.quiet = app, log, quiet
+    def __init__(self, app, log, quiet: tuple[str, ...] = (), on_status=None):
+        self.app, self.log, self.quiet, self.on_status = app, log, quiet, on_status
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -46,18 +47,7 @@ class RequestIds:
             await self.app(scope, receive, send_with_id)
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
+            if self.on_status is not None:
+                self.on_status(scope["path"], status)
             if scope["path"] not in self.quiet:
                 self.log.info("request", method=scope["method"], path=scope["path"], status=status, request_id=rid)
-
-
-async def with_request_id(request, call_next):
-    """Run `call_next(request)` under the request's id; returns (response, id)."""
-    rid = request_id_of(request.headers.get("x-request-id", ""))
-    request.state.request_id = rid
-    structlog.contextvars.bind_contextvars(request_id=rid)
-    try:
-        response = await call_next(request)
-    finally:
-        structlog.contextvars.unbind_contextvars("request_id")
-    response.headers["X-Request-ID"] = rid
-    return response, rid

@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from .. import __version__
-from ..request_ids import with_request_id
+from ..request_ids import RequestIds
 from .api import audit as audit_routes
 from .api import erasure as erasure_routes
 from .api import health, ingest, keys, problems
@@ -86,14 +86,10 @@ def _app(sidecar: Sidecar, title: str, description: str, lifespan=None) -> FastA
 
     app.add_middleware(BodyLimit, sidecar=sidecar)  # inside request_id below: its answers carry the id
 
-    @app.middleware("http")
-    async def request_id(request: Request, call_next):
-        response, rid = await with_request_id(request, call_next)
-        if request.url.path == "/internal/v1/events" and response.status_code >= 400:
-            sidecar.metrics.batches_refused.labels(str(response.status_code)).inc()
-        if request.url.path != "/healthz":
-            log.info("request", method=request.method, path=request.url.path, status=response.status_code,
-                     request_id=rid)
-        return response
+    def count_refused(path: str, status: int) -> None:
+        if path == "/internal/v1/events" and status >= 400:
+            sidecar.metrics.batches_refused.labels(str(status)).inc()
+
+    app.add_middleware(RequestIds, log=log, quiet=("/healthz",), on_status=count_refused)
 
     return app
