@@ -106,21 +106,28 @@ def make_model(shape: str, device, dtype, max_len: int):
     return model.eval()
 
 
-def pages_for(model, codec: str, kv_bytes: int, max_seqs: int, chunk: int) -> tuple[int, int]:
-    """(codec pool pages, 16-bit pool pages) that fill kv_bytes: with a codec, the 16-bit pool
-    holds each sequence's page being written and the one waiting to be quantized, and a
-    prefill chunk on its way to the codec."""
+def page_bytes(model, codec: str) -> tuple[int, int | None, int]:
+    """(16-bit pool page bytes, codec pool page bytes or None for fp16, tokens a page) of this
+    model's cache in a format."""
     from kvguard.cache import CacheConfig, CacheManager
     from kvguard.hf.cache import shape_fields
 
     param = next(model.parameters())
     probe = CacheManager(CacheConfig(**shape_fields(model.config), codec=codec, num_pages=1, num_hot_pages=1,
                                      device=param.device, dtype=param.dtype))
-    hot_bytes = probe.pools["hot"].page_bytes
-    if "main" not in probe.pools:
+    main = probe.pools.get("main")
+    return probe.pools["hot"].page_bytes, None if main is None else main.page_bytes, probe.cfg.page_size
+
+
+def pages_for(model, codec: str, kv_bytes: int, max_seqs: int, chunk: int) -> tuple[int, int]:
+    """(codec pool pages, 16-bit pool pages) that fill kv_bytes: with a codec, the 16-bit pool
+    holds each sequence's page being written and the one waiting to be quantized, and a
+    prefill chunk on its way to the codec."""
+    hot_bytes, main_bytes, _ = page_bytes(model, codec)
+    if main_bytes is None:
         return kv_bytes // hot_bytes, kv_bytes // hot_bytes
     hot = 3 * max_seqs + -(-chunk // 16) + 2
-    return (kv_bytes - hot * hot_bytes) // probe.pools["main"].page_bytes, hot
+    return (kv_bytes - hot * hot_bytes) // main_bytes, hot
 
 
 async def load(url: str, key: str, prompts: list[str], output: int, clients: int) -> dict:
@@ -487,14 +494,8 @@ def roofline(rates: dict, kv_token_bytes: float, prompt_tokens: int, plen: int, 
 
 def kv_token_bytes(model, codec: str) -> float:
     """Bytes one token's K and V take in every layer in a page of this format."""
-    from kvguard.cache import CacheConfig, CacheManager
-    from kvguard.hf.cache import shape_fields
-
-    param = next(model.parameters())
-    probe = CacheManager(CacheConfig(**shape_fields(model.config), codec=codec, num_pages=1, num_hot_pages=1,
-                                     device=param.device, dtype=param.dtype))
-    pool = probe.pools["main" if "main" in probe.pools else "hot"]
-    return pool.page_bytes / probe.cfg.page_size
+    hot_bytes, main_bytes, size = page_bytes(model, codec)
+    return (main_bytes or hot_bytes) / size
 
 
 def row(name: str, plen: int, r: dict, base: dict | None, roof: float | None = None) -> str:
