@@ -11,6 +11,11 @@ Each step, under the manager's lock (so an erasure from the sidecar lands betwee
      chunk at a time;
   4. decode: every running request feeds its last token, all rows in one forward pass
      (the cache's `append_step`/`attend_step`), and samples its next.
+What the clients get runs behind the device by a step: once a decode step is queued on the
+device, the text of the tokens sampled before it is made (detok.py, one batch) and every
+item of the step goes to the handlers' event loops in one call each, while the device works;
+then the step's tokens are sampled. A token that ends its request (end of text, a stop
+string, the length) ends it at once, and a request with stop strings gets its text at once.
 Requests join and leave between steps; the cache learns each step's rows (`set_rows`) and
 the model each row's position (position_ids). A row's parameters never fail the step of the
 others: sampling cannot make a NaN, and a row whose sampling or detokenization still fails
@@ -31,6 +36,7 @@ from ..client import SidecarUnavailable
 from ..errors import ConfigError, InputError, OutOfPages
 from ..hf import CacheFullError, DecodeGraph, KVGuardCache, cache_kwarg
 from ..types import Subject
+from .detok import Detok, Detokenizer
 from .scheduler import Plan, Request, SamplingParams, Scheduler, pages_needed
 
 _log = logging.getLogger(__name__)
@@ -81,6 +87,9 @@ class Engine:
         eos = eos if isinstance(eos, list) else [eos]
         # ignore_eos: every request runs to max_tokens (a benchmark's fixed output length)
         self.eos = set() if ignore_eos else {e for e in [*eos, tokenizer.eos_token_id] if e is not None}
+        self.detok = Detokenizer(tokenizer)
+        self._behind: list[Request] = []  # requests with tokens not yet made text
+        self._outbox: list[tuple[Request, tuple]] = []  # items for the handlers, sent once a step
         self.steps = self.decode_steps = self.tokens_out = self.prefill_tokens = 0
         self.step_seconds = 0.0
         self._wake = threading.Event()
@@ -184,21 +193,28 @@ class Engine:
                 with self.manager.lock:
                     for r in self.scheduler.active:
                         self._finish(r, error=(500, "the server failed while running this request"))
+                self._deliver()
 
     def step(self) -> None:
         t0 = time.perf_counter()
-        with self.manager.lock, torch.no_grad():
-            self._reap()
-            for r in self.scheduler.to_open():
-                self._open(r)
-            plan: Plan = self.scheduler.schedule()
-            for r in plan.preempted:
-                self._free(r)
-            if plan.prefill:
-                self._prefill(plan.prefill)
-            decode = [r for r in plan.decode if not r.finished]
-            if decode:
-                self._decode(decode)
+        try:
+            with self.manager.lock, torch.no_grad():
+                self._reap()
+                for r in self.scheduler.to_open():
+                    self._open(r)
+                plan: Plan = self.scheduler.schedule()
+                for r in plan.preempted:
+                    self._free(r)
+                if plan.prefill:
+                    self._prefill(plan.prefill)
+                decode = [r for r in plan.decode if not r.finished]
+                behind, self._behind = self._behind, []
+                if decode:
+                    self._decode(decode, behind)
+                else:
+                    self._catch_up(behind)
+        finally:
+            self._deliver()
         self.steps += 1
         self.step_seconds += time.perf_counter() - t0
 
@@ -275,7 +291,9 @@ class Engine:
         if done:
             self._sample([rows[i] for i in done], logits[done])
 
-    def _decode(self, rows: list[Request]) -> None:
+    def _decode(self, rows: list[Request], behind: list[Request]) -> None:
+        """One decode step of `rows`; while the device runs it, the text of `behind` (the
+        requests whose latest tokens are not text yet) is made and sent."""
         ids = torch.tensor([[r.output[-1]] for r in rows])
         pos = torch.tensor([[r.fed] for r in rows])
         try:
@@ -288,7 +306,10 @@ class Engine:
             _log.warning("kvguard serve-llm: no page for a decode step; request %s prefills again", youngest.request_id)
             self.scheduler.preempt(youngest)
             self._free(youngest)
+            self._catch_up(behind)
             return
+        self._catch_up(behind)  # host work while the device runs the step
+        self._deliver()
         self.decode_steps += 1
         for r in rows:
             r.fed += 1
@@ -325,9 +346,9 @@ class Engine:
             return
         r.output.append(tok)
         self.tokens_out += 1
-        text = self._text(r)
         stops = r.params.stop
         if stops:
+            text = self._text(r)
             start = max(0, len(r.text) - max(map(len, stops)))
             hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
             if hits:
@@ -338,29 +359,42 @@ class Engine:
             self._send(r, self._text(r, final=True), final=True)
             self._finish(r, "length")
             return
-        self._send(r, text)
+        if stops:
+            self._send(r, text)
+        else:
+            self._behind.append(r)
+
+    def _catch_up(self, rows: list[Request]) -> None:
+        """Make text of the rows' tokens sampled since their last text, all in one batch, and
+        send it; a failure ends its row only."""
+        rows = [r for r in rows if not r.finished]
+        if not rows:
+            return
+        try:
+            texts = self._texts(rows)
+        except Exception:  # noqa: BLE001 - the batch failed: find the row that fails, alone
+            texts = []
+            for r in rows:
+                try:
+                    texts.append(self._text(r))
+                except Exception:  # noqa: BLE001
+                    _log.exception("kvguard serve-llm: request %s failed while detokenizing; it alone ends",
+                                   r.request_id)
+                    self._finish(r, error=(500, "the server failed while running this request"))
+                    texts.append(None)
+        for r, text in zip(rows, texts):
+            if text is not None and not r.finished:
+                self._send(r, text)
+
+    def _texts(self, rows: list[Request], final: bool = False) -> list[str]:
+        """The rows' outputs as text so far (detok.py)."""
+        for r in rows:
+            if r.detok is None:
+                r.detok = Detok()
+        return self.detok.texts([r.output for r in rows], [r.detok for r in rows], final)
 
     def _text(self, r: Request, *, final: bool = False) -> str:
-        """The request's output as text, decoded incrementally: only the tokens since the last
-        complete character are decoded again (twice: with and without the newest, whose
-        difference is what they add), never the whole output. Until `final`, tokens that end in
-        a partial character wait for the next. Decoding a window that starts at a token boundary
-        keeps what the tokenizer does at a word's start (a SentencePiece leading space)."""
-        d = r.detok
-        if d is None:
-            d = r.detok = Detok()
-        if d.read == len(r.output):
-            return d.text
-        before = self.tokenizer.decode(r.output[d.prefix:d.read], skip_special_tokens=True)
-        after = self.tokenizer.decode(r.output[d.prefix:], skip_special_tokens=True)
-        if not after.startswith(before):  # the tokenizer rewrote what came before: decode it all
-            d.text, d.prefix, d.read = self.tokenizer.decode(r.output, skip_special_tokens=True), 0, len(r.output)
-        elif len(after) > len(before) and (final or not after.endswith("\ufffd")):
-            d.text += after[len(before):]
-            d.prefix, d.read = d.read, len(r.output)
-        elif final:
-            d.read = len(r.output)
-        return d.text
+        return self._texts([r], final)[0]
 
     def _send(self, r: Request, text: str, *, final: bool = False) -> None:
         """Send the text not sent yet; unless final, hold back a partial character and what
@@ -370,7 +404,7 @@ class Engine:
             if r.params.stop:
                 text = text[: max(len(r.text), len(text) - max(map(len, r.params.stop)) + 1)]
         if len(text) > len(r.text) and text.startswith(r.text):
-            r.emit(("text", text[len(r.text):]))
+            self._outbox.append((r, ("text", text[len(r.text):])))
             r.text = text
 
     def _finish(self, r: Request, reason: str | None = None, *, error: tuple[int, str] | None = None,
@@ -381,20 +415,32 @@ class Engine:
             self._free(r)
         self.scheduler.release(r)
         if error is not None:
-            r.emit(("error", *error))
+            self._outbox.append((r, ("error", *error)))
         else:
-            r.emit(("done", reason, {"prompt_tokens": len(r.prompt), "completion_tokens": len(r.output),
-                                     "total_tokens": len(r.prompt) + len(r.output), "cached_tokens": r.cached}))
+            self._outbox.append((r, ("done", reason, {
+                "prompt_tokens": len(r.prompt), "completion_tokens": len(r.output),
+                "total_tokens": len(r.prompt) + len(r.output), "cached_tokens": r.cached})))
+
+    def _deliver(self) -> None:
+        """Hand the items of the step so far to their handlers: one call into each event loop
+        (each call wakes it), not one an item."""
+        if not self._outbox:
+            return
+        items, self._outbox = self._outbox, []
+        loops: dict = {}
+        for r, item in items:
+            if r.loop is not None and r.queue is not None:
+                loops.setdefault(r.loop, []).append((r.queue, item))
+        for loop, batch in loops.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # its loop has closed: nobody waits for these
+                _log.warning("kvguard serve-llm: %d items for a closed event loop dropped", len(batch))
 
 
-class Detok:
-    """Where a request's incremental detokenization stands: its text so far, the output tokens it
-    covers (`read`), and where the window decoded again starts (`prefix`)."""
-
-    __slots__ = ("text", "prefix", "read")
-
-    def __init__(self):
-        self.text, self.prefix, self.read = "", 0, 0
+def _put_all(batch: list[tuple]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

@@ -104,11 +104,6 @@ class Request:
         n = len(self.prompt)
         return self.prompt[a:b] if b <= n else [*self.prompt[a:b], *self.output[max(0, a - n): b - n]]
 
-    def emit(self, item: tuple) -> None:
-        """Hand an item to the request's handler, from the engine's thread."""
-        if self.loop is not None and self.queue is not None:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
 
 def pages_needed(cfg: CacheConfig, quantized: bool, tokens: int, chunk: int = 0) -> dict[str, int]:
     """The pages a sequence of `tokens` tokens can take in each pool at most: all in the 16-bit

@@ -1,15 +1,13 @@
 """Incremental detokenization with SmolLM2's tokenizer: the streamed text is the whole output's
-decode, never retracted, and each token decodes only a few tokens again (never the output)."""
+decode, never retracted, and each token decodes only a few tokens again (never the output);
+through the tokenizer's Rust backend in one batch for many requests, or one call a window, the
+same text as the tokenizer's own decode."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
-from kvguard.serve.engine import Engine
-from kvguard.serve.scheduler import Request, SamplingParams
-from kvguard.types import Subject
+from kvguard.serve.detok import Detok, Detokenizer
 
 TEXTS = ["def add(a, b):\n    return a + b  # sum\n\n\tprint(  add(1,2) )",
          "Hello, world! The quick brown fox jumps over the lazy dog. " * 3,
@@ -26,26 +24,47 @@ def tok():
     return AutoTokenizer.from_pretrained(smollm2_folder())
 
 
-class Counting:
-    def __init__(self, tok):
-        self.tok, self.most = tok, 0
+def counting(detok: Detokenizer) -> list[int]:
+    """The longest window each call of detok's decode_batch decoded, appended as it runs."""
+    most, inner = [], detok.decode_batch
 
-    def decode(self, ids, **kw):
-        self.most = max(self.most, len(ids))
-        return self.tok.decode(ids, **kw)
+    def decode_batch(seqs):
+        most.append(max(map(len, seqs)))
+        return inner(seqs)
+
+    detok.decode_batch = decode_batch
+    return most
 
 
-@pytest.mark.parametrize("text", TEXTS)
-def test_streamed_text_is_the_whole_decode_and_decodes_few_tokens_a_step(tok, text):
-    ids = tok(text, add_special_tokens=False).input_ids
-    counting = Counting(tok)
-    engine = SimpleNamespace(tokenizer=counting)
-    r = Request("1", Subject("t", "u", "s"), [1], SamplingParams(len(ids)))
-    seen = ""
-    for i in range(len(ids)):
-        r.output.append(ids[i])
-        now = Engine._text(engine, r, final=i == len(ids) - 1)
-        assert now.startswith(seen) and "\ufffd" not in now[len(seen):] or i == len(ids) - 1
-        seen = now
-    assert seen == tok.decode(ids, skip_special_tokens=True)
-    assert counting.most <= 8 < len(ids)
+@pytest.mark.parametrize("batched", [True, False], ids=["rust-batch", "call-a-window"])
+def test_streamed_text_is_the_whole_decode_and_decodes_few_tokens_a_step(tok, batched):
+    """Every text streamed at once, a token a step each, as a serving step's rows are."""
+    detok = Detokenizer(tok)
+    if not batched:
+        detok = Detokenizer(type("NoBackend", (), {"decode": staticmethod(tok.decode)})())
+    most = counting(detok)
+    ids = [tok(t, add_special_tokens=False).input_ids for t in TEXTS]
+    outs, states, seen = [[] for _ in ids], [Detok() for _ in ids], [""] * len(ids)
+    for i in range(max(map(len, ids))):
+        live = [j for j in range(len(ids)) if i < len(ids[j])]
+        for j in live:
+            outs[j].append(ids[j][i])
+        last = [i == len(ids[j]) - 1 for j in live]
+        texts = detok.texts([outs[j] for j in live], [states[j] for j in live])
+        for j, now, end in zip(live, texts, last):
+            if end:
+                now = detok.texts([outs[j]], [states[j]], final=True)[0]
+            assert now.startswith(seen[j])
+            assert "\ufffd" not in now[len(seen[j]):] or end
+            seen[j] = now
+    for j, x in enumerate(ids):
+        assert seen[j] == tok.decode(x, skip_special_tokens=True)
+    assert max(most) <= 8 < min(map(len, ids))
+
+
+def test_the_batch_is_one_call(tok):
+    detok = Detokenizer(tok)
+    most = counting(detok)
+    outs = [tok(t, add_special_tokens=False).input_ids[:3] for t in TEXTS]
+    detok.texts(outs, [Detok() for _ in outs])
+    assert len(most) == 1
