@@ -325,7 +325,7 @@ class Phases:
     def __init__(self, engine, profile: bool = False):
         self.engine, self.profile, self.t = engine, profile, {}
         self.table = self.decode_table = None
-        self.armed = False  # after the warm-up (reset): the prompt step profiled is one of the run's
+        self.armed, self.decode_steps = False, 0  # after the warm-up (reset): the prompt step profiled is one of the run's
         self.built: dict[str, int] = {}
         self.build_s, self._t_build = 0.0, 0.0
         try:
@@ -422,7 +422,7 @@ class Phases:
                 + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
     def reset(self) -> None:
-        self.t, self.armed = {}, True
+        self.t, self.armed, self.decode_steps = {}, True, self.engine.decode_steps
         self.built, self.build_s = {}, 0.0
 
     def report(self, codec: str) -> None:
@@ -433,6 +433,9 @@ class Phases:
             unit = "prompt tokens" if name == "prefill" else "rows"
             print(f"#   {name}: {n} calls, {s:.2f} s ({100 * s / max(step[1], 1e-9):.0f} %), {k} {unit}, "
                   f"{1e3 * s / max(n, 1):.1f} ms a call, {1e6 * s / max(k, 1):.0f} us per {unit[:-1]}", flush=True)
+        steps = self.engine.decode_steps - self.decode_steps
+        print(f"#     decode steps {steps}, {steps - self.t.get('decode', (0,))[0]} of them queued ahead of the "
+              "tokens before (the syncs here keep them from overlapping)", flush=True)
         for name in sorted(n for n in self.t if n.startswith(("decode:", "sample"))):
             n, s, _ = self.t[name]
             print(f"#     {name}: {n} calls, {1e3 * s / max(n, 1):.2f} ms a call", flush=True)

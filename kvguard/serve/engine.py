@@ -10,7 +10,10 @@ Each step, under the manager's lock (so an erasure from the sidecar lands betwee
      forward pass (rows padded on the left), so a long prompt holds the decodes back one
      chunk at a time;
   4. decode: every running request feeds its last token, all rows in one forward pass
-     (the cache's `append_step`/`attend_step`), and samples its next.
+     (the cache's `append_step`/`attend_step`), and samples its next. When every row is
+     greedy and nothing waits, up to `run_ahead` more steps follow, each queued on the device
+     from the argmax of the one before before that one's tokens are read, so the host's part
+     of a step runs while the device runs the step before.
 What the clients get runs behind the device by a step: once a decode step is queued on the
 device, the text of the tokens sampled before it is made (detok.py, one batch) and every
 item of the step goes to the handlers' event loops in one call each, while the device works;
@@ -32,6 +35,7 @@ import time
 
 import torch
 
+from ..cache.pool import device_index
 from ..client import SidecarUnavailable
 from ..errors import ConfigError, InputError, OutOfPages
 from ..hf import CacheFullError, DecodeGraph, KVGuardCache, cache_kwarg
@@ -52,7 +56,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, manager, *, client=None, chunk: int = 256, max_seqs: int = 64,
                  max_model_len: int | None = None, ignore_eos: bool = False, policy_name: str = "none",
-                 use_graphs: bool = True, max_waiting: int | None = None):
+                 use_graphs: bool = True, max_waiting: int | None = None, run_ahead: int = 3):
         self.model, self.tokenizer, self.manager, self.client = model, tokenizer, manager, client
         self.cache = KVGuardCache(model.config, _NOBODY, manager=manager)
         self.kwarg = cache_kwarg(model)
@@ -73,6 +77,7 @@ class Engine:
         self.chunk = chunk
         self.scheduler = Scheduler(capacity, max_seqs, need=self.pages_needed, chunk=chunk, max_waiting=max_waiting)
         self.policy_name = policy_name  # named in each request's `open` record
+        self.run_ahead = run_ahead  # decode steps queued before the tokens of the one before are read
         # on the kernel path, decode steps replay from a CUDA graph per batch size (one bucket per
         # number of rows), rebound to each step's rows; capture=False runs them eagerly through
         # the same fixed buffers (a CPU under Triton's interpreter); a K/V split cache whose
@@ -292,16 +297,15 @@ class Engine:
             self._sample([rows[i] for i in done], logits[done])
 
     def _decode(self, rows: list[Request], behind: list[Request]) -> None:
-        """One decode step of `rows`; while the device runs it, the text of `behind` (the
-        requests whose latest tokens are not text yet) is made and sent."""
-        ids = torch.tensor([[r.output[-1]] for r in rows])
-        pos = torch.tensor([[r.fed] for r in rows])
-        try:
-            if self.graphs is None:
-                logits = self._forward(rows, ids, pos)
-            else:
-                logits = self._replay(rows, ids, pos)
-        except (CacheFullError, OutOfPages):  # nothing of the step was written: the youngest row gives way
+        """A decode step of `rows`, and up to `run_ahead` more (`_ahead` says when): each queued
+        on the device from the step before's tokens before those are read, so the host's part of
+        a step (its pages, its tables, reading and handing on the tokens before) runs while the
+        device runs the step before. While the device runs the first, the text of `behind` (the
+        requests whose latest tokens are not text yet) is made and sent. A row that a token ended
+        (end of text) is still in the step queued after it; that step's token for it is dropped."""
+        ids = torch.tensor([r.output[-1] for r in rows])
+        logits = self._step_rows(rows, ids)
+        if logits is None:  # nothing of the step was written: the youngest row gives way
             youngest = max(rows, key=lambda r: r.arrival)
             _log.warning("kvguard serve-llm: no page for a decode step; request %s prefills again", youngest.request_id)
             self.scheduler.preempt(youngest)
@@ -310,13 +314,55 @@ class Engine:
             return
         self._catch_up(behind)  # host work while the device runs the step
         self._deliver()
-        self.decode_steps += 1
-        for r in rows:
-            r.fed += 1
-        self._sample(rows, logits)
+        for ahead in range(self.run_ahead + 1):
+            self.decode_steps += 1
+            for r in rows:
+                r.fed += 1
+            top, read = _read_later(logits)
+            nxt = self._ahead(rows) if ahead < self.run_ahead else None
+            nxt_logits = None
+            if nxt is not None:
+                keep, nxt = nxt
+                nxt_logits = self._step_rows(nxt, top if len(keep) == len(rows) else _rows_of(top, keep))
+            live = [i for i, r in enumerate(rows) if not r.finished]
+            tokens = read()  # waits for this step, not for the one queued after it
+            self._sample([rows[i] for i in live], logits if len(live) == len(rows) else _rows_of(logits, live),
+                         [tokens[i] for i in live])
+            self._deliver()
+            if nxt_logits is None:
+                return
+            rows, logits = nxt, nxt_logits
+
+    def _ahead(self, rows: list[Request]) -> tuple[list[int], list[Request]] | None:
+        """The rows of the step after this one, when it may be queued before this one's tokens
+        are read: on the graph path, every row greedy without stop strings, the rows this step's
+        length ends left out, and the others' pages for the step reserved, unless a waiting
+        request could start (Scheduler.extend: admissions and prompts come first). (their
+        indices, the rows) or None."""
+        if self.graphs is None or any(r.generator is not None or r.params.stop or r.cancel for r in rows):
+            return None
+        keep = [i for i, r in enumerate(rows) if not r.finished and len(r.output) + 1 < r.params.max_tokens
+                and r.fed + 1 < self.max_model_len]
+        nxt = [rows[i] for i in keep]
+        if not nxt or not self.scheduler.extend(nxt, ending=len(nxt) < len(rows)):
+            return None
+        return keep, nxt
+
+    def _step_rows(self, rows: list[Request], ids: torch.Tensor) -> torch.Tensor | None:
+        """Queue a decode step of `rows` (ids [B]: each row's last token, on the host or the
+        device); its logits [B, V], or None when there was no page for it (nothing written)."""
+        pos = torch.tensor([r.fed for r in rows])
+        try:
+            if self.graphs is None:
+                return self._forward(rows, ids[:, None], pos[:, None])
+            return self._replay(rows, ids, pos)
+        except (CacheFullError, OutOfPages):
+            return None
 
     def _replay(self, rows: list[Request], ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """A decode step through the graph of its batch size, made at the first step of that size."""
+        """A decode step through the graph of its batch size, made at the first step of that size.
+        The ids and positions go to the device without waiting for it (a fresh host tensor is
+        staged before the copy returns)."""
         seqs = [r.seq for r in rows]
         self.cache.set_rows(seqs)
         graph = self.graphs.get(len(rows))
@@ -324,13 +370,14 @@ class Engine:
             graph = self.graphs[len(rows)] = DecodeGraph(self.model, self.cache, self.max_model_len)
         else:
             graph.rebind(seqs)
-        return graph.step(ids[:, 0].to(self.device), pos[:, 0].to(self.device)).float()
+        return graph.step(ids.to(self.device, non_blocking=True), pos.to(self.device, non_blocking=True)).float()
 
-    def _sample(self, rows: list[Request], logits: torch.Tensor) -> None:
+    def _sample(self, rows: list[Request], logits: torch.Tensor, greedy: list[int] | None = None) -> None:
         """Each row's next token (logits: [B, V] on the device) handed on: the greedy ones from
-        one argmax over the batch and one read of B ints, the others drawn by their own
-        generators; a failure ends its row only."""
-        greedy = logits.argmax(-1).tolist()
+        one argmax over the batch and one read of B ints (or `greedy`, read already), the others
+        drawn by their own generators; a failure ends its row only."""
+        if greedy is None:
+            greedy = logits.argmax(-1).tolist()
         for i, r in enumerate(rows):
             try:
                 tok = greedy[i] if r.generator is None else sample(logits[i], r.params, r.generator)
@@ -436,6 +483,30 @@ class Engine:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # its loop has closed: nobody waits for these
                 _log.warning("kvguard serve-llm: %d items for a closed event loop dropped", len(batch))
+
+
+def _rows_of(x: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """x's rows `index`, without waiting for the device (x[list] would copy the list and wait)."""
+    return x.index_select(0, device_index(index, x.device))
+
+
+def _read_later(logits: torch.Tensor):
+    """(the argmax of each row's logits on the device, a function that reads them as a list).
+    On CUDA the read waits for the work queued up to now only, not for a step queued after it:
+    the argmax goes to pinned host memory behind an event."""
+    top = logits.argmax(-1)
+    if top.device.type != "cuda":
+        return top, top.tolist
+    host = torch.empty(top.shape, dtype=top.dtype, pin_memory=True)
+    host.copy_(top, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def read() -> list[int]:
+        done.synchronize()
+        return host.tolist()
+
+    return top, read
 
 
 def _put_all(batch: list[tuple]) -> None:

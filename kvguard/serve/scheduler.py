@@ -233,6 +233,34 @@ class Scheduler:
             self.peak = max(self.peak, rows)
         return plan
 
+    def extend(self, reqs: list[Request], ending: bool = False) -> bool:
+        """Reserve the pages of one more token for each running request, all or none (the engine
+        queues a decode step before the last one's tokens are read), unless a waiting request
+        could start now, or could once the requests this step ends (`ending`) free their place:
+        admissions and prompts come first."""
+        with self.lock:
+            if self.waiting and (ending or self._could_start(self.waiting[0])):
+                return False
+            wants = [(r, self.need(r.fed + 1)) for r in reqs]
+            grow = dict.fromkeys(self.capacity, 0)
+            for r, want in wants:
+                for pool, n in want.items():
+                    grow[pool] += max(0, n - r.pages.get(pool, 0))
+            if any(self.reserved[pool] + n > self.capacity[pool] for pool, n in grow.items()):
+                return False
+            for r, want in wants:
+                self._reserve(r, want, force=True)
+            return True
+
+    def _could_start(self, req: Request) -> bool:
+        """Whether the first waiting request could open its sequence, or prefill its next chunk,
+        at the next step (the requests behind it wait for it)."""
+        if req.seq is None:
+            return len(self.running) + sum(r.seq is not None for r in self.waiting) < self.max_seqs
+        want = self.need(req.fed + min(req.target - req.fed, self.chunk))
+        return all(self.reserved[pool] + max(0, n - req.pages.get(pool, 0)) <= self.capacity[pool]
+                   for pool, n in want.items())
+
     def started(self, req: Request) -> None:
         """Its prompt is in the cache: it decodes from the next step."""
         with self.lock:

@@ -1,6 +1,7 @@
 """The serving engine's decode steps through a DecodeGraph per batch size, rebound to each
 step's rows, give the tokens of its eager steps as requests join and leave, with and without
-the K/V split.
+the K/V split; steps queued ahead of the tokens before them (run_ahead) among them, also when
+a request's end-of-text token ends it mid-run (the step queued after it drops its token).
 
 Without a GPU the graphs' steps run eagerly through their fixed buffers on the kernel path
 under Triton's interpreter, in a fresh interpreter (TRITON_INTERPRET is read when triton loads)."""
@@ -40,23 +41,30 @@ class Tok:
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(map(str, ids))
 
-def run(graphs, codec, **extra):
+def run(graphs, codec, eos=None, **extra):
     m = CacheManager(CacheConfig(**shape_fields(cfg), codec=codec, num_pages=64, device=dev, dtype=torch.float16,
                                  use_kernels=True, prefix_sharing=False, **extra))
     split = []  # the K/V split's pages after each step (rows past its window read values by score)
     e = Engine(model, Tok(), m, chunk=64, max_seqs=4, ignore_eos=True, use_graphs=graphs)
+    if eos is not None:
+        e.eos = {eos}
+    queued, decode = [0], e._step_rows
+    e._step_rows = lambda rows, ids: (queued.__setitem__(0, queued[0] + 1), decode(rows, ids))[1]
     reqs = [Request(str(i), Subject("t", "u", f"s{i}"), [(7 * i + j) % 96 for j in range(9 + 5 * i)],
                     SamplingParams(max_tokens=6 + 2 * i, temperature=0)) for i in range(3)]
     e.submit(reqs[0]); e.submit(reqs[1])
-    for _ in range(3):
-        e.step()
+    e.step()
     e.submit(reqs[2])  # joins while the others decode: batch sizes 2, 3, then 2 and 1 as they leave
     while e.scheduler.active:
         e.step()
         split.append(m.pools["split"].used_count if "split" in m.pools else 0)
     assert m.sequences() == []
     assert ("kv_split" in extra) == (max(split) > 0), split
+    assert queued[0] == e.decode_steps  # every step counted once
+    ran_ahead.append(e.decode_steps - e.steps)  # decode steps beyond one a step() (some steps only prefill)
     return [r.output for r in reqs], sorted(e.graphs or {})
+
+ran_ahead = []
 
 # int8 pages: the 16-bit window's pages and the codec's, both through the graph; then with the
 # K/V split's pages as well (keys scored on the device, the values of two a row read)
@@ -66,6 +74,16 @@ for codec, extra in (("int8", {}), ("int8", {"page_size": 8, "kv_split": {"windo
     assert none == [] and sizes == [1, 2, 3], sizes
     assert replayed == eager, (codec, extra, replayed, eager)
     assert [len(o) for o in eager] == [6, 8, 10]
+    assert ran_ahead[-2] <= 0 < ran_ahead[-1], ran_ahead  # eager steps never run ahead; graphs did
+# a decode token of request 2 taken for the end of text: it ends there, in the middle of the
+# steps queued ahead, while the others run on (the first of its tokens after its second that it
+# has not given before and the others never give)
+eager, _ = run(False, "int8")
+k, eos = next((k, t) for k, t in enumerate(eager[2]) if k >= 2 and t not in eager[2][:k] + eager[0] + eager[1])
+stopped, _ = run(False, "int8", eos=eos)
+replayed, _ = run(True, "int8", eos=eos)
+assert replayed == stopped, (replayed, stopped)
+assert stopped == [eager[0], eager[1], eager[2][:k]], (stopped, eager, k)
 print("ok")
 """
 

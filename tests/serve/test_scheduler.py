@@ -136,3 +136,28 @@ def test_random_loads_finish_within_the_pool(seed):
     else:
         raise AssertionError("the load never finished")
     assert s.reserved == {"hot": 0} and not s.running and not s.waiting
+
+
+def test_a_step_ahead_reserves_for_every_row_or_none_and_waits_for_requests_that_could_start():
+    s = Scheduler({"hot": 6}, max_seqs=3, need=need, chunk=64)
+    a, b = req(1, 32, 64), req(2, 32, 64)
+    for r in (a, b):  # both running with 32 tokens in 2 pages each
+        s.add(r)
+        r.seq, r.fed = f"seq-{r.id}", 32
+        s.opened(r)
+        s.started(r)
+    assert s.reserved["hot"] == 4
+    assert s.extend([a, b]) and s.reserved["hot"] == 6 and a.pages == b.pages == {"hot": 3}  # token 33: a page each
+    a.fed = b.fed = 48
+    assert not s.extend([a, b]) and s.reserved["hot"] == 6 and a.pages == {"hot": 3}  # no room for both: for none
+    s.capacity["hot"] = 10
+    c = req(3, 40, 4)
+    s.add(c)  # waits, and could open its sequence now (a row is free): admissions first
+    assert not s.extend([a, b])
+    c.seq, c.fed = "seq-3", 0
+    s.opened(c)  # opened; its prompt's 3 pages fit: its prompt first
+    assert not s.extend([a, b])
+    s.capacity["hot"] = 8  # now it cannot start before pages free: the step runs ahead...
+    assert s.extend([a, b]) and s.reserved["hot"] == 8
+    assert s.extend([a, b])  # (the pages are held: nothing more to reserve)
+    assert not s.extend([a, b], ending=True)  # ...but not when this step ends a row, whose place it may take
