@@ -300,8 +300,8 @@ class Engine:
         """A decode step of `rows`, and up to `run_ahead` more (`_ahead` says when): each queued
         on the device from the step before's tokens before those are read, so the host's part of
         a step (its pages, its tables, reading and handing on the tokens before) runs while the
-        device runs the step before. While the device runs the first, the text of `behind` (the
-        requests whose latest tokens are not text yet) is made and sent. A row that a token ended
+        device runs the step before. While the device runs each, the text of the tokens before it
+        is made and sent (`behind` for the first). A row that a token ended
         (end of text) is still in the step queued after it; that step's token for it is dropped."""
         ids = torch.tensor([r.output[-1] for r in rows])
         logits = self._step_rows(rows, ids)
@@ -324,6 +324,8 @@ class Engine:
             if nxt is not None:
                 keep, nxt = nxt
                 nxt_logits = self._step_rows(nxt, top if len(keep) == len(rows) else _rows_of(top, keep))
+            behind, self._behind = self._behind, []  # the step before's text, while the device runs
+            self._catch_up(behind)
             live = [i for i, r in enumerate(rows) if not r.finished]
             tokens = read()  # waits for this step, not for the one queued after it
             self._sample([rows[i] for i in live], logits if len(live) == len(rows) else _rows_of(logits, live),
@@ -414,7 +416,7 @@ class Engine:
     def _catch_up(self, rows: list[Request]) -> None:
         """Make text of the rows' tokens sampled since their last text, all in one batch, and
         send it; a failure ends its row only."""
-        rows = [r for r in rows if not r.finished]
+        rows = list({id(r): r for r in rows if not r.finished}.values())  # a row once, however often it came
         if not rows:
             return
         try:

@@ -41,6 +41,15 @@ class Tok:
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(map(str, ids))
 
+class Loop:  # an event loop that takes the engine's items as they come, numbering each hand-over
+    calls = 0
+    def call_soon_threadsafe(self, fn, batch):
+        self.calls += 1
+        fn([(q, (self.calls, item)) for q, item in batch])
+
+class Queue(list):
+    put_nowait = list.append
+
 def run(graphs, codec, eos=None, **extra):
     m = CacheManager(CacheConfig(**shape_fields(cfg), codec=codec, num_pages=64, device=dev, dtype=torch.float16,
                                  use_kernels=True, prefix_sharing=False, **extra))
@@ -50,8 +59,9 @@ def run(graphs, codec, eos=None, **extra):
         e.eos = {eos}
     queued, decode = [0], e._step_rows
     e._step_rows = lambda rows, ids: (queued.__setitem__(0, queued[0] + 1), decode(rows, ids))[1]
+    loop = Loop()
     reqs = [Request(str(i), Subject("t", "u", f"s{i}"), [(7 * i + j) % 96 for j in range(9 + 5 * i)],
-                    SamplingParams(max_tokens=6 + 2 * i, temperature=0)) for i in range(3)]
+                    SamplingParams(max_tokens=6 + 2 * i, temperature=0), loop, Queue()) for i in range(3)]
     e.submit(reqs[0]); e.submit(reqs[1])
     e.step()
     e.submit(reqs[2])  # joins while the others decode: batch sizes 2, 3, then 2 and 1 as they leave
@@ -61,6 +71,10 @@ def run(graphs, codec, eos=None, **extra):
     assert m.sequences() == []
     assert ("kv_split" in extra) == (max(split) > 0), split
     assert queued[0] == e.decode_steps  # every step counted once
+    for r in reqs:  # each token's text reached the client in a hand-over of its own, not a step's tokens
+        at = [n for n, item in r.queue if item[0] == "text"]  # at once (but the last one's, with the end)
+        assert len(at) == len(r.output) and len(set(at[:-1])) == len(at) - 1 and r.queue[-1][1][0] == "done", r.queue
+        assert "".join(item[1] for _, item in r.queue[:-1]) == " ".join(map(str, r.output))
     ran_ahead.append(e.decode_steps - e.steps)  # decode steps beyond one a step() (some steps only prefill)
     return [r.output for r in reqs], sorted(e.graphs or {})
 
