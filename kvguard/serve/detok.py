@@ -9,8 +9,8 @@ the difference is what they add; the whole output is never decoded again (unless
 tokenizer rewrote what came before, when it is, once).
 
 `Detokenizer.texts` does this for every request of a step in one call into the tokenizer's
-Rust backend (`decode_batch`), where a call per request and window would cost the engine's
-thread ~3 µs of Python wrapping each.
+Rust backend (`decode_batch`): through transformers' `decode`, a call per request and window
+took ~14 µs of the engine's thread, ~3 µs of it the Rust decode (cProfile, 48 rows a step).
 """
 
 from __future__ import annotations
