@@ -32,7 +32,6 @@ class Detokenizer:
     else one call per window."""
 
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
             self.decode_batch = lambda seqs: backend.decode_batch(seqs, skip_special_tokens=True)

@@ -213,11 +213,10 @@ class Engine:
                 if plan.prefill:
                     self._prefill(plan.prefill)
                 decode = [r for r in plan.decode if not r.finished]
-                behind, self._behind = self._behind, []
                 if decode:
-                    self._decode(decode, behind)
+                    self._decode(decode)
                 else:
-                    self._catch_up(behind)
+                    self._catch_up()
         finally:
             self._deliver()
         self.steps += 1
@@ -296,12 +295,12 @@ class Engine:
         if done:
             self._sample([rows[i] for i in done], logits[done])
 
-    def _decode(self, rows: list[Request], behind: list[Request]) -> None:
+    def _decode(self, rows: list[Request]) -> None:
         """A decode step of `rows`, and up to `run_ahead` more (`_ahead` says when): each queued
         on the device from the step before's tokens before those are read, so the host's part of
         a step (its pages, its tables, reading and handing on the tokens before) runs while the
         device runs the step before. While the device runs each, the text of the tokens before it
-        is made and sent (`behind` for the first). A row that a token ended
+        is made and sent. A row that a token ended
         (end of text) is still in the step queued after it; that step's token for it is dropped."""
         ids = torch.tensor([r.output[-1] for r in rows])
         logits = self._step_rows(rows, ids)
@@ -310,10 +309,8 @@ class Engine:
             _log.warning("kvguard serve-llm: no page for a decode step; request %s prefills again", youngest.request_id)
             self.scheduler.preempt(youngest)
             self._free(youngest)
-            self._catch_up(behind)
+            self._catch_up()
             return
-        self._catch_up(behind)  # host work while the device runs the step
-        self._deliver()
         for ahead in range(self.run_ahead + 1):
             self.decode_steps += 1
             for r in rows:
@@ -324,8 +321,8 @@ class Engine:
             if nxt is not None:
                 keep, nxt = nxt
                 nxt_logits = self._step_rows(nxt, top if len(keep) == len(rows) else _rows_of(top, keep))
-            behind, self._behind = self._behind, []  # the step before's text, while the device runs
-            self._catch_up(behind)
+            self._catch_up()  # the text of the tokens before, while the device runs
+            self._deliver()
             live = [i for i, r in enumerate(rows) if not r.finished]
             tokens = read()  # waits for this step, not for the one queued after it
             self._sample([rows[i] for i in live], logits if len(live) == len(rows) else _rows_of(logits, live),
@@ -413,9 +410,10 @@ class Engine:
         else:
             self._behind.append(r)
 
-    def _catch_up(self, rows: list[Request]) -> None:
-        """Make text of the rows' tokens sampled since their last text, all in one batch, and
+    def _catch_up(self) -> None:
+        """Make text of the tokens sampled since each request's last text, all in one batch, and
         send it; a failure ends its row only."""
+        rows, self._behind = self._behind, []
         rows = list({id(r): r for r in rows if not r.finished}.values())  # a row once, however often it came
         if not rows:
             return

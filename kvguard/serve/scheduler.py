@@ -244,9 +244,9 @@ class Scheduler:
             wants = [(r, self.need(r.fed + 1)) for r in reqs]
             grow = dict.fromkeys(self.capacity, 0)
             for r, want in wants:
-                for pool, n in want.items():
-                    grow[pool] += max(0, n - r.pages.get(pool, 0))
-            if any(self.reserved[pool] + n > self.capacity[pool] for pool, n in grow.items()):
+                for pool, n in _growth(r, want).items():
+                    grow[pool] += n
+            if not self._fits(grow):
                 return False
             for r, want in wants:
                 self._reserve(r, want, force=True)
@@ -257,9 +257,7 @@ class Scheduler:
         at the next step (the requests behind it wait for it)."""
         if req.seq is None:
             return len(self.running) + sum(r.seq is not None for r in self.waiting) < self.max_seqs
-        want = self.need(req.fed + min(req.target - req.fed, self.chunk))
-        return all(self.reserved[pool] + max(0, n - req.pages.get(pool, 0)) <= self.capacity[pool]
-                   for pool, n in want.items())
+        return self._fits(_growth(req, self.need(req.fed + min(req.target - req.fed, self.chunk))))
 
     def started(self, req: Request) -> None:
         """Its prompt is in the cache: it decodes from the next step."""
@@ -288,13 +286,16 @@ class Scheduler:
 
     def _reserve(self, req: Request, want: dict[str, int], *, force: bool = False) -> bool:
         """Grow the request's reservation to `want` per pool, or change nothing and say False."""
-        grow = {pool: max(0, n - req.pages.get(pool, 0)) for pool, n in want.items()}
-        if not force and any(self.reserved[pool] + n > self.capacity[pool] for pool, n in grow.items()):
+        grow = _growth(req, want)
+        if not force and not self._fits(grow):
             return False
         for pool, n in grow.items():
             self.reserved[pool] += n
             req.pages[pool] = req.pages.get(pool, 0) + n
         return True
+
+    def _fits(self, grow: dict[str, int]) -> bool:
+        return all(self.reserved[pool] + n <= self.capacity[pool] for pool, n in grow.items())
 
     def _unreserve(self, req: Request) -> None:
         for pool, n in req.pages.items():
@@ -314,3 +315,8 @@ class Scheduler:
         req.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(req)
+
+
+def _growth(req: Request, want: dict[str, int]) -> dict[str, int]:
+    """The pages per pool a request's reservation grows by to reach `want`."""
+    return {pool: max(0, n - req.pages.get(pool, 0)) for pool, n in want.items()}

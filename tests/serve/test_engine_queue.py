@@ -87,7 +87,7 @@ def test_warmup_runs_every_batch_size_then_leaves_nothing_behind():
     e = engine(m, 64)
     sizes = []
     decode = e._decode
-    e._decode = lambda rows, behind: (sizes.append(len(rows)), decode(rows, behind))[1]
+    e._decode = lambda rows: (sizes.append(len(rows)), decode(rows))[1]
     lens, submit = [], e.submit
     e.submit = lambda req: (lens.append(len(req.prompt)), submit(req))[1]
     seconds = e.warmup(20, rows=4)
