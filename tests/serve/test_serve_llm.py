@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 import socket
 import sqlite3
 import threading
@@ -488,26 +489,34 @@ def test_idle_and_half_sent_connections_are_cut_while_others_are_served(llms, si
     assert "Traceback" not in out.out + out.err and "ClientDisconnect" not in out.out + out.err
 
 
+def thread_cpu_s(thread: threading.Thread) -> float:
+    """CPU seconds the thread has run (Linux: /proc/self/task/TID/stat's utime + stime)."""
+    fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_huge_prompts_never_hold_the_event_loop(llms, sidecar):
     """Sixteen prompts of about 1 MB at once: those the context could never hold are refused
     before tokenizing, the others are tokenized off the event loop; /healthz answers meanwhile,
-    nine probes in ten within 100 ms and every one within 500 ms (a loop held by the prompts
-    would hold most probes for seconds; a CPU shared with other work may pause any one of them)."""
+    nine probes in ten within 100 ms, and no probe waits on 100 ms of the loop's own work (its
+    thread's CPU time while the probe was out; a CPU shared with other work may pause any probe
+    for longer, but not by running the loop). Tokenizing the chats on the loop holds a probe
+    for ~350 ms of the loop's CPU."""
     llm = llms["fp16"]
     key = sidecar.tokens["acme"]
     huge = json.dumps({"model": "smollm2", "prompt": "word " * 200_000, "user": "u1", "max_tokens": 4}).encode()
     long_chat = json.dumps({"model": "smollm2", "user": "u1", "max_tokens": 4, "messages": [
         {"role": "user", "content": "word " * 24_000}]}).encode()  # ~24k tokens: tokenized, then refused
     assert len(huge) > 1_000_000
-    probes, done = [], threading.Event()
+    probes, done = [], threading.Event()  # (seconds, seconds of the loop thread's CPU meanwhile)
 
     def poll():
         while not done.is_set():
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), thread_cpu_s(llm.thread)
             with socket.create_connection(where(llm)) as s:
                 s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
                 assert status_of(s, 5) == 200
-            probes.append(time.perf_counter() - t)
+            probes.append((time.perf_counter() - t, thread_cpu_s(llm.thread) - cpu))
             time.sleep(0.01)
 
     poller = threading.Thread(target=poll)
@@ -521,9 +530,12 @@ def test_huge_prompts_never_hold_the_event_loop(llms, sidecar):
         poller.join()
     assert codes == [400] * 16
     probes.sort()
-    p90 = probes[int(0.9 * (len(probes) - 1))]
-    shown = f"/healthz p90 {p90 * 1e3:.0f} ms, worst {probes[-1] * 1e3:.0f} ms over {len(probes)} probes in {wall:.1f} s"
-    assert len(probes) >= 10 and p90 < 0.1 and probes[-1] < 0.5, shown
+    p90, worst = probes[int(0.9 * (len(probes) - 1))][0], probes[-1]
+    busiest = max(cpu for _, cpu in probes)
+    shown = (f"/healthz p90 {p90 * 1e3:.0f} ms, worst {worst[0] * 1e3:.0f} ms, the loop's CPU during a probe "
+             f"at most {busiest * 1e3:.0f} ms, over {len(probes)} probes in {wall:.1f} s")
+    print(shown)
+    assert len(probes) >= 10 and p90 < 0.1 and busiest < 0.1, shown
 
 
 def test_types_are_strict_and_the_edges_say_nothing(llms, sidecar, capfd):
