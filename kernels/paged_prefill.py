@@ -28,6 +28,7 @@ from . import quantize as ref
 from ._checks import (
     INDEX_DTYPES,
     KIND,
+    MIN_INT4_PV_TOKENS,
     KernelArgError,
     check,
     check_device,
@@ -175,9 +176,18 @@ SMALL_HEAD_CONFIG = {**DEFAULT_CONFIG, "programs_per_sm": 4, "min_split": 256}
 MASS_CONFIG = {"block_m": 64, "pages": 4, "num_warps": 4, "num_stages": 2}
 
 
-def prefill_config(d: int, config: dict | None) -> dict:
-    """The tile for head_dim d, with the caller's overrides."""
-    return {**(SMALL_HEAD_CONFIG if d <= 64 else DEFAULT_CONFIG), **(config or {})}
+def prefill_config(d: int, config: dict | None, codec: str, s: int) -> dict:
+    """The tile for head_dim d and pages of s tokens, with the caller's overrides. P @ V reduces
+    over a step's tokens: at least 16 (tl.dot's K), 32 for int4 (check_int4_tile); pages of fewer
+    tokens than the table's were tuned for take more of them a step."""
+    cfg = {**(SMALL_HEAD_CONFIG if d <= 64 else DEFAULT_CONFIG), **(config or {})}
+    if "pages" not in (config or {}):
+        while cfg["pages"] * s < (MIN_INT4_PV_TOKENS if codec == "int4" else 16):
+            cfg["pages"] *= 2
+    if cfg["pages"] * s < 16:
+        raise KernelArgError(f"a step's P @ V would reduce over {cfg['pages'] * s} tokens; Triton's dot needs at "
+                             f"least 16: give more pages a step (pages {cfg['pages']} of {s} tokens)")
+    return cfg
 
 
 def _check_chunk(q, pages, block_table, seq_len, limits):
@@ -266,7 +276,7 @@ def paged_prefill(q: torch.Tensor, pages: dict[str, torch.Tensor], block_table: 
     Returns out [T, Hq, D] in q's dtype and lse [T, Hq] fp32 (natural log).
     """
     codec, h, s, d, seq_len, dev = _check_chunk(q, pages, block_table, seq_len, limits)
-    cfg = prefill_config(d, config)
+    cfg = prefill_config(d, config, codec, s)
     check_int4_tile(codec, cfg["pages"] * s)
     return _prefill(q, [_Set(pages, codec, block_table, 0, None, seq_len, limits, cfg)], sm_scale, 1, dev)
 
@@ -406,7 +416,7 @@ def _check_set(q, entry, config) -> tuple[_Set, torch.device]:
     if not 0 <= int(max_seq_len) <= block_table.shape[1] * s:
         raise KernelArgError(f"need 0 <= max_seq_len={max_seq_len} <= max_pages*S={block_table.shape[1] * s}")
     dev = check_device(q, block_table, pages["k"], limits, *([] if seq_lens is None else [seq_lens]))
-    cfg = prefill_config(d, config)
+    cfg = prefill_config(d, config, codec, s)
     check_int4_tile(codec, cfg["pages"] * s)
     return _Set(pages, codec, block_table, block_table.stride(0), seq_lens, int(max_seq_len), limits, cfg), dev
 

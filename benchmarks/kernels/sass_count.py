@@ -92,7 +92,7 @@ def compile_prefill(codec: str, d: int, config: dict | None):
     q = torch.randn(t, hq, d, dtype=torch.float16)
     pages = pages_of(codec, h, d, per)
     table = torch.arange(per, dtype=torch.int32)
-    cfg = pp.prefill_config(d, config)
+    cfg = pp.prefill_config(d, config, codec, PAGE)
     f32 = torch.empty(1)
     # _prefill_kernel's runtime arguments as paged_prefill's _launch passes them (one split)
     args = (q, *field_args(pages), table, q, f32, 1.0, t, per * PAGE, f32, f32, 0, per * PAGE, 1)

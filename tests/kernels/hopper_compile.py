@@ -196,6 +196,15 @@ def everything() -> None:
         mods["slots"].take_slots(torch.zeros(b, 8, dtype=torch.int32), torch.full((b,), 8, dtype=torch.int32),
                                  torch.full((n + 1,), -1, dtype=torch.int32), torch.full((ring + 1,), -1, dtype=torch.int32),
                                  torch.zeros((), dtype=torch.int64), torch.empty(2 * ring + 1, dtype=torch.int32), ring)
+    # pages of 8 tokens (the tables' tiles hold one or two of 16): more pages a step, so that P @ V
+    # still reduces over 16 tokens (32 for int4)
+    lens = torch.full((b,), n * 8 - 5, dtype=torch.int32)
+    table = torch.arange(b * n, dtype=torch.int32).view(b, n).contiguous()
+    q = torch.randn(b, hq, 64).half()
+    for codec in ("fp16", "int4"):
+        pages = _pages(codec, b * n, hq // 4, 64, 8)
+        pd.paged_decode_sets(q, [(pages, table, lens)])
+        pp.paged_prefill(torch.randn(16, hq, 64).half(), pages, table[0], n * 8)
     picks(mods["page_pick"])
 
 

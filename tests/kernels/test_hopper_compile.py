@@ -1,7 +1,7 @@
 """Every Triton kernel compiles for an H200 (sm_90) here, without one: Triton's compiler and
 ptxas (both in the triton wheel) take each kernel as the hot path launches it on Hopper, every
 codec, mixed key and value codecs, the picks both ways, the decode path at head dims 64 and 128
-and the rest at 128, where their tiles are largest
+and the rest at 128, where their tiles are largest, and pages of 8 tokens
 (tests/kernels/hopper_compile.py). The interpreter runs their arithmetic (the other kernel
 tests); this catches what only the compiler refuses, before a GPU does."""
 

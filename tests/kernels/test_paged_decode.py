@@ -65,6 +65,25 @@ def test_bf16_and_forced_splits(codec):
     _check(codec, torch.bfloat16, q, pages, table, lens, config={"splits": 3})
 
 
+@pytest.mark.parametrize("codec", ("16bit", "int4"))
+def test_pages_of_eight_tokens_take_more_pages_a_step(codec):
+    """The tables' tiles hold one or two pages of 16 tokens; with pages of 8 a step takes more of
+    them, so that P @ V reduces over 16 tokens (tl.dot's least, which the interpreter does not
+    enforce and the compiler does) or 32 for int4; a config that gives fewer is refused."""
+    from kvguard.kernels.paged_decode import _choose_tile
+
+    gen = torch.Generator().manual_seed(4)
+    pages = make_pages(codec, 24, 2, 8, 64, torch.float16, seed=4)
+    table = torch.randperm(24, generator=gen)[:20].reshape(2, 10).to(torch.int32).to(DEVICE)
+    q, _ = outlier_kv((2, 8, 64), torch.float16, gen, outlier=1.0)
+    lens = torch.tensor([77, 9], dtype=torch.int32, device=DEVICE)
+    tile = _choose_tile(q, pages, table, lens, None)
+    assert tile.bn // tile.cfg["num_warps"] ** bool(tile.cfg.get("transposed")) >= (32 if codec == "int4" else 16)
+    _check(codec, torch.float16, q, pages, table, lens)
+    with pytest.raises(KernelArgError, match="at least 16"):
+        paged_decode(q, pages, table, lens, config={"pages": 1, "transposed": False})
+
+
 @pytest.mark.parametrize("codec", ("int8", "int4"))
 def test_splits_merged_in_chunks(codec):
     # more splits than the merge takes at once: the running max across chunks

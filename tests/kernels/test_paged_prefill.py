@@ -48,6 +48,23 @@ def test_bf16_single_query(codec):
     assert rel_ok(out, r_out, TOL[torch.bfloat16, codec != "16bit"])
 
 
+def test_pages_of_four_tokens_take_more_pages_a_step():
+    """Pages of 4 tokens: the tile takes enough of them that P @ V reduces over 16 tokens (32 for
+    int4), and the output is the reference's; a config that gives fewer is refused (a compiler
+    error on a GPU otherwise, where the interpreter would have run it)."""
+    from kvguard.kernels.paged_prefill import prefill_config
+
+    for codec in ("16bit", "int4"):
+        assert prefill_config(64, None, codec, 4)["pages"] * 4 == (32 if codec == "int4" else 16)
+        pages = make_pages(codec, 40, 2, 4, 64, torch.float16, seed=6)
+        table = torch.randperm(40, generator=torch.Generator().manual_seed(6))[:36].to(torch.int32).to(DEVICE)
+        q, _ = outlier_kv((9, 8, 64), torch.float16, torch.Generator().manual_seed(7), outlier=1.0)
+        out, _ = paged_prefill(q, pages, table, 131)
+        assert rel_ok(out, paged_prefill_ref(q, pages, table, 131)[0], TOL[torch.float16, codec != "16bit"])
+    with pytest.raises(KernelArgError, match="at least 16"):
+        paged_prefill(q, pages, table, 131, config={"pages": 2})
+
+
 def test_errors():
     q, pages, table = _case("int8", torch.float16, 2, 64, 8)
     with pytest.raises(KernelArgError, match="seq_len"):
