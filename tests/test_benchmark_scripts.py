@@ -35,6 +35,26 @@ def test_kernels_ab_refuses_a_copy_named_kernels(tmp_path):
     assert "under another name" in r.stderr
 
 
+def test_cpu_linear_benchmark_times_each_dtype_and_thread_count(capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks" / "serving"))
+    try:
+        import cpu_linear_bench
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks" / "serving"))
+    before = torch.get_num_threads()
+    try:
+        assert cpu_linear_bench.main(["--small", "--threads", "1", "--dtypes", "float32"]) == 0
+        rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()[2:]]
+        assert len(rows) == 1 and rows[0][0].strip() == "float32" and rows[0][2].strip().endswith("of 14")
+        assert float(rows[0][3]) > 0 and float(rows[0][4]) > 0
+        with pytest.raises(SystemExit):
+            cpu_linear_bench.main(["--threads", "0"])
+        with pytest.raises(SystemExit):
+            cpu_linear_bench.main(["--dtypes", "float99"])
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.slow
 def test_cache_host_benchmark_runs():
     r = subprocess.run([sys.executable, "benchmarks/cache/cache_host_bench.py", "--shapes", "smollm2-int8+h2o-2",
