@@ -157,11 +157,15 @@ def test_serve_bench_small_runs_both_servers():
     assert [line.split("|")[1].split("(")[0].strip() for line in table] == [
         "transformers generate_batch", "roofline fp16", "kvguard engine fp16", "kvguard serve-llm fp16",
         "roofline int8", "kvguard engine int8", "kvguard serve-llm int8"]
+    roof = None
     for line in table:
         cells = [c.strip() for c in line.split("|")[1:-1]]
         assert float(cells[2]) > 0  # output tokens/s
-        if cells[0].startswith("kvguard"):  # requests/s; the fraction of the roofline reached
-            assert float(cells[3]) > 0 and 0 < float(cells[8]) < 1
+        if cells[0].startswith("roofline"):
+            roof = float(cells[2])
+        if cells[0].startswith("kvguard"):  # requests/s; the fraction of the roofline above it reached
+            # (on a shared CPU the roofline's own measurement is as noisy as the run: a run may pass it)
+            assert float(cells[3]) > 0 and float(cells[8]) == pytest.approx(float(cells[2]) / roof, abs=0.006)
     roofs = [float(line.split("|")[3]) for line in table if line.startswith("| roofline")]
     assert roofs[1] > roofs[0]  # int8 pages read fewer bytes a step than 16-bit ones
     assert re.search(r"# roofline at \d+: [\d.]+ us a prompt token \(SDPA, no cache\), \d+ GB/s read", r.stdout)
