@@ -207,8 +207,10 @@ class ErasureService:
                     outage.note("erasure loop", exc)
                 else:
                     log.exception("erasure loop error")
-            try:
-                await asyncio.wait_for(self._wake.wait(), max(0.0, next_full - time.monotonic()))
+            try:  # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel that comes
+                # as the wait ends (the loop then never stops)
+                async with asyncio.timeout(max(0.0, next_full - time.monotonic())):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
 

@@ -158,8 +158,9 @@ class Registry:
         c = self.touch(name, instance, token_id, tenants)
         if not c.pending and wait_s > 0:
             c.wake = asyncio.Event()
-            try:
-                await asyncio.wait_for(c.wake.wait(), wait_s)
+            try:  # asyncio.timeout: Python 3.11's wait_for swallows a cancel that comes as the wait ends
+                async with asyncio.timeout(wait_s):
+                    await c.wake.wait()
             except TimeoutError:
                 pass
             finally:

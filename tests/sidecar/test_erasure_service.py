@@ -91,6 +91,26 @@ def erase_records(sc: Sidecar, request_id: str) -> list[dict]:
     return out
 
 
+def test_the_loop_stops_when_cancelled_as_its_wait_ends(make_sidecar):
+    """A cancel that comes in the tick the loop's wait ends (a wake-up just arrived) stops it:
+    Python 3.11's asyncio.wait_for swallowed such a cancel, and a sidecar shutting down (or a
+    test) waited for the loop for ever."""
+    sc = make_sidecar()
+    service = ErasureService(sc)
+
+    async def main():
+        sc.registry.start(asyncio.get_running_loop())
+        loop_task = asyncio.create_task(service.run_forever())
+        await asyncio.sleep(0.5)  # its first round done: waiting for a wake-up
+        service._note(None)
+        await asyncio.sleep(0)  # the wait ends in this tick
+        loop_task.cancel()
+        stopped, _ = await asyncio.wait([loop_task], timeout=5)
+        return bool(stopped)
+
+    assert asyncio.run(main())
+
+
 # --- (1) who must answer --------------------------------------------------------------------------
 
 def test_after_a_start_erasures_wait_for_processes_to_reconnect(make_sidecar):
