@@ -202,6 +202,20 @@ KIND = {"16bit": 0, "int8": 1, "fp8": 1, "int4": 2}
 MIN_INT4_PV_TOKENS = 32
 
 
+def pv_pages(pages: int, s: int, codecs, per_warp: int = 1, given: bool = False) -> int:
+    """Pages of s tokens a tile's step takes so that P @ V reduces over at least 16 tokens a warp
+    (tl.dot's least K, which the interpreter does not enforce and the compiler does), 32 for int4:
+    the table's `pages`, doubled as small pages need. A count the caller gave is kept, and refused
+    below 16 tokens."""
+    if not given:
+        while pages * s // per_warp < (MIN_INT4_PV_TOKENS if "int4" in codecs else 16):
+            pages *= 2
+    if pages * s // per_warp < 16:
+        raise KernelArgError(f"a step's P @ V would reduce over {pages * s // per_warp} tokens a warp; Triton's dot "
+                             f"needs at least 16: give more pages a step (pages {pages} of {s} tokens)")
+    return pages
+
+
 def check_int4_tile(codec: str, pv_tokens: int) -> None:
     if codec == "int4" and pv_tokens < MIN_INT4_PV_TOKENS:
         raise KernelArgError(f"int4 tiles need at least {MIN_INT4_PV_TOKENS} tokens per warp and step in P @ V, "

@@ -37,13 +37,13 @@ from . import quantize as ref
 from ._checks import (
     INDEX_DTYPES,
     KIND,
-    MIN_INT4_PV_TOKENS,
     KernelArgError,
     check,
     check_decode,
     check_int4_tile,
     field_args,
     interpreting,
+    pv_pages,
     softmax_scale,
     value_codec_of,
 )
@@ -771,16 +771,8 @@ def _choose_tile(q, pages, block_table, seq_lens, config) -> _Tile:
     gp = triton.next_power_of_2(g) if cfg.get("rows") == "group" else max(16, triton.next_power_of_2(g))
     warps = cfg.get("warp_split", False) and cfg["num_warps"] > 1
     per_warp = cfg["num_warps"] if warps or cfg.get("transposed") else 1
-    if "pages" not in given:  # P @ V reduces over a step's tokens (a warp's): at least 16 (tl.dot's
-        # K), 32 for int4 (check_int4_tile); pages of fewer tokens than the table's were tuned for
-        # take more of them a step
-        least = MIN_INT4_PV_TOKENS if "int4" in (codec, vcodec) else 16
-        while cfg["pages"] * s // per_warp < least:
-            cfg["pages"] *= 2
+    cfg["pages"] = pv_pages(cfg["pages"], s, (codec, vcodec), per_warp, "pages" in given)
     bn = cfg["pages"] * s
-    if bn // per_warp < 16:
-        raise KernelArgError(f"a step's P @ V would reduce over {bn // per_warp} tokens a warp; Triton's dot needs "
-                             f"at least 16: give more pages a step (pages {cfg['pages']} of {s} tokens)")
     # codes as int32 words need 4-byte aligned rows (true of whole page tensors): V's rows are a
     # channel's s codes
     words = cfg.get("words", False) and s % 4 == 0 and all(pages[f].data_ptr() % 4 == 0 for f in ("k", "v"))

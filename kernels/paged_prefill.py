@@ -28,7 +28,6 @@ from . import quantize as ref
 from ._checks import (
     INDEX_DTYPES,
     KIND,
-    MIN_INT4_PV_TOKENS,
     KernelArgError,
     check,
     check_device,
@@ -37,6 +36,7 @@ from ._checks import (
     check_queries,
     field_args,
     interpreting,
+    pv_pages,
     softmax_scale,
 )
 from ._launch import launch
@@ -181,12 +181,7 @@ def prefill_config(d: int, config: dict | None, codec: str, s: int) -> dict:
     over a step's tokens: at least 16 (tl.dot's K), 32 for int4 (check_int4_tile); pages of fewer
     tokens than the table's were tuned for take more of them a step."""
     cfg = {**(SMALL_HEAD_CONFIG if d <= 64 else DEFAULT_CONFIG), **(config or {})}
-    if "pages" not in (config or {}):
-        while cfg["pages"] * s < (MIN_INT4_PV_TOKENS if codec == "int4" else 16):
-            cfg["pages"] *= 2
-    if cfg["pages"] * s < 16:
-        raise KernelArgError(f"a step's P @ V would reduce over {cfg['pages'] * s} tokens; Triton's dot needs at "
-                             f"least 16: give more pages a step (pages {cfg['pages']} of {s} tokens)")
+    cfg["pages"] = pv_pages(cfg["pages"], s, (codec,), given="pages" in (config or {}))
     return cfg
 
 
