@@ -35,6 +35,7 @@ import httpx
 
 from .cache import CacheManager
 from .errors import KVGuardError
+from .threads import on_a_thread
 from .types import SeqId, Subject
 
 _log = logging.getLogger(__name__)
@@ -254,10 +255,9 @@ class SidecarClient:
     def _execute(self, cmd: dict) -> None:
         if cmd.get("kind") != "erase":
             return
-        if cmd["scope"] == "user":
-            event = self.cache.erase_user(cmd["tenant"], cmd["target"])
-        else:
-            event = self.cache.erase_session(cmd["tenant"], cmd["target"])
+        erase = self.cache.erase_user if cmd["scope"] == "user" else self.cache.erase_session
+        # on a thread that ends with it: its torch work leaves no OpenMP team beside the model's
+        event = on_a_thread(lambda: erase(cmd["tenant"], cmd["target"]), "kvguard-erase")
         self._prune_opened()
         # acknowledge only once our own erase event is durable in the log: a client closed before
         # that leaves the command unacknowledged, and the sidecar's attempt fails and is retried

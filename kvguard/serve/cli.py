@@ -263,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..errors import ConfigError
+    from ..threads import on_a_thread
 
     token = (args.ingest_token_file.read_text().strip() if args.ingest_token_file
              else os.environ.get("KVGUARD_INGEST_TOKEN", ""))
@@ -297,14 +298,16 @@ def run(args: argparse.Namespace) -> int:
         finally:
             client.close()
         return 0
-    print(f"kvguard serve-llm: loading {args.model} ...", file=sys.stderr)
-    model, tok, model_name = load(args.model, args.device, args.dtype, rows=args.max_seqs)
-    model_name = args.served_model_name or model_name
-    app, engine, client = build(model, tok, model_name=model_name, socket=socket, ingest_token=token,
-                                policy=args.policy, codec=args.codec, num_pages=args.num_pages, fidelity=args.fidelity,
-                                max_seqs=args.max_seqs, chunk=args.chunk, max_model_len=args.max_model_len,
-                                default_user=args.default_user, max_body_bytes=args.max_body_bytes,
-                                split_pages=args.split_pages, max_waiting=args.max_waiting, warmup=args.warmup)
+    def start():
+        print(f"kvguard serve-llm: loading {args.model} ...", file=sys.stderr)
+        model, tok, model_name = load(args.model, args.device, args.dtype, rows=args.max_seqs)
+        return build(model, tok, model_name=args.served_model_name or model_name, socket=socket, ingest_token=token,
+                     policy=args.policy, codec=args.codec, num_pages=args.num_pages, fidelity=args.fidelity,
+                     max_seqs=args.max_seqs, chunk=args.chunk, max_model_len=args.max_model_len,
+                     default_user=args.default_user, max_body_bytes=args.max_body_bytes,
+                     split_pages=args.split_pages, max_waiting=args.max_waiting, warmup=args.warmup)
+
+    app, engine, client = on_a_thread(start, "kvguard-load")  # its OpenMP threads end with it (threads.py)
     try:
         uvicorn.Server(server_config(app, host=args.host, port=args.port, max_seqs=args.max_seqs,
                                      read_timeout_s=args.read_timeout,

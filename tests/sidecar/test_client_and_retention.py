@@ -161,6 +161,21 @@ def test_an_erasure_whose_event_is_not_durable_is_never_acknowledged(monkeypatch
     client._http.close()
 
 
+def test_an_erase_command_runs_on_a_thread_that_ends_with_it(monkeypatch):
+    """Its torch work leaves no OpenMP team beside the model's (kvguard/threads.py)."""
+    import threading
+
+    cache = small_cache()
+    client = SidecarClient(cache, url="http://127.0.0.1:9", token="kvg_" + "x" * 43)
+    real, ran = cache.erase_session, []
+    monkeypatch.setattr(cache, "erase_session", lambda t, s: ran.append(threading.current_thread()) or real(t, s))
+    monkeypatch.setattr(client, "flush", lambda timeout_s=10.0: False)
+    client._stop.set()
+    client._execute({"id": "c1", "kind": "erase", "scope": "session", "tenant": "t", "target": "s"})
+    assert ran and ran[0] is not threading.current_thread() and not ran[0].is_alive()
+    client._http.close()
+
+
 def test_an_idle_client_reports_at_its_heartbeat_and_events_go_at_once():
     """Nothing to send: one report a heartbeat (the sidecar keeps the process live by it), not
     one every look for events; an event goes out at the next look."""
