@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
-                   help="model and KV dtype (default: bfloat16 on CUDA, float32 on the CPU)")
+                   help="model and KV dtype (default: bfloat16 on CUDA and on CPUs with AVX512-BF16 or "
+                   "AMX-BF16, float32 on other CPUs)")
     p.add_argument("--num-pages", type=int, default=2048, help="KV pages of the codec's pool (default 2048)")
     p.add_argument("--split-pages", type=int, default=None,
                    help="pages of the K/V split's pool, for a policy with kv_split: each holds its keys in device "
@@ -79,10 +80,11 @@ def load(model: str, device: str | None, dtype: str | None, rows: int = 8):
     oneDNN over weights reordered once for batches of `rows` (kvguard.hf.cpu)."""
     import torch
 
+    from ..hf.cpu import default_dtype
     from ..hf.model import MODELS, load_model
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else default_dtype())
     path = str(MODELS[model]()) if model in MODELS else model
     if path.endswith(".gguf"):
         m, tok = load_model(path, dt)
@@ -100,7 +102,7 @@ def load(model: str, device: str | None, dtype: str | None, rows: int = 8):
         from ..hf.cpu import pack_linears
 
         packed = pack_linears(m, rows)
-        print(f"kvguard serve-llm: {packed} linear layers packed for oneDNN" if packed else
+        print(f"kvguard serve-llm: {packed} linear layers packed for oneDNN ({str(dt)[6:]})" if packed else
               "kvguard serve-llm: oneDNN cannot pack this model's linear layers here; they run unpacked",
               file=sys.stderr)
     return m, tok, name

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvguard.hf.cpu import PackedLinear, pack_linears
+from kvguard.hf.cpu import PackedLinear, cpu_flags, default_dtype, pack_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
@@ -52,3 +52,26 @@ def test_a_weight_onednn_cannot_reorder_stays_unpacked(monkeypatch):
     model = tiny(True)
     assert pack_linears(model) == 0
     assert isinstance(model.lm_head, torch.nn.Linear) and PackedLinear.of(model.lm_head, 8) is None
+
+
+def test_bfloat16_is_the_default_only_where_the_cpu_multiplies_it(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n\nprocessor\t: 1\n")
+    assert {"avx2", "avx512_bf16"} <= cpu_flags(info)
+    assert cpu_flags(tmp_path / "absent") == set()
+    assert default_dtype({"avx2", "avx512f", "avx512_bf16"}) == torch.bfloat16
+    assert default_dtype({"avx2", "amx_bf16", "amx_tile"}) == torch.bfloat16
+    assert default_dtype({"avx2", "avx512f", "avx512_vnni"}) == torch.float32  # bf16 emulated there
+    assert default_dtype(set()) == torch.float32
+
+
+@pytest.mark.skipif(default_dtype() != torch.bfloat16, reason="this CPU does not multiply bfloat16 natively")
+def test_bfloat16_layers_pack_and_give_the_models_logits_where_bfloat16_is_the_default():
+    model = tiny(True).to(torch.bfloat16)
+    ids = torch.randint(0, 300, (3, 11))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits.float()
+    assert pack_linears(model, rows=3) == 2 * 7 + 1
+    with torch.no_grad():
+        got = model(input_ids=ids).logits.float()
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))
