@@ -25,7 +25,7 @@ class BlockTables:
     def __init__(self, cfg: CacheConfig, pools: dict[str, PagePool]):
         self.cfg = cfg
         self.pools = pools
-        self._tables: OrderedDict[tuple, tuple] = OrderedDict()  # see _while_pages_hold
+        self._tables: OrderedDict[tuple, tuple] = OrderedDict()  # see while_pages_hold
         self._ints: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # see device_ints
 
     def layout(self, seq: Sequence) -> Layout:
@@ -93,7 +93,7 @@ class BlockTables:
             rows = torch.nn.utils.rnn.pad_sequence([lay.host.get(name, empty) for lay in lays], batch_first=True)
             return rows.to(self.cfg.device, non_blocking=True)
 
-        return self._while_pages_hold(("table", name, tuple(seq.id for seq in seqs)), lays, build)
+        return self.while_pages_hold(("table", name, tuple(seq.id for seq in seqs)), lays, build)
 
     def batch_positions(self, seqs: list[Sequence], name: str, pad: int = -1) -> torch.Tensor:
         """[B, most pages * S] positions of several sequences' tokens in one pool, in the order
@@ -106,14 +106,14 @@ class BlockTables:
             rows = [self.positions(seq, name) if lay.idx[name] else empty for seq, lay in zip(seqs, lays)]
             return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad)
 
-        return self._while_pages_hold(("positions", name, pad, tuple(seq.id for seq in seqs)), lays, build)
+        return self.while_pages_hold(("positions", name, pad, tuple(seq.id for seq in seqs)), lays, build)
 
     def query_limits(self, seqs: list[Sequence], lays: list[Layout], name: str, at: torch.Tensor,
                      key: tuple) -> torch.Tensor:
         """[B, T] int32: how many of each row's tokens in one pool each query at positions `at`
         [B, T] sees (those at or before it); `key` names the queries, the same for every layer
         of a chunk, so the limits are kept while the rows' pages hold."""
-        return self._while_pages_hold(
+        return self.while_pages_hold(
             ("limits", name, *key, tuple(seq.id for seq in seqs)), lays,
             lambda: torch.searchsorted(self.batch_positions(seqs, name, pad=2**62), at, right=True).to(torch.int32))
 
@@ -144,7 +144,7 @@ class BlockTables:
                      else self.batch_positions(seqs, name)) for name, _ in used]
         return sets, lens, into
 
-    def _while_pages_hold(self, key: tuple, lays: list[Layout], build) -> torch.Tensor:
+    def while_pages_hold(self, key: tuple, lays: list[Layout], build) -> torch.Tensor:
         """build(), kept under key while no row's pages change (the same for every layer of a
         step, and for the steps until a row's next page): an LRU of the last few batches'."""
         versions = tuple(lay.version for lay in lays)

@@ -158,16 +158,22 @@ class PagePool:
         for name, t in self.fields[layer].items():
             _raw(t).index_copy_(0, self._index(pages, t), _raw(values[name].to(t.device, t.dtype)))
 
-    def decode_by_head(self, layer: int, pages: list[PageId], rows: int,
+    def head_index(self, pages: list[PageId], rows: int) -> torch.Tensor:
+        """The (page, head) slices decode_by_head reads for `rows` rows of P `pages` each, row by
+        row and head by head: [rows * H * P] on the pool's device."""
+        heads = next(iter(self.fields[0].values())).shape[1]
+        idx = torch.tensor(pages, dtype=torch.long).view(rows, 1, -1) * heads
+        return (idx + torch.arange(heads).view(1, heads, 1)).flatten().to(self.device)
+
+    def decode_by_head(self, layer: int, pages: list[PageId] | torch.Tensor, rows: int,
                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [rows * H, P * S, D] of `pages`, `rows` rows of P pages each in order: each
-        (row, head)'s positions in one contiguous run, what a batched matmul reads without a
-        copy. Every field of a page is per head, so one gather of (page, head) slices reads
-        them, decoded as pages of one head each."""
+        """k, v [rows * H, P * S, D] of `pages` (or their head_index), `rows` rows of P pages
+        each in order: each (row, head)'s positions in one contiguous run, what a batched matmul
+        reads without a copy. Every field of a page is per head, so one gather of (page, head)
+        slices reads them, decoded as pages of one head each."""
         self._host_sync()
         heads = next(iter(self.fields[layer].values())).shape[1]
-        idx = torch.tensor(pages, dtype=torch.long).view(rows, 1, -1) * heads
-        idx = (idx + torch.arange(heads).view(1, heads, 1)).flatten().to(self.device)
+        idx = pages if isinstance(pages, torch.Tensor) else self.head_index(pages, rows)
         got = {name: _raw(t).flatten(0, 1).index_select(0, idx.to(t.device)).view(t.dtype).unsqueeze(1).to(self.device)
                for name, t in self.fields[layer].items()}
         k, v = self.codec.decode(got, dtype)

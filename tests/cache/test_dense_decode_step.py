@@ -26,6 +26,29 @@ def test_the_batched_step_matches_each_rows_own_attention(codec):
         torch.testing.assert_close(batched, rows, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("codec", ["fp16", "int8"])
+def test_a_bfloat16_step_attends_in_bfloat16_close_to_each_rows_fp32_attention(codec):
+    """bfloat16 pages and q: one SDPA pass in bfloat16 (fp32 sums, probabilities rounded for
+    P @ V), within bfloat16's rounding of the rows' own attention in fp32, every layer of
+    several steps (the gather index is kept between layers and rebuilt when a page is added)."""
+    torch.manual_seed(2)
+    m = CacheManager(CacheConfig(num_layers=2, num_kv_heads=2, num_query_heads=6, head_dim=16, page_size=8,
+                                 num_pages=64, codec=codec, dtype=torch.bfloat16, prefix_sharing=False))
+    seqs = [m.open(Subject("t", "u", f"s{i}")) for i in range(3)]
+    for seq, n in zip(seqs, (5, 8, 21)):
+        for layer in range(2):
+            assert m.append(seq, layer, torch.randn(n, 2, 16).bfloat16(), torch.randn(n, 2, 16).bfloat16())
+    for _ in range(4):  # the first step adds a page to the row of 8
+        k = torch.randn(3, 2, 16).bfloat16()
+        q = torch.randn(3, 6, 16).bfloat16()
+        for layer in range(2):
+            assert m.append_step(seqs, layer, k, k)
+            batched = m.attend_step(seqs, layer, q)
+            assert batched.dtype == torch.bfloat16
+            rows = torch.cat([m.attend(seq, layer, q[i : i + 1].float()) for i, seq in enumerate(seqs)])
+            torch.testing.assert_close(batched.float(), rows.float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("codec", ["fp16", "int8", "int4", "fp8"])
 def test_a_gather_by_head_reads_what_decoding_the_pages_reads(codec):
     """PagePool.decode_by_head lays each (row, head)'s positions out in one run: the pages'
